@@ -1,0 +1,1 @@
+"""Checkpoint converters: HF safetensors <-> canonical <-> Megatron dist-ckpt."""

@@ -1,0 +1,155 @@
+"""Hugging Face checkpoints: config + safetensors <-> canonical state dict.
+
+The canonical state dict is ``{HF name: tensor}`` exactly as the spec's
+:meth:`ModelSpec.parameter_shapes` lists it, so no mapping table exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..dsl import CheckpointError, ModelSpec, SpecError
+
+
+def load_hf_config(model_dir: str | os.PathLike) -> Any:
+    """Read ``config.json`` with transformers' ``AutoConfig`` (no remote code).
+
+    Raises:
+        CheckpointError: directory or config missing, or unreadable/unknown config.
+    """
+    from transformers import AutoConfig
+
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"model directory {d} does not exist")
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{d}/config.json is missing")
+    try:
+        json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
+    try:
+        return AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"{d}/config.json could not be parsed by transformers: {e}") from None
+
+
+def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files (from the index if there is one).
+
+    Raises:
+        CheckpointError: no safetensors file, or the index names missing files.
+    """
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed: {e}") from None
+        files = [d / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names missing files: {missing}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {d}")
+    return files
+
+
+def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
+    """Load and validate the canonical state dict of ``spec`` from safetensors.
+
+    Tensors are cast to ``spec.dtype``. Nothing is returned unless every check passes.
+
+    Raises:
+        CheckpointError: corrupt file; missing, unexpected or mis-shaped tensors
+            (all named); NaN/Inf values.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+        dup = set(part) & set(tensors)
+        if dup:
+            raise CheckpointError(f"{f} repeats tensors already loaded: {sorted(dup)[:5]}")
+        tensors.update(part)
+    validate_state_dict(tensors, spec, source=str(model_dir), check_finite=check_finite)
+    return {name: tensors[name].to(spec.dtype) for name in spec.parameter_shapes()}
+
+
+def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, source: str,
+                        check_finite: bool = True) -> None:
+    """Check names, shapes and values of a state dict against ``spec``.
+
+    Raises:
+        CheckpointError: listing every missing, unexpected or mis-shaped tensor,
+            or the first tensor holding NaN/Inf.
+    """
+    expected = spec.parameter_shapes()
+    missing = [n for n in expected if n not in tensors]
+    extra = [n for n in tensors if n not in expected]
+    shaped = [f"{n}: expected {expected[n]}, got {tuple(tensors[n].shape)}"
+              for n in expected if n in tensors and tuple(tensors[n].shape) != expected[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if extra:
+        problems.append(f"unexpected tensors: {extra}")
+    if shaped:
+        problems.append(f"mis-shaped tensors: {shaped}")
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not match the {spec.family} spec; " + "; ".join(problems))
+    if check_finite:
+        for n in expected:
+            t = tensors[n]
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"checkpoint {source}: tensor {n} holds NaN or Inf")
+
+
+def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                    config_json: dict | None = None, filename: str = "model.safetensors") -> Path:
+    """Write ``state_dict`` (and optionally ``config.json``) atomically.
+
+    Files are written under a temporary name and renamed, so a failure leaves
+    nothing half-written.
+    """
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / (filename + ".tmp")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, d / filename)
+    if config_json is not None:
+        tmpc = d / "config.json.tmp"
+        tmpc.write_text(json.dumps(config_json, indent=2, sort_keys=True))
+        os.replace(tmpc, d / "config.json")
+    return d / filename
+
+
+def spec_and_state_dict(model_dir: str | os.PathLike, *, dtype: torch.dtype | None = None):
+    """Config -> spec -> validated state dict, in one call.
+
+    Returns:
+        ``(hf_config, spec, state_dict)``.
+
+    Raises:
+        CheckpointError / SpecError: see :func:`load_hf_config` and the family declaration.
+    """
+    from ..models import spec_from_hf_config
+
+    config = load_hf_config(model_dir)
+    try:
+        spec = spec_from_hf_config(config, dtype=dtype)
+    except SpecError as e:
+        raise type(e)(f"{model_dir}/config.json: {e}") from None
+    return config, spec, load_state_dict(model_dir, spec)

@@ -1,0 +1,182 @@
+"""Causal GQA attention over a paged KV cache, and the KV-cache write.
+
+One kernel for prefill, decode and training (DESIGN.md rule 3): a token at
+position ``p`` of its sequence reads positions ``0..p`` through the block
+table, in KV tiles aligned at absolute position 0, in increasing order, with an
+fp32 online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022).
+Tiles past a token's own position are either not visited (Triton) or fully
+masked, which leaves the online-softmax state bit-for-bit unchanged
+(``alpha = exp(0) = 1``, ``p = 0``), so neighbours never change a token's bits.
+
+Cache layout: ``k_cache``/``v_cache`` are ``[N, S, G, E]`` views with any strides
+(N blocks, S positions per block, G kv heads, E head dim); slot = block*S + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import ROW_TILE, pad_rows, use_triton
+
+KV_TILE_CPU = 16
+"""KV positions per online-softmax step in the CPU implementation."""
+
+
+def _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T):
+    if q_THE.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"attention: q {tuple(q_THE.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)} must be [T,H,E] and two equal [N,S,G,E]")
+    h, g = q_THE.shape[1], k_cache.shape[2]
+    if h % g or q_THE.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"attention: {h} q heads / {g} kv heads or head dims {q_THE.shape[2]} vs {k_cache.shape[3]} mismatch")
+    if block_table_BN.dim() != 2 or seq_idx_T.shape != positions_T.shape or seq_idx_T.shape[0] != q_THE.shape[0]:
+        raise ValueError("attention: block_table must be [B, max_blocks]; seq_idx and positions must be [T]")
+
+
+def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping_T: torch.Tensor) -> None:
+    """Write this step's K/V rows into the paged cache (in place).
+
+    Args:
+        k_TGE, v_TGE: ``[T, G, E]`` new keys/values.
+        k_cache, v_cache: ``[N, S, G, E]`` cache views (any strides).
+        slot_mapping_T: int ``[T]``, ``block * S + offset``; ``< 0`` = padding, skipped.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    if k_TGE.shape != v_TGE.shape or k_TGE.shape[1:] != k_cache.shape[2:] or slot_mapping_T.shape[0] != k_TGE.shape[0]:
+        raise ValueError(f"write_kv_cache: k {tuple(k_TGE.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if use_triton(k_cache):
+        from .triton.attention import write_kv_cache_triton
+
+        return write_kv_cache_triton(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+    return write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+
+
+def write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T) -> None:
+    """CPU: an indexed copy (exact)."""
+    s = k_cache.shape[1]
+    keep = slot_mapping_T >= 0
+    slots = slot_mapping_T[keep].long()
+    blk, off = slots // s, slots % s
+    k_cache[blk, off] = k_TGE[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v_TGE[keep].to(v_cache.dtype)
+
+
+def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each token over its own sequence's cached K/V.
+
+    Args:
+        q_THE: ``[T, H, E]`` queries.
+        k_cache, v_cache: ``[N, S, G, E]`` paged cache holding positions ``0..p``.
+        block_table_BN: int32 ``[B, max_blocks]``; row ``b`` lists sequence b's blocks.
+        seq_idx_T: int ``[T]``, block-table row of each token.
+        positions_T: int ``[T]``, position of each token in its own sequence.
+        scale: softmax scale (``head_dim ** -0.5`` for Nemotron-H).
+
+    Returns:
+        ``[T, H, E]`` in ``q_THE.dtype``; row t depends only on q[t] and its
+        sequence's cache up to ``positions_T[t]``.
+
+    Raises:
+        ValueError: shape mismatch, or S not a multiple of the KV tile.
+    """
+    _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
+    if use_triton(q_THE):
+        from .triton.attention import paged_attention_triton
+
+        return paged_attention_triton(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale)
+    return paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale)
+
+
+def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale) -> torch.Tensor:
+    """CPU implementation: 16-token query tiles x 16-position KV tiles, fixed shapes.
+
+    Each torch call has a shape fixed by the model (16 tokens, G, H/G, E, 16
+    positions), so its kernel and thread partition never depend on the batch.
+    """
+    t_all, h, e = q_THE.shape
+    s, g = k_cache.shape[1], k_cache.shape[2]
+    r = h // g
+    kv = KV_TILE_CPU
+    if s % kv:
+        raise ValueError(f"attention: cache block size {s} is not a multiple of the KV tile {kv}")
+    nb = block_table_BN.shape[1]
+    q_pad = pad_rows(q_THE)
+    pos_pad = pad_rows(positions_T.long().view(-1, 1)).view(-1)
+    valid_row = pad_rows(torch.ones(t_all, 1, dtype=torch.bool, device=q_THE.device)).view(-1)
+    sidx_pad = pad_rows(seq_idx_T.long().view(-1, 1)).view(-1)
+    ar = torch.arange(kv, device=q_THE.device)
+    outs = []
+    for i in range(0, q_pad.shape[0], ROW_TILE):
+        qf = q_pad[i:i + ROW_TILE].float().view(ROW_TILE, g, r, e)
+        pos = torch.where(valid_row[i:i + ROW_TILE], pos_pad[i:i + ROW_TILE], -1)
+        rows = block_table_BN[sidx_pad[i:i + ROW_TILE]].long()  # [16, nb]
+        m = torch.full((ROW_TILE, g, r), float("-inf"), device=q_THE.device)
+        l = torch.zeros((ROW_TILE, g, r), device=q_THE.device)
+        acc = torch.zeros((ROW_TILE, g, r, e), device=q_THE.device)
+        n_tiles = int(pos.max().item()) // kv + 1 if bool(valid_row[i:i + ROW_TILE].any()) else 0
+        for j in range(n_tiles):
+            p = j * kv + ar  # [KV] absolute positions
+            valid = p.view(1, kv) <= pos.view(ROW_TILE, 1)  # [16, KV]
+            col = (p // s).clamp(max=nb - 1)
+            blk = rows[:, col]  # [16, KV]
+            off = (p % s).view(1, kv).expand(ROW_TILE, kv)
+            vmask = valid.view(ROW_TILE, kv, 1, 1)
+            k = torch.where(vmask, k_cache[blk, off].float(), 0.0)  # [16, KV, G, E]
+            v = torch.where(vmask, v_cache[blk, off].float(), 0.0)
+            sc = torch.matmul(qf, k.permute(0, 2, 3, 1)) * scale  # [16, G, R, KV]
+            sc = sc.masked_fill(~valid.view(ROW_TILE, 1, 1, kv), float("-inf"))
+            m_new = torch.maximum(m, sc.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - m_safe)
+            pr = torch.exp(sc - m_safe.unsqueeze(-1))
+            l = l * alpha + pr.sum(dim=-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(pr, v.permute(0, 2, 1, 3))
+            m = m_new
+        l_safe = torch.where(l > 0, l, torch.ones_like(l))
+        outs.append((acc / l_safe.unsqueeze(-1)).view(ROW_TILE, h, e))
+    if not outs:
+        return q_THE.new_zeros((0, h, e))
+    return torch.cat(outs)[:t_all].to(q_THE.dtype)
+
+
+def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Oracle for ONE sequence: full causal softmax attention in fp64, no cache.
+
+    Args:
+        q_THE: ``[T, H, E]``; k_TGE, v_TGE: ``[T, G, E]`` of the same sequence.
+
+    Returns:
+        ``[T, H, E]`` in ``q_THE.dtype``.
+    """
+    t, h, e = q_THE.shape
+    g = k_TGE.shape[1]
+    q = q_THE.double()
+    k = k_TGE.double().repeat_interleave(h // g, dim=1)
+    v = v_TGE.double().repeat_interleave(h // g, dim=1)
+    sc = torch.einsum("the,she->hts", q, k) * scale
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    sc = sc.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("hts,she->the", torch.softmax(sc, dim=-1), v)
+    return out.to(q_THE.dtype)
+
+
+def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale) -> torch.Tensor:
+    """Oracle over the paged cache: per token, gather its prefix and do fp64 softmax."""
+    t_all, h, e = q_THE.shape
+    s, g = k_cache.shape[1], k_cache.shape[2]
+    out = q_THE.new_zeros((t_all, h, e))
+    for t in range(t_all):
+        p = int(positions_T[t])
+        idx = torch.arange(p + 1, device=q_THE.device)
+        blk = block_table_BN[int(seq_idx_T[t])].long()[idx // s]
+        k = k_cache[blk, idx % s].double().repeat_interleave(h // g, dim=1)  # [P, H, E]
+        v = v_cache[blk, idx % s].double().repeat_interleave(h // g, dim=1)
+        sc = torch.einsum("he,phe->hp", q_THE[t].double(), k) * scale
+        out[t] = torch.einsum("hp,phe->he", torch.softmax(sc, dim=-1), v).to(q_THE.dtype)
+    return out

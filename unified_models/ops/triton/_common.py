@@ -1,0 +1,50 @@
+"""Helpers shared by the Triton kernels.
+
+``INTERPRET`` is read once at import: it selects the per-device constants
+(tile sizes) and, under the interpreter, fp32 operands for ``tl.dot`` (the
+Triton 3.9 interpreter computes ``tl.dot`` on bf16 operands wrongly; DESIGN.md,
+"Known facts"). The constants never depend on the batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton.language as tl
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when kernels run through the Triton interpreter (CPU)."""
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_TL_DTYPE = {
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float32: tl.float32,
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The ``tl`` dtype for a torch float dtype (ValueError if unsupported)."""
+    try:
+        return _TL_DTYPE[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_TL_DTYPE)}") from None
+
+
+def check_device(name: str, *tensors: torch.Tensor) -> None:
+    """Raise ValueError unless all tensors are on one device (CUDA, or CPU under the interpreter)."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: tensors on different devices {sorted(map(str, devices))}")
+    dev = next(iter(devices))
+    if dev.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"{name}: tensors on {dev} need TRITON_INTERPRET=1 set before triton is imported "
+            "(the Triton kernels run natively only on CUDA)")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()

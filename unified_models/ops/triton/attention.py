@@ -1,0 +1,247 @@
+"""Paged causal attention and KV-cache write in Triton (one read path for
+prefill, chunked prefill, decode and training).
+
+Cache layout: ``k_cache``/``v_cache`` are 4-D ``[num_blocks, S, G, E]`` views
+with arbitrary strides (vLLM hands a strided view of one allocation). Slot
+``s`` is block ``s // S``, offset ``s % S``.
+
+Reading: one program per (token, kv head). It walks the KV positions
+``0..positions[t]`` of its own sequence in tiles of ``BLOCK_KV`` positions
+aligned at absolute position 0 (tile ``j`` covers ``[j*BLOCK_KV,
+(j+1)*BLOCK_KV)``), in increasing order, with an fp32 online softmax. Each
+position's physical block is looked up through the block table on its own
+(``block_table[seq, p // S]``), so the tiling, and hence the bits, do not
+depend on the cache block size ``S`` or on which physical blocks hold the
+sequence. The loop bound is the token's own last tile: a token's result never
+depends on the other tokens of the batch, so prefill, chunked prefill and
+decode give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, next_pow2
+
+if INTERPRET:
+    # Short tiles so that small test sequences still span several tiles.
+    BLOCK_KV = 16
+    NUM_WARPS, NUM_STAGES = 4, 1
+else:
+    BLOCK_KV = 64
+    NUM_WARPS, NUM_STAGES = 4, 2
+
+MIN_BLOCK_H = 16
+"""The q heads of one kv head are padded to at least 16 rows (tensor-core ``tl.dot`` minimum)."""
+
+_LOG2E = 1.4426950408889634
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, G, E, S,
+                     stride_kt, stride_kg, stride_ke, stride_vt, stride_vg, stride_ve,
+                     stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                     stride_vcb, stride_vcs, stride_vcg, stride_vce,
+                     BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, BLOCK_E)
+    mask = (g[:, None] < G) & (e[None, :] < E)
+    valid = slot >= 0  # slot < 0: padding token, nothing written
+    blk = tl.where(valid, slot // S, 0)
+    off = tl.where(valid, slot % S, 0)
+    k = tl.load(k_ptr + t * stride_kt + g[:, None] * stride_kg + e[None, :] * stride_ke, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + g[:, None] * stride_vg + e[None, :] * stride_ve, mask=mask, other=0.0)
+    kc = kc_ptr + blk * stride_kcb + off * stride_kcs + g[:, None] * stride_kcg + e[None, :] * stride_kce
+    vc = vc_ptr + blk * stride_vcb + off * stride_vcs + g[:, None] * stride_vcg + e[None, :] * stride_vce
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask & valid)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask & valid)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
+        qk_scale, E, S,
+        stride_qt, stride_qh, stride_qe,
+        stride_kcb, stride_kcs, stride_kcg, stride_kce,
+        stride_vcb, stride_vcs, stride_vcg, stride_vce,
+        stride_btb, stride_btn,
+        stride_ot, stride_oh, stride_oe,
+        Q_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_KV: tl.constexpr, FP32_DOT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    seq = tl.load(seq_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_H)
+    h = g * Q_PER_KV + r
+    mask_h = r < Q_PER_KV
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + e[None, :] * stride_qe,
+                mask=mask_h[:, None] & mask_e[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_E), dtype=tl.float32)
+
+    # The token's own last tile; a negative position (padding token) runs no tile.
+    num_tiles = tl.where(pos >= 0, pos // BLOCK_KV + 1, 0).to(tl.int32)
+    bt_row = bt_ptr + seq * stride_btb
+    for j in range(0, num_tiles):
+        p = j * BLOCK_KV + tl.arange(0, BLOCK_KV).to(tl.int64)
+        valid = p <= pos
+        blk = tl.load(bt_row + (p // S) * stride_btn, mask=valid, other=0).to(tl.int64)
+        off = p % S
+        # K^T tile [BLOCK_E, BLOCK_KV]; masked entries read as 0 so stale cache
+        # memory (possibly NaN) never reaches the math.
+        kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
+                     + e[:, None] * stride_kce, mask=mask_e[:, None] & valid[None, :], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt.to(q.dtype))
+        s = s * qk_scale  # log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
+                    + e[None, :] * stride_vce, mask=valid[:, None] & mask_e[None, :], other=0.0)
+        if FP32_DOT:
+            pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
+             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_e[None, :])
+
+
+def _check_cache(name: str, cache: torch.Tensor, G: int, E: int) -> None:
+    if cache.dim() != 4 or cache.shape[2] != G or cache.shape[3] != E:
+        raise ValueError(f"{name} must be a 4-D [num_blocks, S, {G}, {E}] view, got {tuple(cache.shape)}")
+    if cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype must be bf16/fp16/fp32, got {cache.dtype}")
+
+
+def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """Copy each token's K and V into its cache slot (in place; exact copy cast to the cache dtype).
+
+    Args:
+        k_TGE: ``[T, G, E]`` keys (bf16/fp16/fp32, any strides).
+        v_TGE: ``[T, G, E]`` values.
+        k_cache: ``[num_blocks, S, G, E]`` view with arbitrary strides.
+        v_cache: same shape as ``k_cache`` (strides may differ).
+        slot_mapping_T: int32/int64 ``[T]``; slot = block * S + offset; a
+            negative slot marks a padding token and is skipped.
+
+    Raises:
+        ValueError: wrong ranks/shapes/dtypes or devices.
+    """
+    if k_TGE.dim() != 3 or v_TGE.shape != k_TGE.shape:
+        raise ValueError(f"write_kv_cache_triton: k {tuple(k_TGE.shape)} and v {tuple(v_TGE.shape)} "
+                         "must both be [T, G, E]")
+    if k_TGE.dtype not in FLOAT_DTYPES or v_TGE.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"write_kv_cache_triton: k/v dtype must be bf16/fp16/fp32, got {k_TGE.dtype}/{v_TGE.dtype}")
+    T, G, E = k_TGE.shape
+    _check_cache("write_kv_cache_triton: k_cache", k_cache, G, E)
+    _check_cache("write_kv_cache_triton: v_cache", v_cache, G, E)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"write_kv_cache_triton: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} differ")
+    if slot_mapping_T.shape != (T,) or slot_mapping_T.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"write_kv_cache_triton: slot_mapping must be int32/int64 [{T}], got "
+                         f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")
+    check_device("write_kv_cache_triton", k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+    if T == 0:
+        return
+    S = k_cache.shape[1]
+    _write_kv_kernel[(T,)](
+        k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, G, E, S,
+        *k_TGE.stride(), *v_TGE.stride(), *k_cache.stride(), *v_cache.stride(),
+        BLOCK_G=next_pow2(G), BLOCK_E=next_pow2(E), num_warps=4)
+
+
+def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
+                           positions_T: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal paged attention (GQA), batch-invariant per token.
+
+    Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
+    ``seq_idx_T[t]`` (its row of ``block_table_BN``); those positions must
+    already be in the cache (write the current tokens first). q head ``h``
+    uses kv head ``h // (H // G)``.
+
+    Args:
+        q_THE: ``[T, H, E]`` queries (bf16/fp16/fp32, any strides).
+        k_cache: ``[num_blocks, S, G, E]`` view, arbitrary strides, any ``S``.
+        v_cache: same shape as ``k_cache``.
+        block_table_BN: int32 ``[B, max_blocks]``; entry ``[b, i]`` is the
+            physical block holding positions ``[i*S, (i+1)*S)`` of sequence ``b``.
+        seq_idx_T: int32/int64 ``[T]``, row of ``block_table_BN`` per token.
+        positions_T: int32/int64 ``[T]``, position of the token in its own
+            sequence; a negative position marks a padding token (zero output).
+        scale: softmax scale (e.g. ``E ** -0.5``).
+
+    Returns:
+        ``[T, H, E]`` in ``q_THE.dtype`` (rounded once from fp32).
+
+    Raises:
+        ValueError: wrong ranks/shapes/dtypes, ``H`` not a multiple of ``G``,
+            devices differ.
+
+    Numerics: scores and the online softmax are fp32 (exp2 with the scale
+    folded in); on GPU the dot operands are ``q``'s dtype (K/V tiles and the
+    probabilities are cast to it for the tensor-core ``tl.dot``, fp32
+    accumulation); under the interpreter, or for fp32 ``q``, everything is
+    fp32 (IEEE dot).
+    """
+    if q_THE.dim() != 3 or q_THE.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"paged_attention_triton: q must be [T, H, E] bf16/fp16/fp32, got "
+                         f"{tuple(q_THE.shape)} {q_THE.dtype}")
+    T, H, E = q_THE.shape
+    if k_cache.dim() != 4 or k_cache.shape[3] != E:
+        raise ValueError(f"paged_attention_triton: k_cache must be [num_blocks, S, G, {E}], got "
+                         f"{tuple(k_cache.shape)}")
+    G = k_cache.shape[2]
+    _check_cache("paged_attention_triton: k_cache", k_cache, G, E)
+    _check_cache("paged_attention_triton: v_cache", v_cache, G, E)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention_triton: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} differ")
+    if G == 0 or H % G != 0:
+        raise ValueError(f"paged_attention_triton: H={H} q heads is not a multiple of G={G} kv heads")
+    if block_table_BN.dim() != 2 or block_table_BN.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"paged_attention_triton: block_table must be int32 [B, max_blocks], got "
+                         f"{tuple(block_table_BN.shape)} {block_table_BN.dtype}")
+    for name, idx in (("seq_idx", seq_idx_T), ("positions", positions_T)):
+        if idx.shape != (T,) or idx.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"paged_attention_triton: {name} must be int32/int64 [{T}], got "
+                             f"{tuple(idx.shape)} {idx.dtype}")
+    check_device("paged_attention_triton", q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
+    out = torch.empty((T, H, E), dtype=q_THE.dtype, device=q_THE.device)
+    if T == 0:
+        return out
+    S = k_cache.shape[1]
+    q_per_kv = H // G
+    fp32_dot = INTERPRET or q_THE.dtype == torch.float32
+    _paged_attention_kernel[(T, G)](
+        q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, out,
+        float(scale) * _LOG2E, E, S,
+        *q_THE.stride(), *k_cache.stride(), *v_cache.stride(), *block_table_BN.stride(), *out.stride(),
+        Q_PER_KV=q_per_kv, BLOCK_H=max(MIN_BLOCK_H, next_pow2(q_per_kv)), BLOCK_E=max(16, next_pow2(E)),
+        BLOCK_KV=BLOCK_KV, FP32_DOT=fp32_dot, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out

@@ -1,0 +1,131 @@
+"""Batch-invariant linear in Triton: ``y = x @ W^T + b``, fp32 accumulate, one rounding.
+
+Fixed ``BLOCK_M/BLOCK_N/BLOCK_K``, ``num_warps`` and ``num_stages`` per device
+kind, a full K loop in each program (no split-K, no atomics, no autotune) and
+no branch on the number of rows: every output element is the same sequence of
+``tl.dot`` steps over the same K tiles whatever ``T`` is and whichever other
+rows share its tile. ``T`` is marked ``do_not_specialize`` so the compiled
+kernel is also the same for every ``T`` (Triton otherwise specializes integer
+arguments equal to 1 or divisible by 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_device
+
+if INTERPRET:
+    # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts").
+    BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 256
+    NUM_WARPS, NUM_STAGES = 4, 1
+else:
+    # Hopper (H100/H200): wgmma-friendly tile, bf16 operands, fp32 accumulation.
+    BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+    NUM_WARPS, NUM_STAGES = 4, 3
+
+GROUP_M = 8
+"""Programs are ordered in groups of GROUP_M row tiles (L2 reuse); this only
+changes which program computes a tile, never how a tile is computed."""
+
+_IN_DTYPES = (torch.bfloat16, torch.float32)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
+                   stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                   HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` with fp32 accumulation and one rounding to ``out_dtype``.
+
+    Row ``t`` of the result is bitwise independent of ``T`` and of the other
+    rows (fixed tiles, full K loop per program, no split-K).
+
+    Args:
+        x_TK: ``[T, K]`` bf16 (or fp32) activations, any strides.
+        weight_NK: ``[N, K]`` weight in ``x_TK``'s dtype (HF ``nn.Linear`` layout), any strides.
+        bias_N: optional ``[N]`` bias (bf16/fp32), added in fp32 before the rounding.
+        out_dtype: bf16/fp16/fp32 (default ``x_TK.dtype``).
+
+    Returns:
+        ``[T, N]`` in ``out_dtype``.
+
+    Raises:
+        ValueError: wrong ranks, mismatched K, unsupported or mismatched
+            dtypes, bias of the wrong shape, tensors on different devices.
+
+    bf16 operands go to ``tl.dot`` as bf16 on GPU (fp32 accumulate); fp32
+    operands use IEEE fp32 (no TF32). Under the interpreter all operands are
+    cast to fp32 first (the interpreter's bf16 ``tl.dot`` is wrong).
+    """
+    if x_TK.dim() != 2 or weight_NK.dim() != 2 or x_TK.shape[1] != weight_NK.shape[1]:
+        raise ValueError(f"linear_triton: x {tuple(x_TK.shape)} @ W^T {tuple(weight_NK.shape)} do not match")
+    if x_TK.dtype not in _IN_DTYPES or weight_NK.dtype != x_TK.dtype:
+        raise ValueError(f"linear_triton: x and weight must both be bf16 (or both fp32), got "
+                         f"{x_TK.dtype} and {weight_NK.dtype}")
+    T, K = x_TK.shape
+    N = weight_NK.shape[0]
+    if bias_N is not None and (bias_N.shape != (N,) or bias_N.dtype not in _IN_DTYPES):
+        raise ValueError(f"linear_triton: bias must be [{N}] bf16/fp32, got {tuple(bias_N.shape)} {bias_N.dtype}")
+    out_dtype = out_dtype or x_TK.dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"linear_triton: out_dtype must be bf16/fp16/fp32, got {out_dtype}")
+    check_device("linear_triton", x_TK, weight_NK, bias_N)
+    out = torch.empty((T, N), dtype=out_dtype, device=x_TK.device)
+    if T == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_((bias_N.float() if bias_N is not None else torch.zeros(N, device=out.device)).expand(T, N))
+    bias = bias_N.contiguous() if bias_N is not None else out  # dummy pointer when HAS_BIAS=False
+    fp32_dot = INTERPRET or x_TK.dtype == torch.float32
+    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    _linear_kernel[grid](
+        x_TK, weight_NK, bias, out, T, N, K,
+        x_TK.stride(0), x_TK.stride(1), weight_NK.stride(0), weight_NK.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias_N is not None, FP32_DOT=fp32_dot,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out

@@ -1,0 +1,93 @@
+"""Built-in model presets (``unified_models/configs/*.yaml``) and the bundled data.
+
+A preset is turned into a real checkpoint with transformers' own model class
+(deterministically, from its seed) and cached, so the default ``check`` needs
+no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from .dsl import SpecError
+
+DEFAULT_PRESET = "nemotron_h_tiny"
+
+
+def data_path(name: str) -> Path:
+    """Path of a bundled data file (prompts, tokenizer) inside the package."""
+    return Path(str(resources.files("unified_models") / "data" / name))
+
+
+def tokenizer_dir() -> Path:
+    """The bundled Phi-3-mini tokenizer (tokenizer.json + chat template)."""
+    return data_path("tokenizer")
+
+
+def default_prompts_path() -> Path:
+    """The bundled GSM8K questions (first 200 rows of the public test set)."""
+    return data_path("gsm8k_test_200.jsonl")
+
+
+def load_preset(name: str) -> dict:
+    """Read a preset YAML by name.
+
+    Raises:
+        SpecError: unknown preset name (the message lists the known ones).
+    """
+    root = resources.files("unified_models") / "configs"
+    known = sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+    if name not in known:
+        raise SpecError(f"unknown preset {name!r}; known presets: {known}")
+    return yaml.safe_load((root / f"{name}.yaml").read_text())
+
+
+def cache_root() -> Path:
+    """``$UNIFIED_MODELS_CACHE`` or ``~/.cache/unified_models``."""
+    return Path(os.environ.get("UNIFIED_MODELS_CACHE", Path.home() / ".cache" / "unified_models"))
+
+
+def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.PathLike | None = None,
+                            progress=None) -> Path:
+    """Write (once) the preset's checkpoint with transformers and return its directory.
+
+    The directory holds ``config.json``, ``model.safetensors`` and the bundled
+    tokenizer. Built in a temporary directory and renamed, so an interrupted
+    build leaves nothing behind. Deterministic: the same preset gives the same bytes.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    preset = load_preset(name)
+    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
+    target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config = AutoConfig.for_model(preset["family"], **preset["hf_config"])
+        config.architectures = ["NemotronHForCausalLM"]
+        dtype = getattr(torch, preset.get("dtype", "bfloat16"))
+        torch.manual_seed(int(preset.get("seed", 0)))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(dtype)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if preset.get("tokenizer") == "bundled":
+            for f in tokenizer_dir().iterdir():
+                shutil.copy(f, tmp / f.name)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
