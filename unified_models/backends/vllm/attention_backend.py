@@ -1,0 +1,149 @@
+"""Our attention backend for vLLM: a metadata pass-through and the cache shape.
+
+The backend never computes attention: our model's forward calls
+:func:`unified_models.forward.forward_hidden`, whose attention op reads and
+writes vLLM's paged cache through a :class:`~unified_models.forward.StateStore`.
+vLLM only needs the backend to (a) say which cache shape/dtypes/block sizes it
+accepts and (b) build per-step metadata, which here is a plain pass-through of
+vLLM's ``CommonAttentionMetadata`` fields. ``get_impl_cls`` is never called for a
+layer that implements ``AttentionLayerBase`` itself (integration manual, section 3,
+route A), so it raises.
+
+Version differences (0.26 needs ``get_kv_cache_shape``) go through
+:mod:`.compat`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from . import compat
+
+BACKEND_NAME = "UNIFIED_MODELS"
+
+KV_BLOCK_MULTIPLE = 16
+"""Cache block sizes must be a multiple of this.
+
+The CPU attention op walks KV in 16-position tiles inside a block
+(``ops.attention.KV_TILE_CPU``); the Triton kernel looks up each position's
+block on its own, so it accepts any block size. 16 satisfies both; the
+engine default (64) is a multiple of every tile in use."""
+
+
+@dataclass
+class UnifiedAttentionMetadata(AttentionMetadata):
+    """One step's batch layout, shared by all our attention layers of a KV group.
+
+    Shapes: R requests (possibly padded: padded requests have query length 0 and
+    seq_len 0), T tokens (possibly padded beyond ``num_actual_tokens``).
+
+    Attributes:
+        query_start_loc: int32 ``[R+1]`` start of each request's tokens in the flat batch.
+        seq_lens: int32 ``[R]`` context length including this step's tokens.
+        block_table: int32 ``[R, max_blocks]`` physical blocks of each request.
+        slot_mapping: int64 ``[>= num_actual_tokens]`` ``block * S + offset``; -1 = padding.
+        num_actual_tokens: real tokens (the rest of the batch is padding).
+        num_reqs: R.
+        max_query_len: longest query of the step.
+        block_size: S of the cache group.
+        positions: int64 ``[num_actual_tokens]`` or ``None`` (vLLM fills it only sometimes;
+            the model uses the ``positions`` argument of ``forward``).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    block_size: int
+    positions: torch.Tensor | None = None
+
+
+class UnifiedAttentionMetadataBuilder(AttentionMetadataBuilder[UnifiedAttentionMetadata]):
+    """Pass-through builder (one per KV-cache group).
+
+    No batch reordering (``reorder_batch_threshold = None``), so the rows of the
+    batch are in the runner's ``input_batch`` order. CUDA graphs: ``NEVER`` for now
+    (the engine runs eagerly; see ``engine.make_llm``).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = int(kv_cache_spec.block_size)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> UnifiedAttentionMetadata:
+        m = common_attn_metadata
+        return UnifiedAttentionMetadata(
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            num_actual_tokens=int(m.num_actual_tokens),
+            num_reqs=int(m.num_reqs),
+            max_query_len=int(m.max_query_len),
+            block_size=self.block_size,
+            positions=getattr(m, "positions", None),
+        )
+
+
+class UnifiedAttentionBackend(AttentionBackend):
+    """Backend of :class:`~unified_models.backends.vllm.model.UnifiedAttentionCache` layers."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16", "float32"]
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError(
+            "unified_models attention layers compute attention in the model's forward; "
+            "there is no AttentionImpl"
+        )
+
+    @staticmethod
+    def get_builder_cls():
+        return UnifiedAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        # 0.32 passes the spec, 0.26 calls it without arguments.
+        return [MultipleOf(KV_BLOCK_MULTIPLE)]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        # Required (abstract) in vLLM 0.26, unused by 0.32.
+        return compat.kv_cache_shape_026(num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return False

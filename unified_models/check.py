@@ -1,0 +1,224 @@
+"""``unified-models check``: rollout with vLLM, recompute with Megatron, diff = 0?
+
+Steps (each shown with progress):
+1. checkpoint: ``--model`` or the built-in preset (built once with transformers);
+2. prompts: JSONL -> chat template -> token ids;
+3. peer: our fp32 reference forward vs transformers' own class on the same
+   checkpoint (``max_abs_logit_diff`` within ``--peer-tolerance``);
+4. rollout: ``vllm.LLM`` in-process samples ``--max-new-tokens`` per prompt at
+   temperature 1.0 with per-request seeds, returning the logprob of every
+   sampled token (and, through a tap on our model class, the whole row);
+5. trainer: the Megatron module recomputes, from the same token ids and
+   weights, packed (THD), the logprob of every sampled token and whole rows;
+6. report: table + JSON; exit 0 only if every diff field is exactly 0 and the
+   peer is within tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
+from .dsl import UnifiedModelsError
+from .presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path, tokenizer_dir
+from .prompts import load_prompt_texts, tokenize_prompts
+
+
+@dataclass
+class CheckOptions:
+    """CLI options of ``check`` (see ``unified-models check --help``)."""
+
+    model: str | None = None
+    preset: str | None = None
+    prompts: str | None = None
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+    seed: int = 0
+    temperature: float = 1.0
+    stop_at_eos: bool = False
+    max_num_seqs: int | None = None
+    device: str = "auto"
+    peer_tolerance: float = 1e-4
+    peer_prompts: int = 2
+    full_vocab_rows: int = -1
+    json_out: str | None = None
+
+
+@dataclass
+class CheckReport:
+    """Everything ``check`` measured; ``passed`` decides the exit status."""
+
+    model: str
+    device: str
+    num_prompts: int
+    max_new_tokens: int
+    seed: int
+    tokens_compared: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    std_abs_diff: float
+    k3_kl: float
+    num_mismatched: int
+    full_vocab_rows: int
+    full_vocab_max_abs_diff: float
+    peer: dict
+    timings_s: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        diffs = (self.max_abs_diff, self.mean_abs_diff, self.std_abs_diff, self.k3_kl, self.full_vocab_max_abs_diff)
+        return (self.tokens_compared > 0 and all(d == 0.0 for d in diffs) and self.num_mismatched == 0
+                and bool(self.peer.get("within_tolerance")))
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["passed"] = self.passed
+        return d
+
+
+def _device(opt: str) -> str:
+    if opt == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if opt == "cuda" and not torch.cuda.is_available():
+        raise UnifiedModelsError("--device cuda requested but no CUDA device is available")
+    return opt
+
+
+def _tokenizer_dir(model_dir: Path) -> Path:
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        return model_dir
+    return tokenizer_dir()
+
+
+def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], tolerance: float) -> dict:
+    """Our fp32 reference forward vs transformers' own class, fp32, same checkpoint.
+
+    Returns:
+        ``{"against", "max_abs_logit_diff", "tolerance", "within_tolerance", "tokens"}``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .backends.reference import ReferenceModel
+
+    ref = ReferenceModel(spec, dtype=torch.float32)
+    ref.load_state_dict_hf(state_dict)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    hf.eval()
+    worst, tokens = 0.0, 0
+    with torch.no_grad():
+        for ids in prompt_ids:
+            x = torch.tensor(ids)
+            theirs = hf(x[None]).logits[0].float()
+            ours = ref.logits(x)
+            worst = max(worst, float((theirs - ours).abs().max()))
+            tokens += len(ids)
+    return {
+        "against": f"transformers {type(hf).__name__} (fp32)",
+        "ours": "unified_models reference backend (fp32)",
+        "max_abs_logit_diff": worst,
+        "tolerance": tolerance,
+        "within_tolerance": worst <= tolerance,
+        "tokens": tokens,
+    }
+
+
+def run_check(opts: CheckOptions) -> int:
+    """Run the whole check; print the table; write JSON; return the exit status."""
+    console = Console(stderr=True)
+    out = Console()
+    if opts.temperature != 1.0:
+        raise UnifiedModelsError("--temperature: only 1.0 is supported in this version")
+    device = _device(opts.device)
+    timings: dict[str, float] = {}
+
+    def step(name):
+        return console.status(f"[bold]{name}[/bold]", spinner="dots")
+
+    t0 = time.perf_counter()
+    with step("checkpoint"):
+        if opts.model:
+            model_dir = Path(opts.model)
+        else:
+            model_dir = build_preset_checkpoint(opts.preset or DEFAULT_PRESET)
+        from .converters.hf_safetensors import spec_and_state_dict
+
+        _, spec, state_dict = spec_and_state_dict(model_dir)
+    console.log(f"model {model_dir} ({spec.family}, pattern {spec.extra.get('pattern')}, "
+                f"{sum(torch.Size(s).numel() for s in spec.parameter_shapes().values()) / 1e6:.1f}M params)")
+    with step("prompts"):
+        texts = load_prompt_texts(opts.prompts or default_prompts_path(), opts.num_prompts)
+        max_prompt = spec.max_position_embeddings - opts.max_new_tokens
+        prompt_ids = tokenize_prompts(texts, _tokenizer_dir(model_dir), vocab_size=spec.vocab_size,
+                                      max_prompt_tokens=max_prompt)
+    timings["load"] = time.perf_counter() - t0
+    console.log(f"{len(prompt_ids)} prompts, {sum(map(len, prompt_ids))} prompt tokens")
+
+    t0 = time.perf_counter()
+    with step("peer check against transformers"):
+        peer = peer_check(spec, state_dict, model_dir, prompt_ids[: opts.peer_prompts], opts.peer_tolerance)
+    timings["peer"] = time.perf_counter() - t0
+    console.log(f"peer max |logit diff| = {peer['max_abs_logit_diff']:.3g} (tolerance {opts.peer_tolerance:g})")
+
+    from .backends.vllm.rollout import rollout
+
+    t0 = time.perf_counter()
+    with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
+        ro = rollout(model_dir, prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                     device=device, stop_at_eos=opts.stop_at_eos, max_num_seqs=opts.max_num_seqs,
+                     full_vocab_rows=opts.full_vocab_rows)
+    timings["rollout"] = time.perf_counter() - t0
+    n_gen = sum(len(c) for c in ro.completions)
+    console.log(f"rollout: {n_gen} tokens in {timings['rollout']:.1f} s")
+
+    from .backends.megatron.recompute import recompute_logprobs
+
+    t0 = time.perf_counter()
+    with step(f"Megatron recompute ({n_gen} tokens)"):
+        tr = recompute_logprobs(spec, state_dict, prompt_ids, ro.completions, device=device,
+                                full_rows_for=ro.full_row_keys)
+    timings["trainer"] = time.perf_counter() - t0
+
+    rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])
+    trainer_lp = torch.cat([x.float().cpu() for x in tr.logprobs])
+    diff = compare_logprobs(rollout_lp, trainer_lp)
+    keys = ro.full_row_keys
+    fv = full_vocab_max_abs_diff(torch.stack([ro.full_rows[k] for k in keys]) if keys else torch.zeros(0, 0),
+                                 torch.stack([tr.full_rows[k] for k in keys]) if keys else torch.zeros(0, 0))
+    report = CheckReport(
+        model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
+        seed=opts.seed, tokens_compared=diff.tokens_compared, max_abs_diff=diff.max_abs_diff,
+        mean_abs_diff=diff.mean_abs_diff, std_abs_diff=diff.std_abs_diff, k3_kl=diff.k3_kl,
+        num_mismatched=diff.num_mismatched, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
+        peer=peer, timings_s={k: round(v, 2) for k, v in timings.items()},
+    )
+    print_report(report, out)
+    if opts.json_out:
+        path = Path(opts.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(report.as_dict(), indent=2))
+        os.replace(tmp, path)
+    return 0 if report.passed else 1
+
+
+def print_report(r: CheckReport, console: Console) -> None:
+    """The diff table (rich)."""
+    t = Table(title=f"rollout (vLLM) vs trainer (Megatron) logprobs — {r.device}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("tokens_compared", str(r.tokens_compared))
+    for k in ("max_abs_diff", "mean_abs_diff", "std_abs_diff", "k3_kl"):
+        t.add_row(k, repr(getattr(r, k)))
+    t.add_row("tokens with differing bits", str(r.num_mismatched))
+    t.add_row(f"full_vocab_max_abs_diff ({r.full_vocab_rows} rows)", repr(r.full_vocab_max_abs_diff))
+    t.add_row("peer max_abs_logit_diff", f"{r.peer['max_abs_logit_diff']:.3g} (tol {r.peer['tolerance']:g})")
+    t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else "[red]FAIL[/red]")
+    console.print(t)

@@ -1,0 +1,80 @@
+"""Rollout-vs-trainer logprob diff metrics.
+
+``k3`` is Schulman's low-variance KL estimator (http://joschu.net/blog/kl-approx.html):
+for tokens sampled from the rollout policy q and trainer policy p,
+``r = exp(logp_trainer - logp_rollout)``, ``k3 = mean((r - 1) - log r)`` >= 0,
+an unbiased estimate of KL(q || p). It is exactly 0 when the logprobs are equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogprobDiff:
+    """Diff statistics over sampled tokens (all in nats, computed in fp64)."""
+
+    tokens_compared: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    std_abs_diff: float
+    k3_kl: float
+    num_mismatched: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return self.num_mismatched == 0 and self.max_abs_diff == 0.0
+
+
+def compare_logprobs(rollout: torch.Tensor, trainer: torch.Tensor) -> LogprobDiff:
+    """Compare per-token logprobs of the sampled tokens.
+
+    Args:
+        rollout: fp32 ``[N]`` logprobs the sampler reported.
+        trainer: fp32 ``[N]`` logprobs the trainer recomputed, same order.
+
+    Returns:
+        :class:`LogprobDiff`; ``num_mismatched`` counts tokens whose fp32 bits differ.
+
+    Raises:
+        ValueError: shapes differ or N == 0.
+    """
+    if rollout.shape != trainer.shape or rollout.dim() != 1:
+        raise ValueError(f"compare_logprobs: shapes {tuple(rollout.shape)} and {tuple(trainer.shape)} differ")
+    if rollout.numel() == 0:
+        raise ValueError("compare_logprobs: no tokens to compare")
+    a, b = rollout.double(), trainer.double()
+    d = (a - b).abs()
+    log_r = b - a
+    k3 = (torch.expm1(log_r) - log_r).mean()
+    mismatched = int((rollout.float().view(torch.int32) != trainer.float().view(torch.int32)).sum())
+    return LogprobDiff(
+        tokens_compared=int(d.numel()),
+        max_abs_diff=float(d.max()),
+        mean_abs_diff=float(d.mean()),
+        std_abs_diff=float(d.std(unbiased=False)),
+        k3_kl=float(k3),
+        num_mismatched=mismatched,
+    )
+
+
+def full_vocab_max_abs_diff(rollout_rows: torch.Tensor, trainer_rows: torch.Tensor) -> float:
+    """Max |Δ| over whole logprob rows ``[N, V]`` (fp64); ``-inf`` entries must match.
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    if rollout_rows.shape != trainer_rows.shape:
+        raise ValueError(f"full-vocab rows {tuple(rollout_rows.shape)} vs {tuple(trainer_rows.shape)}")
+    if rollout_rows.numel() == 0:
+        return 0.0
+    a, b = rollout_rows.double(), trainer_rows.double()
+    same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
+    d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
+    return float(d.max())
