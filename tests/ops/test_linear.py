@@ -49,6 +49,15 @@ def test_triton_vs_reference(with_bias, dtype, out_dtype, device, gen):
     torch.testing.assert_close(out.cpu().double(), linear_reference(x, w, b, out_dtype).double(), **_tol(out_dtype))
 
 
+def test_triton_rounds_once_to_nearest_even(device, gen, inv):
+    """bf16 output == the fp32 output (bias included) rounded by torch (RTNE)."""
+    from unified_models.ops.triton.linear import linear_triton
+
+    x, w, b = (t.to(device) for t in _inputs(20, gen))
+    inv.assert_bitwise(linear_triton(x, w, b, torch.bfloat16),
+                       linear_triton(x, w, b, torch.float32).to(torch.bfloat16), "bf16 vs fp32->bf16")
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_triton_batch_invariant(out_dtype, device, gen, inv):
     from unified_models.ops.triton.linear import linear_triton

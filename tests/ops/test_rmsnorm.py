@@ -44,6 +44,16 @@ def test_triton_vs_reference(D, dtype, out_dtype, device, gen):
     torch.testing.assert_close(out.cpu().double(), rms_norm_reference(x, w, EPS, out_dtype).double(), **_tol(out_dtype))
 
 
+def test_triton_rounds_once_to_nearest_even(device, gen, inv):
+    """bf16 output == the fp32 output rounded by torch (RTNE): one rounding, no truncation."""
+    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+
+    x, w = _inputs(16, 200, torch.bfloat16, gen)
+    xd, wd = x.to(device), w.to(device)
+    inv.assert_bitwise(rms_norm_triton(xd, wd, EPS, torch.bfloat16),
+                       rms_norm_triton(xd, wd, EPS, torch.float32).to(torch.bfloat16), "bf16 vs fp32->bf16")
+
+
 @pytest.mark.parametrize("D", [64, 200])
 def test_triton_batch_invariant(D, device, gen, inv):
     from unified_models.ops.triton.rmsnorm import rms_norm_triton

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, round_to
 
 BLOCK = 65536 if INTERPRET else 1024
 
@@ -18,7 +18,7 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.maximum(x, 0.0)
-    tl.store(out_ptr + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, round_to(r * r, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def relu2_triton(x: torch.Tensor) -> torch.Tensor:

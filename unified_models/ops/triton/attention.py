@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, next_pow2
+from ._common import FLOAT_DTYPES, INTERPRET, check_device, next_pow2, round_to
 
 if INTERPRET:
     # Short tiles so that small test sequences still span several tiles.
@@ -60,8 +60,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, G, E, S,
     v = tl.load(v_ptr + t * stride_vt + g[:, None] * stride_vg + e[None, :] * stride_ve, mask=mask, other=0.0)
     kc = kc_ptr + blk * stride_kcb + off * stride_kcs + g[:, None] * stride_kcg + e[None, :] * stride_kce
     vc = vc_ptr + blk * stride_vcb + off * stride_vcs + g[:, None] * stride_vcg + e[None, :] * stride_vce
-    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=store_mask)
-    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(kc, round_to(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(vc, round_to(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
-             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_e[None, :])
+             round_to(out, out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_e[None, :])
 
 
 def _check_cache(name: str, cache: torch.Tensor, G: int, E: int) -> None:

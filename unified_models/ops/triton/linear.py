@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device
+from ._common import INTERPRET, check_device, round_to
 
 if INTERPRET:
     # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts").
@@ -74,7 +74,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_device, next_pow2
+from ._common import FLOAT_DTYPES, check_device, next_pow2, round_to
 
 MAX_D = 65536
 """Largest hidden size one program reduces (the row must fit one block)."""
@@ -28,7 +28,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, stride_xt, stride_xd, stride
     mean_sq = tl.sum(x * x, axis=0) / D
     inv = tl.rsqrt(mean_sq + eps)
     y = x * inv * w
-    tl.store(out_ptr + t * stride_ot + d * stride_od, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * stride_ot + d * stride_od, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block_d: int) -> int:

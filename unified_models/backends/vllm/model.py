@@ -1,0 +1,294 @@
+"""The vLLM model class: the spec's parameters + the single forward program.
+
+:class:`UnifiedForCausalLM` owns no math. Its ``forward`` turns vLLM's flat batch
+and attention metadata into a :class:`~unified_models.forward.FlatBatch` and a
+:class:`VllmKVStore`, and calls :func:`~unified_models.forward.forward_hidden`;
+``compute_logits`` returns :func:`~unified_models.forward.forward_logprobs`
+(fp32 log-probabilities, temperature 1). The engine runs with
+``logprobs_mode="raw_logits"``, so the logprobs vLLM reports are exactly these
+values, gathered; sampling from log-probabilities is the same distribution as
+sampling from logits.
+
+How ``compute_logits`` rows map to requests (vLLM V1 model runner, both 0.26 and
+0.32; the engine pins V1 and no speculative decoding):
+
+* The first ``compute_logits`` call after a ``forward`` (``logits_call_index ==
+  0``) is the sampling call. Row ``i`` is the hidden state of the **last
+  scheduled token** of request ``runner.input_batch.req_ids[i]``
+  (``logits_indices = query_start_loc[1:] - 1``, ``gpu_model_runner.py``), i.e. it
+  predicts the token at position ``last_sample_positions[i] + 1``. Requests in a
+  partial (chunked) prefill also get a row; vLLM discards their sample. There are
+  exactly ``num_reqs`` rows (padded requests, which have query length 0, get none).
+  Our builder never reorders the batch (``reorder_batch_threshold=None``).
+* Further calls in the same step (``logits_call_index >= 1``) come from prompt
+  logprobs (``_get_prompt_logprobs_dict``), one call per request that asked for
+  them, in the order of the runner's ``num_prompt_logprobs`` dict: rows are that
+  request's consecutive scheduled tokens starting at its first one.
+* ``runner = unified_models.backends.vllm.engine.get_runner(llm)``; read
+  ``runner.input_batch.req_ids`` inside the tap (it is valid during the step).
+  ``req_id`` is vLLM's internal id; in 0.26/0.32 the engine appends a suffix to the
+  user-visible request id (``RequestOutput.request_id`` is the user id), so match
+  with ``req_id.startswith(output.request_id)`` or, simpler, map by
+  ``engine.internal_to_external_ids`` in the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError
+from ...forward import FlatBatch, forward_hidden, forward_logprobs
+from . import compat
+from .attention_backend import KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata
+
+
+def attention_cache_prefix(block_index: int, prefix: str = "") -> str:
+    """Forward-context name of block ``block_index``'s cache layer (exactly one integer)."""
+    name = f"backbone.layers.{block_index}.mixer.attn"
+    return f"{prefix}.{name}" if prefix else name
+
+
+class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
+    """The paged KV cache of one attention block (integration manual, route A).
+
+    Holds no parameters and computes nothing: vLLM binds the cache tensor to
+    ``self.kv_cache`` and the model's forward reads it through :func:`kv_views`.
+    """
+
+    def __init__(self, spec: AttentionSpec, layer_name: str, vllm_config) -> None:
+        nn.Module.__init__(self)
+        self.spec = spec
+        self.layer_name = layer_name
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache: torch.Tensor = torch.tensor([])
+        ctx = vllm_config.compilation_config.static_forward_context
+        if layer_name in ctx:
+            raise ValueError(f"duplicate attention layer name {layer_name!r} in vLLM's forward context")
+        ctx[layer_name] = self
+
+    def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
+        return UnifiedAttentionBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        block_size = int(vllm_config.cache_config.block_size)
+        if block_size % KV_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
+                "(the attention op's KV tile)"
+            )
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=self.spec.num_kv_heads,
+                                 head_size=self.spec.head_dim, dtype=self.dtype)
+
+    def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache, or ``None``."""
+        return compat.split_kv_cache(self.kv_cache, self.spec.num_kv_heads, self.spec.head_dim)
+
+    def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
+        return None
+
+
+class VllmKVStore:
+    """:class:`~unified_models.forward.StateStore` over vLLM's paged cache for one step."""
+
+    def __init__(self, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                 layers: dict[int, UnifiedAttentionCache], bound: bool):
+        self.block_table = block_table
+        self.slot_mapping = slot_mapping
+        self._layers = layers
+        self._bound = bound
+
+    def kv_cache(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._bound:
+            return None
+        return self._layers[layer_index].kv_views()
+
+
+class _Node(nn.Module):
+    """A plain container so parameters sit under their Hugging Face names."""
+
+
+def _submodule(root: nn.Module, path: list[str]) -> nn.Module:
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = _Node()
+            mod.add_module(part, child)
+        mod = child
+    return mod
+
+
+class UnifiedForCausalLM(nn.Module):
+    """vLLM model class for any :class:`ModelSpec` (registered as ``spec.architecture``).
+
+    Attributes:
+        spec: the model spec (from ``vllm_config.model_config.hf_config``).
+        logprob_tap: ``None`` or a callable ``tap(rows_RV)`` called by
+            :meth:`compute_logits` with a copy of the fp32 ``[R, V]`` rows it returns.
+        logits_call_index: 0 during the first ``compute_logits`` after a forward
+            (the sampling rows), 1, 2, ... for later calls of the same step.
+        last_sample_positions: int64 ``[R]`` (CPU) position of the token whose
+            hidden row is sampling row ``i`` of the last forward, recorded when
+            ``logprob_tap`` is set or ``record_sample_positions`` is True.
+    """
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        from ...models import spec_from_hf_config
+
+        parallel = vllm_config.parallel_config
+        tp = int(getattr(parallel, "tensor_parallel_size", 1))
+        pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+        if tp != 1 or pp != 1:
+            raise ParallelismError(
+                f"unified_models runs with tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                f"(got {tp} and {pp}): cross-GPU reductions would break bitwise equality (DESIGN.md rule 7)"
+            )
+        dtype = vllm_config.model_config.dtype
+        self.spec: ModelSpec = spec_from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
+        self.vllm_config = vllm_config
+        self.prefix = prefix
+
+        self._shapes = self.spec.parameter_shapes()
+        for name, shape in self._shapes.items():
+            *path, leaf = name.split(".")
+            param = nn.Parameter(torch.empty(shape, dtype=self.spec.dtype), requires_grad=False)
+            param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            _submodule(self, path).register_parameter(leaf, param)
+
+        self._attn: dict[int, UnifiedAttentionCache] = {}
+        for blk in self.spec.attention_blocks:
+            name = attention_cache_prefix(blk.index, prefix)
+            layer = UnifiedAttentionCache(blk.mixer, name, vllm_config)
+            local = attention_cache_prefix(blk.index)
+            *path, leaf = local.split(".")
+            _submodule(self, path).add_module(leaf, layer)
+            self._attn[blk.index] = layer
+        self._attn_names = [self._attn[i].layer_name for i in sorted(self._attn)]
+
+        self.logprob_tap: Callable[[torch.Tensor], None] | None = None
+        self.record_sample_positions = False
+        self.last_sample_positions: torch.Tensor | None = None
+        self.logits_call_index = 0
+        self._initial_load_done = False
+
+    # ------------------------------------------------------------------ params
+    def params(self) -> dict[str, torch.Tensor]:
+        """HF name -> parameter tensor (the live tensors vLLM's cache graph uses)."""
+        return {n: p for n, p in self.named_parameters() if n in self._shapes}
+
+    # ----------------------------------------------------------------- forward
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from ... import ops
+
+        return ops.embedding(input_ids, self.params()[self.spec.embedding.name + ".weight"])
+
+    def _metadata(self) -> UnifiedAttentionMetadata | None:
+        if not self._attn_names:
+            return None
+        first = compat.layer_metadata(self._attn_names[0])
+        for name in self._attn_names[1:]:
+            md = compat.layer_metadata(name)
+            if md is not first:
+                raise NotImplementedError(
+                    f"attention layers {self._attn_names[0]} and {name} are in different KV-cache groups; "
+                    "one StateStore needs one block table"
+                )
+        return first
+
+    def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    md: UnifiedAttentionMetadata | None) -> tuple[FlatBatch, VllmKVStore]:
+        t = input_ids.shape[0]
+        dev = input_ids.device
+        if md is None:  # profiling / dummy run: no cache, nothing written
+            batch = FlatBatch(input_ids=input_ids, positions=positions.long(),
+                              seq_idx=torch.zeros(t, dtype=torch.int32, device=dev))
+            store = VllmKVStore(torch.zeros((1, 1), dtype=torch.int32, device=dev),
+                                torch.full((t,), -1, dtype=torch.int64, device=dev), self._attn, bound=False)
+            return batch, store
+        n = min(int(md.num_actual_tokens), t)
+        tok = torch.arange(t, device=dev)
+        real = tok < n
+        qsl = md.query_start_loc[: md.num_reqs + 1].to(device=dev, dtype=torch.int64)
+        # request row of each token: the number of request ends at or before it
+        seq_idx = torch.searchsorted(qsl[1:].contiguous(), tok, right=True)
+        seq_idx = torch.where(real, seq_idx, torch.zeros_like(seq_idx)).to(torch.int32)
+        pos = torch.where(real, positions[:t].long(), torch.zeros_like(tok))
+        slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        slot[:n] = md.slot_mapping[:n].to(torch.int64)
+        batch = FlatBatch(input_ids=input_ids, positions=pos, seq_idx=seq_idx)
+        store = VllmKVStore(md.block_table, slot, self._attn, bound=True)
+        if self.logprob_tap is not None or self.record_sample_positions:
+            q = qsl.cpu()
+            ends = q[1:][q[1:] > q[:-1]] - 1  # requests with query length 0 are padding
+            self.last_sample_positions = positions[ends.to(positions.device)].long().cpu()
+        return batch, store
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
+        """Run the spec over vLLM's flat batch: ``[T] -> [T, D]`` final hidden states."""
+        if intermediate_tensors is not None:
+            raise ParallelismError("unified_models does not support pipeline parallelism")
+        if inputs_embeds is not None or input_ids is None:
+            raise NotImplementedError("unified_models: prompt embeddings (inputs_embeds) are not supported")
+        md = self._metadata()
+        batch, store = self._flat_batch(input_ids, positions, md)
+        self.logits_call_index = -1
+        return forward_hidden(self.spec, self.params(), batch, store)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[R, V]`` log-probabilities (temperature 1) of the rows vLLM samples from."""
+        rows = forward_logprobs(self.spec, self.params(), hidden_states, temperature=1.0)
+        self.logits_call_index += 1
+        if self.logprob_tap is not None:
+            self.logprob_tap(rows.clone())
+        return rows
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader``.
+
+        The first call (vLLM's initial load) must cover every parameter; later
+        calls (vLLM's ``reload_weights``, weight-transfer engines) may load a subset.
+
+        Returns:
+            The set of loaded parameter names.
+
+        Raises:
+            CheckpointError: unknown name, wrong shape, NaN/Inf values, or (first
+                call) missing tensors; every offending name is listed.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if name not in self._shapes:
+                unknown.append(name)
+                continue
+            expected = self._shapes[name]
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"checkpoint tensor {name}: expected shape {expected}, got {tuple(tensor.shape)}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"checkpoint tensor {name} holds NaN or Inf")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor)
+            loaded.add(name)
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint has tensors the {self.spec.family} spec does not declare: {sorted(unknown)}")
+        if not self._initial_load_done:
+            missing = [n for n in self._shapes if n not in loaded]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint is missing tensors of the {self.spec.family} spec: {missing}")
+            self._initial_load_done = True
+        return loaded
