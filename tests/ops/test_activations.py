@@ -9,6 +9,9 @@ from unified_models.ops.activations import relu2_reference, relu2_torch, swiglu_
 
 F = 176
 
+# sigmoid of large-magnitude padding rows overflows exp() in the interpreter (harmless: sigmoid -> 0)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
 
 def _x(T, dtype, gen, scale=4.0):
     return (torch.randn(T, F, generator=gen) * scale).to(dtype)

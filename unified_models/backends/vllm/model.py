@@ -26,10 +26,10 @@ How ``compute_logits`` rows map to requests (vLLM V1 model runner, both 0.26 and
   request's consecutive scheduled tokens starting at its first one.
 * ``runner = unified_models.backends.vllm.engine.get_runner(llm)``; read
   ``runner.input_batch.req_ids`` inside the tap (it is valid during the step).
-  ``req_id`` is vLLM's internal id; in 0.26/0.32 the engine appends a suffix to the
-  user-visible request id (``RequestOutput.request_id`` is the user id), so match
-  with ``req_id.startswith(output.request_id)`` or, simpler, map by
-  ``engine.internal_to_external_ids`` in the tests.
+  Those are vLLM's internal ids: 0.26 and 0.32 append ``-<8 random chars>`` to the
+  user request id (``RequestOutput.request_id``);
+  ``engine.external_request_id(req_id)`` strips it.
+  :class:`~unified_models.backends.vllm.engine.SampleRecorder` does all of this.
 """
 
 from __future__ import annotations
@@ -252,6 +252,10 @@ class UnifiedForCausalLM(nn.Module):
         return rows
 
     # ------------------------------------------------------------------ weights
+    @property
+    def _source(self) -> str:
+        return str(getattr(self.vllm_config.model_config, "model", "?"))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader``.
 
@@ -275,20 +279,22 @@ class UnifiedForCausalLM(nn.Module):
             expected = self._shapes[name]
             if tuple(tensor.shape) != expected:
                 raise CheckpointError(
-                    f"checkpoint tensor {name}: expected shape {expected}, got {tuple(tensor.shape)}")
+                    f"checkpoint {self._source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the spec expects {expected}")
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"checkpoint tensor {name} holds NaN or Inf")
+                raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor)
             loaded.add(name)
         if unknown:
             raise CheckpointError(
-                f"checkpoint has tensors the {self.spec.family} spec does not declare: {sorted(unknown)}")
+                f"checkpoint {self._source} has tensors the {self.spec.family} spec does not declare: "
+                f"{sorted(unknown)}")
         if not self._initial_load_done:
             missing = [n for n in self._shapes if n not in loaded]
             if missing:
                 raise CheckpointError(
-                    f"checkpoint is missing tensors of the {self.spec.family} spec: {missing}")
+                    f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
             self._initial_load_done = True
         return loaded

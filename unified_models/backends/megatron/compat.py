@@ -1,0 +1,212 @@
+"""Every megatron-core version difference the Megatron backend depends on.
+
+Supported: megatron-core 0.16.x (CPU CI, Python 3.11) and 0.19.2 (H200 target,
+Python 3.12). Nothing else in ``backends/megatron`` or the Megatron converter
+branches on the version; they call the helpers here.
+
+Known differences used (``shared/reference/megatron-modelopt.md``):
+
+* ``parallel_state.initialize_model_parallel`` gained keywords in 0.19
+  (``gtp_remat_size``, ``expert_gtp_remat_size``, ``rank_offset``,
+  ``local_world_size``); we pass only keywords the installed version accepts.
+* ``dist_checkpointing.save``: 0.16 takes ``common_strategy`` and writes the
+  common state to ``common.pt``; 0.19 drops ``common_strategy``, adds
+  ``async_strategy``/``verify_integrity`` and stores the common state inside
+  the DCP files (``common_state`` ShardedObject). 0.16 cannot read a
+  0.19-native checkpoint, so CPU-side writers produce the 0.16 layout (read
+  by both).
+* ``dist_checkpointing.load`` adds ``verify_integrity``/``process_group`` in 0.19.
+* ``PackedSeqParams`` adds ``total_tokens``/``seq_idx``/``tokens_per_sample``/
+  ``pad_between_seqs`` in 0.19 (we only read ``qkv_format``, ``cu_seqlens_q``
+  and ``cu_seqlens_q_padded``, present in both).
+* ``TransformerConfig`` fields come and go between versions: unknown fields
+  are dropped with :func:`filter_dataclass_kwargs` instead of failing.
+* ``make_sharded_tensor_for_checkpoint`` (0.19 adds a GTP guard and FSDP2
+  marker; same signature).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import megatron.core
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing import ShardedTensor
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+MCORE_VERSION: tuple[int, int, int] = _parse_version(megatron.core.__version__)
+"""Installed megatron-core version as ``(major, minor, patch)``."""
+
+MCORE_0_19_PLUS = MCORE_VERSION >= (0, 19, 0)
+"""True on the GPU target's megatron-core (common state inside the DCP files)."""
+
+SUPPORTED_RANGE = ((0, 16, 0), (0, 20, 0))
+"""Versions this backend was written against: 0.16 <= version < 0.20."""
+
+
+def version_string() -> str:
+    return megatron.core.__version__
+
+
+def accepted_kwargs(fn, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` restricted to the parameters ``fn`` accepts (by signature)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def filter_dataclass_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` restricted to the fields of dataclass ``cls`` (e.g. ``TransformerConfig``)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+# --------------------------------------------------------------------------- parallel state
+
+
+def initialize_model_parallel(*, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                              context_parallel_size: int, expert_model_parallel_size: int,
+                              **extra: Any) -> None:
+    """``parallel_state.initialize_model_parallel`` with the keywords this version accepts."""
+    kwargs = dict(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        **extra,
+    )
+    parallel_state.initialize_model_parallel(**accepted_kwargs(parallel_state.initialize_model_parallel, kwargs))
+
+
+def model_parallel_is_initialized() -> bool:
+    return bool(parallel_state.model_parallel_is_initialized())
+
+
+def parallel_sizes() -> dict[str, int]:
+    """Current sizes from Megatron's parallel state (call only once it is initialized)."""
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+    }
+
+
+def destroy_model_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def tensor_parallel_group():
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def data_context_parallel_group():
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+# --------------------------------------------------------------------------- sharded tensors
+
+
+def replicated_sharded_tensor(tensor: torch.Tensor, key: str, *, prepend_offsets=(), tp_group=None,
+                              dp_cp_group=None) -> ShardedTensor:
+    """A ShardedTensor of a parameter replicated over TP and DP (TP=1 layout).
+
+    Uses Megatron's ``make_sharded_tensor_for_checkpoint`` (replica id
+    ``(0, tp_rank, dp_rank)``, so only DP rank 0 writes). Pass both groups or
+    neither (then Megatron's parallel state supplies them).
+    """
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    kwargs = {}
+    if tp_group is not None or dp_cp_group is not None:
+        kwargs = {"tp_group": tp_group, "dp_cp_group": dp_cp_group}
+    return make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=prepend_offsets, **kwargs)
+
+
+def plain_sharded_tensor(tensor: torch.Tensor, key: str, replica_id: int = 0) -> ShardedTensor:
+    """A whole (unsharded) tensor as a ShardedTensor with an explicit replica id.
+
+    Needs no parallel state; used by the standalone converter.
+    """
+    return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
+
+
+# --------------------------------------------------------------------------- dist_checkpointing
+
+
+def dist_load(sharded_state_dict: dict, checkpoint_dir: str | Path) -> dict:
+    """``dist_checkpointing.load`` (tensors are loaded into the ShardedTensors' ``data``)."""
+    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir))
+
+
+def dist_save(sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
+    """Megatron's own synchronous ``torch_dist`` save. Needs CUDA tensors in 0.16 and 0.19.
+
+    0.19 writes the common state inside the DCP files (``common_state``);
+    0.16 writes ``common.pt``. ``async_strategy`` is left to 0.19's default
+    (it only matters for async saves, which we do not request).
+    """
+    dist_checkpointing.save(sharded_state_dict, str(checkpoint_dir), async_sharded_save=False)
+
+
+def load_common_state_dict(checkpoint_dir: str | Path) -> dict:
+    """The non-tensor ("common") state of a checkpoint: ``common.pt`` or 0.19's ``common_state``."""
+    return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+
+
+def load_tensors_metadata(checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
+    """``{ShardedTensor.key: ShardedTensor without data}``: global shapes and dtypes stored."""
+    return dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
+
+
+def reader_exception_types() -> tuple[type[BaseException], ...]:
+    """Exceptions a failed checkpoint read can raise.
+
+    PyTorch DCP's ``CheckpointException`` derives from ``BaseException``, not
+    ``Exception``, so a plain ``except Exception`` misses a corrupt data file.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+# --------------------------------------------------------------------------- packed sequences
+
+
+def packed_seq_cu_seqlens(packed_seq_params: Any) -> torch.Tensor:
+    """Sequence boundaries ``[B+1]`` of a THD ``PackedSeqParams``.
+
+    The ``_padded`` boundaries win when present: each sequence then owns its
+    padding tokens, which sit after its real tokens and so cannot change them
+    under causal attention.
+
+    Raises:
+        ValueError: not THD, or no ``cu_seqlens_q``.
+    """
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    if fmt != "thd":
+        raise ValueError(f"PackedSeqParams.qkv_format={fmt!r}; only 'thd' (packed sequences) is supported")
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    cu = padded if padded is not None else getattr(packed_seq_params, "cu_seqlens_q", None)
+    if cu is None:
+        raise ValueError("PackedSeqParams has neither cu_seqlens_q_padded nor cu_seqlens_q")
+    kv = getattr(packed_seq_params, "cu_seqlens_kv_padded" if padded is not None else "cu_seqlens_kv", None)
+    if kv is not None and not torch.equal(kv.to(cu.device).long(), cu.long()):
+        raise ValueError("PackedSeqParams: cu_seqlens_kv differs from cu_seqlens_q (self-attention needs equal boundaries)")
+    return cu

