@@ -24,10 +24,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def _generate(llm, prompt_ids, max_new_tokens, seed, repeats):
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens, ignore_eos=True, logprobs=0)
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens, ignore_eos=True, logprobs=0,
+                             detokenize=False)
               for i in range(len(prompt_ids))]
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    warm = [SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True) for _ in prompt_ids[:4]]
+    warm = [SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True, detokenize=False) for _ in prompt_ids[:4]]
     llm.generate(prompts[:4], warm, use_tqdm=False)  # warm-up: kernels compiled, allocator primed
     times = []
     for _ in range(repeats):

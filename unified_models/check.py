@@ -130,8 +130,18 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     }
 
 
+def _quiet_engines() -> None:
+    """Engine logs below ERROR would drown the table (override with VLLM_LOGGING_LEVEL)."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
+
+
 def run_check(opts: CheckOptions) -> int:
     """Run the whole check; print the table; write JSON; return the exit status."""
+    _quiet_engines()
     console = Console(stderr=True)
     out = Console()
     if opts.temperature != 1.0:

@@ -17,9 +17,7 @@ from unified_models.backends.megatron import (  # noqa: E402
     transformer_config_from_spec,
 )
 from unified_models.backends.megatron import compat  # noqa: E402
-from unified_models.converters.hf_safetensors import spec_and_state_dict  # noqa: E402
 from unified_models.dsl import ParallelismError  # noqa: E402
-from unified_models.presets import build_preset_checkpoint  # noqa: E402
 
 PEER_TOLERANCE = 0.05
 """Max |logprob(ours, bf16) - logprob(transformers fp32)|; measured on the tiny preset:
@@ -27,13 +25,13 @@ PEER_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return build_preset_checkpoint()
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def loaded(checkpoint):
-    _, spec, state_dict = spec_and_state_dict(checkpoint)
+def loaded(tiny_model):
+    _, spec, state_dict = tiny_model
     return spec, state_dict
 
 
@@ -231,3 +229,33 @@ def test_peer_transformers_fp32(model, checkpoint):
     assert full_diff < PEER_TOLERANCE, full_diff
     # The check discriminates: the logprobs vary across tokens by more than the tolerance.
     assert (ref_tok - ref_tok.mean()).abs().max().item() > 2 * PEER_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_cuda_module_packing_invariance_and_peer(loaded, checkpoint):
+    """On CUDA the module runs the Triton kernels: packing stays bitwise invariant and agrees with HF."""
+    from transformers import AutoModelForCausalLM
+
+    init_parallel_state()
+    spec, state_dict = loaded
+    m = UnifiedMegatronModel(spec, device="cuda")
+    m.load_hf_state_dict(state_dict)
+    m.requires_grad_(False)
+    seqs = [s.cuda() for s in _random_seqs([1, 5, 16, 17, 33], seed=1)]
+    with torch.no_grad():
+        alone = [m.token_logprobs(*_pack([s])) if len(s) > 1 else None for s in seqs]
+        for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4]):
+            ids, cu = _pack([seqs[i] for i in order])
+            tok = m.token_logprobs(ids, cu)
+            off = 0
+            for i in order:
+                n = len(seqs[i]) - 1
+                if n:
+                    assert torch.equal(tok[off:off + n], alone[i]), (order, i)
+                off += n
+        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).cuda().eval()
+        ids, cu = _pack(seqs[2:])
+        tok = m.token_logprobs(ids, cu)
+        ref = torch.cat([torch.log_softmax(hf(s.view(1, -1)).logits[0].double(), -1)[:-1]
+                         .gather(1, s[1:].view(-1, 1)).view(-1) for s in seqs[2:]])
+    assert (tok.double() - ref).abs().max().item() < PEER_TOLERANCE

@@ -27,12 +27,11 @@ from unified_models.converters.megatron_dist_ckpt import (  # noqa: E402
     save_dist_checkpoint,
 )
 from unified_models.dsl import CheckpointError  # noqa: E402
-from unified_models.presets import build_preset_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def hf_dir():
-    return build_preset_checkpoint()
+def hf_dir(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +184,7 @@ def test_bad_inputs(hf_dir, mg_dir, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
-def test_corrupt_megatron_checkpoints(mg_dir, tmp_path):
+def test_corrupt_megatron_checkpoints(mg_dir, tiny_model, tmp_path):
     # Truncated data file.
     c = _corrupt_copy(mg_dir, tmp_path / "truncated")
     data = c / "__0_0.distcp"
@@ -232,7 +231,7 @@ def test_corrupt_megatron_checkpoints(mg_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"mis-shaped tensors: \['backbone.layers.1.mixer.up_proj.weight"):
         load_dist_checkpoint(c)
     init_parallel_state()
-    _, spec, _ = spec_and_state_dict(build_preset_checkpoint())
+    _, spec, _ = tiny_model
     with pytest.raises(CheckpointError, match="different model"):
         UnifiedMegatronModel(spec, device="cpu").load_dist_checkpoint(c)
     assert _leftovers(tmp_path) == []

@@ -24,6 +24,13 @@ non-flattening planner (recipe B of ``reference/megatron-modelopt.md`` §3).
 Reading always goes through ``dist_checkpointing.load`` against ShardedTensors
 built from the spec.
 
+Megatron's save (0.16 and 0.19) starts a ``multiprocessing`` manager with the
+``spawn`` start method for its write-results queue: a script calling the
+``"megatron"`` writer needs an ``if __name__ == "__main__":`` guard (spawn
+re-imports the main module). Checked on the H200 with megatron-core 0.19.2:
+the ``"megatron"`` writer produces the 0.19-native layout (no ``common.pt``),
+and both layouts load and convert back bitwise.
+
 Every write goes to a temporary sibling directory that is renamed into place
 only when complete: an error leaves nothing half-written. Bad input raises
 :class:`CheckpointError` naming the problem.

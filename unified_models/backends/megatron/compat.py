@@ -23,6 +23,13 @@ Known differences used (``shared/reference/megatron-modelopt.md``):
   are dropped with :func:`filter_dataclass_kwargs` instead of failing.
 * ``make_sharded_tensor_for_checkpoint`` (0.19 adds a GTP guard and FSDP2
   marker; same signature).
+* Both versions' ``dist_checkpointing.save`` create a ``spawn``-context
+  multiprocessing manager (callers' main modules need a ``__main__`` guard);
+  0.19 logs "MCore's async save is deprecated" even for a synchronous save.
+
+Checked: 0.16.1 on CPU (tests); 0.19.2's pure-Python sources on CPU under
+Python 3.11 (``UM_MCORE019_SITE`` test) and 0.19.2 on the H200 (CUDA save,
+load, module forward).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
                    max_num_batched_tokens=max(longest + max_new_tokens, sum(len(p) for p in prompt_ids)))
     try:
         params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens,
-                                 ignore_eos=not stop_at_eos, logprobs=0) for i in range(n)]
+                                 ignore_eos=not stop_at_eos, logprobs=0,
+                                 detokenize=False) for i in range(n)]
         with SampleRecorder(llm, keep_rows=full_vocab_rows != 0) as rec:
             outs = generate_token_ids(llm, prompt_ids, params)
         completions, logprobs, full_rows, keys = [], [], {}, []

@@ -22,9 +22,11 @@ if INTERPRET:
     BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 256
     NUM_WARPS, NUM_STAGES = 4, 1
 else:
-    # Hopper (H100/H200): wgmma-friendly tile, bf16 operands, fp32 accumulation.
-    BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-    NUM_WARPS, NUM_STAGES = 4, 3
+    # Hopper (H100/H200): wgmma tile, bf16 operands, fp32 accumulation. Measured on
+    # an H200 (Triton 3.6) against 10 other fixed configs: best or near-best from
+    # T=1 to T=2048 (2048x4096x4096: 129 us vs cuBLAS 94 us; decode ~2.3x cuBLAS).
+    BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+    NUM_WARPS, NUM_STAGES = 8, 3
 
 GROUP_M = 8
 """Programs are ordered in groups of GROUP_M row tiles (L2 reuse); this only
