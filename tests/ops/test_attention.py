@@ -163,7 +163,6 @@ def test_triton_fp32_mha(device, gen, inv):
 
 
 def test_triton_vs_paged_reference(device, gen):
-    _, attend = _triton_impl()
     seqs = _sequences([21, 9], 4, 2, torch.bfloat16, gen)
     run = PagedRun(seqs, 16, 2, torch.bfloat16, device, gen, _triton_impl())
     o, toks = run.step([(0, 0, 21), (1, 0, 9)])

@@ -82,7 +82,8 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         sequence's cache up to ``positions_T[t]``.
 
     Raises:
-        ValueError: shape mismatch, or S not a multiple of the KV tile.
+        ValueError: shape mismatch; on CPU also a block size S that is not a
+            multiple of the CPU KV tile (16). The Triton kernel takes any S.
     """
     _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
     if use_triton(q_THE):
@@ -123,7 +124,9 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
             p = j * kv + ar  # [KV] absolute positions
             valid = p.view(1, kv) <= pos.view(ROW_TILE, 1)  # [16, KV]
             col = (p // s).clamp(max=nb - 1)
-            blk = rows[:, col]  # [16, KV]
+            # Masked positions may point at stale or out-of-range block-table
+            # entries: read block 0 there (the values are replaced by 0 below).
+            blk = torch.where(valid, rows[:, col], 0)  # [16, KV]
             off = (p % s).view(1, kv).expand(ROW_TILE, kv)
             vmask = valid.view(ROW_TILE, kv, 1, 1)
             k = torch.where(vmask, k_cache[blk, off].float(), 0.0)  # [16, KV, G, E]
