@@ -49,12 +49,10 @@ def _sync():
 
 
 def _free(llm):
-    import torch
+    from unified_models.backends.vllm.engine import shutdown_llm
 
-    del llm
+    shutdown_llm(llm)
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -72,7 +70,9 @@ def main(argv=None):
     import torch
     import vllm
 
-    from unified_models.backends.vllm.engine import make_llm
+    from unified_models.backends.vllm.engine import PINNED_ENV, make_llm
+
+    os.environ.update(PINNED_ENV)  # both engines: in-process, V1 runner, no FlashInfer sampler
     from unified_models.models import spec_from_hf_config
     from unified_models.converters.hf_safetensors import load_hf_config
     from unified_models.presets import build_preset_checkpoint, default_prompts_path, tokenizer_dir
@@ -92,7 +92,7 @@ def main(argv=None):
     _free(native)
 
     ours = make_llm(model_dir, seed=args.seed, max_model_len=max_len, max_num_seqs=args.num_prompts,
-                    gpu=gpu, **({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {}))
+                    gpu=gpu, enable_prefix_caching=False, **({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {}))
     res_ours = _generate(ours, prompt_ids, args.max_new_tokens, args.seed, args.repeats)
     _free(ours)
 

@@ -1,0 +1,55 @@
+"""CLI: bad input fails cleanly (exit 2, one `error:` line naming the problem)."""
+
+import json
+
+import pytest
+
+from unified_models.cli import main
+
+
+def test_check_on_garbage_model_dir(tmp_path, capsys):
+    d = tmp_path / "garbage"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "nemotron_h", "layers_block_type": ["full_attention"]}))
+    (d / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    out = tmp_path / "out.json"
+    assert main(["check", "--model", str(d), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("error:"))
+    assert "model.safetensors" in line and "not a readable safetensors file" in line
+    assert not out.exists()  # nothing half-written
+
+
+def test_check_on_missing_dir_and_empty_prompts(tmp_path, capsys, tiny_checkpoint):
+    assert main(["check", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    assert main(["check", "--model", str(tiny_checkpoint), "--prompts", str(p)]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+
+
+def test_unsupported_layer_named(tmp_path, capsys, tiny_checkpoint):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["layers_block_type"][1] = "moe"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["check", "--model", str(d)]) == 2
+    assert "layer 1 has type 'moe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["check", "--num-prompts", "0"], ["check", "--max-new-tokens", "x"],
+                                  ["check", "--device", "tpu"], ["convert", "--from", "hf", "--to", "onnx", "a", "b"]])
+def test_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+
+
+def test_inspect_prints_spec(tiny_checkpoint, capsys):
+    assert main(["inspect", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "pattern *-*-*-" in out and "backbone.layers.0.mixer.q_proj.weight" in out
