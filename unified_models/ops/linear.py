@@ -1,8 +1,8 @@
 """Linear layer ``y = x @ W^T + b``: bf16 in, fp32 accumulate, one rounding.
 
 No split-K, no batch-size-dependent kernel choice: on GPU a Triton GEMM with
-fixed tiles; on CPU fp32 GEMMs over fixed 16-row tiles, so every BLAS call
-has the same shape whatever the batch.
+fixed tiles; on CPU exact fp64 dot products of the bf16 operands (order- and
+thread-independent), rounded once, over fixed 16-row tiles.
 """
 
 from __future__ import annotations
@@ -38,17 +38,69 @@ def linear(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | N
     return linear_torch(x_TK, weight_NK, bias_N, out_dtype)
 
 
+_F64_WEIGHTS: dict[tuple, torch.Tensor] = {}
+"""fp64 copies of weights for the CPU path, keyed by storage, version and shape
+(an in-place update bumps the version, so a stale copy is never used)."""
+
+
+def _weight_f64(weight_NK: torch.Tensor) -> torch.Tensor:
+    key = (weight_NK.data_ptr(), weight_NK._version, tuple(weight_NK.shape), tuple(weight_NK.stride()),
+           weight_NK.dtype)
+    w = _F64_WEIGHTS.get(key)
+    if w is None:
+        if len(_F64_WEIGHTS) > 256:
+            _F64_WEIGHTS.clear()
+        w = weight_NK.double().t().contiguous().t()  # [N, K] view of a K-major copy: x @ w.t() is a plain GEMM
+        _F64_WEIGHTS[key] = w
+    return w
+
+
+def round_f64(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp64 ``y`` to ``dtype`` ONCE, to nearest, ties to even.
+
+    fp64 -> fp32 is one IEEE rounding. fp64 -> bf16/fp16 goes through fp32 with
+    round-to-odd (Boldo & Melquiond 2008, "Emulation of FMA and correctly
+    rounded sums: proved algorithms using rounding to odd"): the fp32
+    intermediate keeps a sticky bit, so the final RNE rounding equals a direct
+    rounding of ``y`` (fp32 has > 2 more significand bits than bf16/fp16).
+    """
+    if dtype == torch.float64:
+        return y
+    r = y.float()
+    if dtype == torch.float32:
+        return r
+    bits = r.view(torch.int32)
+    inexact = r.double() != y
+    even = (bits & 1) == 0
+    toward_zero = r.double().abs() > y.abs()
+    step = torch.where(toward_zero, -1, 1).to(torch.int32)
+    odd = torch.where(inexact & even & torch.isfinite(r), bits + step, bits).view(torch.float32)
+    return odd.to(dtype)
+
+
 def linear_torch(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    """CPU implementation: fp32 GEMM per fixed 16-row tile, one rounding."""
-    w_KN = weight_NK.float().t()
-    b = bias_N.float() if bias_N is not None else None
+    """CPU implementation: exact fp64 dot products, rounded once.
+
+    bf16/fp16 operands have 8/11-bit significands, so each product is exact in
+    fp64 (<= 22 bits) and the fp64 sum of K products is exact while the
+    products span fewer than ``53 - 22 - log2(K)`` binary orders of magnitude,
+    which holds for any realistic activation/weight pair. An exact sum does not
+    depend on the order of accumulation, so the result is independent of
+    BLAS's kernel choice, blocking and thread count (a row-tiled fp32 GEMM was
+    not: MKL at 16 threads gave different bits for a row depending on its
+    place in the batch). fp32 operands (not used by the models) fall back to
+    fp64 accumulation without that guarantee. Calls still go over fixed
+    16-row tiles so the BLAS call shape never depends on the batch.
+    """
+    w = _weight_f64(weight_NK)
+    b = bias_N.double() if bias_N is not None else None
 
     def tile(x):
-        y = x.float() @ w_KN
+        y = x.double() @ w.t()
         if b is not None:
             y = y + b
-        return y.to(out_dtype)
+        return round_f64(y, out_dtype)
 
     return map_row_tiles(tile, x_TK)
 
