@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
+
+# The op tests run the Triton kernels through the interpreter on CPU. Triton
+# reads TRITON_INTERPRET when a kernel is defined, so it must be set before any
+# test module (including engine tests collected earlier) imports a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # Pin the engine knobs every test relies on (the engine helpers set them too).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -38,23 +38,6 @@ def linear(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | N
     return linear_torch(x_TK, weight_NK, bias_N, out_dtype)
 
 
-_F64_WEIGHTS: dict[tuple, torch.Tensor] = {}
-"""fp64 copies of weights for the CPU path, keyed by storage, version and shape
-(an in-place update bumps the version, so a stale copy is never used)."""
-
-
-def _weight_f64(weight_NK: torch.Tensor) -> torch.Tensor:
-    key = (weight_NK.data_ptr(), weight_NK._version, tuple(weight_NK.shape), tuple(weight_NK.stride()),
-           weight_NK.dtype)
-    w = _F64_WEIGHTS.get(key)
-    if w is None:
-        if len(_F64_WEIGHTS) > 256:
-            _F64_WEIGHTS.clear()
-        w = weight_NK.double().t().contiguous().t()  # [N, K] view of a K-major copy: x @ w.t() is a plain GEMM
-        _F64_WEIGHTS[key] = w
-    return w
-
-
 def round_f64(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round fp64 ``y`` to ``dtype`` ONCE, to nearest, ties to even.
 
@@ -93,7 +76,9 @@ def linear_torch(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tens
     fp64 accumulation without that guarantee. Calls still go over fixed
     16-row tiles so the BLAS call shape never depends on the batch.
     """
-    w = _weight_f64(weight_NK)
+    # Converted on every call on purpose: a cached copy could go stale after an
+    # in-place weight update through ``param.data`` (which bumps no version).
+    w = weight_NK.double()
     b = bias_N.double() if bias_N is not None else None
 
     def tile(x):
