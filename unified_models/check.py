@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
+from .consistency.metrics import LogprobDiff, compare_logprobs, full_vocab_max_abs_diff
 from .dsl import UnifiedModelsError
 from .presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path, tokenizer_dir
 from .prompts import load_prompt_texts, tokenize_prompts
@@ -61,12 +61,7 @@ class CheckReport:
     num_prompts: int
     max_new_tokens: int
     seed: int
-    tokens_compared: int
-    max_abs_diff: float
-    mean_abs_diff: float
-    std_abs_diff: float
-    k3_kl: float
-    num_mismatched: int
+    diff: LogprobDiff
     full_vocab_rows: int
     full_vocab_max_abs_diff: float
     peer: dict
@@ -74,12 +69,14 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        diffs = (self.max_abs_diff, self.mean_abs_diff, self.std_abs_diff, self.k3_kl, self.full_vocab_max_abs_diff)
-        return (self.tokens_compared > 0 and all(d == 0.0 for d in diffs) and self.num_mismatched == 0
-                and bool(self.peer.get("within_tolerance")))
+        d = self.diff
+        return (d.tokens_compared > 0 and d.bitwise_equal and d.mean_abs_diff == 0.0 and d.std_abs_diff == 0.0
+                and d.k3_kl == 0.0 and self.full_vocab_max_abs_diff == 0.0 and bool(self.peer.get("within_tolerance")))
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
+        """Flat JSON: the diff fields at top level, then the peer block."""
+        d = {k: v for k, v in self.__dict__.items() if k != "diff"}
+        d.update(self.diff.as_dict())
         d["passed"] = self.passed
         return d
 
@@ -204,9 +201,7 @@ def run_check(opts: CheckOptions) -> int:
                                  torch.stack([tr.full_rows[k] for k in keys]) if keys else torch.zeros(0, 0))
     report = CheckReport(
         model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
-        seed=opts.seed, tokens_compared=diff.tokens_compared, max_abs_diff=diff.max_abs_diff,
-        mean_abs_diff=diff.mean_abs_diff, std_abs_diff=diff.std_abs_diff, k3_kl=diff.k3_kl,
-        num_mismatched=diff.num_mismatched, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
+        seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
         peer=peer, timings_s={k: round(v, 2) for k, v in timings.items()},
     )
     print_report(report, out)
@@ -224,10 +219,10 @@ def print_report(r: CheckReport, console: Console) -> None:
     t = Table(title=f"rollout (vLLM) vs trainer (Megatron) logprobs — {r.device}")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("tokens_compared", str(r.tokens_compared))
+    t.add_row("tokens_compared", str(r.diff.tokens_compared))
     for k in ("max_abs_diff", "mean_abs_diff", "std_abs_diff", "k3_kl"):
-        t.add_row(k, repr(getattr(r, k)))
-    t.add_row("tokens with differing bits", str(r.num_mismatched))
+        t.add_row(k, repr(getattr(r.diff, k)))
+    t.add_row("tokens with differing bits", str(r.diff.num_mismatched))
     t.add_row(f"full_vocab_max_abs_diff ({r.full_vocab_rows} rows)", repr(r.full_vocab_max_abs_diff))
     t.add_row("peer max_abs_logit_diff", f"{r.peer['max_abs_logit_diff']:.3g} (tol {r.peer['tolerance']:g})")
     t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else "[red]FAIL[/red]")

@@ -108,15 +108,17 @@ class PrivateKVStore:
 
 
 def _attention(spec: AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
-               batch: FlatBatch, store: StateStore) -> torch.Tensor:
-    if spec.rope is not None:
-        raise SpecError(f"{spec.name}: rotary attention is declared but no family in this version uses it")
+               batch: FlatBatch, store: StateStore, max_positions: int) -> torch.Tensor:
     t = x_TD.shape[0]
     p = spec.name
     bias = (lambda n: params[f"{p}.{n}.bias"]) if spec.bias else (lambda n: None)
     q = ops.linear(x_TD, params[f"{p}.q_proj.weight"], bias("q_proj")).view(t, spec.num_heads, spec.head_dim)
     k = ops.linear(x_TD, params[f"{p}.k_proj.weight"], bias("k_proj")).view(t, spec.num_kv_heads, spec.head_dim)
     v = ops.linear(x_TD, params[f"{p}.v_proj.weight"], bias("v_proj")).view(t, spec.num_kv_heads, spec.head_dim)
+    if spec.rope is not None:
+        cos, sin = ops.rope_cos_sin(max_positions, spec.rope.rotary_dim, spec.rope.theta, x_TD.device)
+        q = ops.apply_rope(q, batch.positions, cos, sin)
+        k = ops.apply_rope(k, batch.positions, cos, sin)
     cache = store.kv_cache(layer_index)
     if cache is None:  # profiling / dummy run: no cache bound yet
         o = torch.zeros_like(q)
@@ -155,7 +157,7 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
     for blk in spec.blocks:
         x = ops.rms_norm(h, params[blk.norm.name + ".weight"], blk.norm.eps, out_dtype=spec.dtype)
         if isinstance(blk.mixer, AttentionSpec):
-            y = _attention(blk.mixer, blk.index, params, x, batch, store)
+            y = _attention(blk.mixer, blk.index, params, x, batch, store, spec.max_position_embeddings)
         elif isinstance(blk.mixer, MLPSpec):
             y = _mlp(blk.mixer, params, x)
         else:  # pragma: no cover - the spec constructor refuses other mixers

@@ -65,14 +65,11 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
-    """Load and validate the canonical state dict of ``spec`` from safetensors.
-
-    Tensors are cast to ``spec.dtype``. Nothing is returned unless every check passes.
+def read_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, in its stored dtype (no cast).
 
     Raises:
-        CheckpointError: corrupt file; missing, unexpected or mis-shaped tensors
-            (all named); NaN/Inf values.
+        CheckpointError: no file, a corrupt file, or a tensor stored twice.
     """
     tensors: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
@@ -84,8 +81,43 @@ def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_fini
         if dup:
             raise CheckpointError(f"{f} repeats tensors already loaded: {sorted(dup)[:5]}")
         tensors.update(part)
+    return tensors
+
+
+def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
+    """Load and validate the canonical state dict of ``spec`` from safetensors.
+
+    Tensors are cast to ``spec.dtype``. Nothing is returned unless every check passes.
+
+    Raises:
+        CheckpointError: corrupt file; missing, unexpected or mis-shaped tensors
+            (all named); NaN/Inf values.
+    """
+    tensors = read_tensors(model_dir)
     validate_state_dict(tensors, spec, source=str(model_dir), check_finite=check_finite)
     return {name: tensors[name].to(spec.dtype) for name in spec.parameter_shapes()}
+
+
+def tensor_table_problems(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], *,
+                          require_all: bool = True, verb: str = "got") -> list[str]:
+    """Describe how a table of tensor shapes differs from the expected one.
+
+    Returns:
+        Human-readable problems (``missing tensors: [...]``, ``unexpected
+        tensors: [...]``, ``mis-shaped tensors: [...]``); empty when they match.
+    """
+    missing = [n for n in expected if n not in got] if require_all else []
+    extra = [n for n in got if n not in expected]
+    shaped = [f"{n}: expected {expected[n]}, {verb} {tuple(got[n])}"
+              for n in expected if n in got and tuple(got[n]) != tuple(expected[n])]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if extra:
+        problems.append(f"unexpected tensors: {extra}")
+    if shaped:
+        problems.append(f"mis-shaped tensors: {shaped}")
+    return problems
 
 
 def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, source: str,
@@ -97,17 +129,7 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
             or the first tensor holding NaN/Inf.
     """
     expected = spec.parameter_shapes()
-    missing = [n for n in expected if n not in tensors]
-    extra = [n for n in tensors if n not in expected]
-    shaped = [f"{n}: expected {expected[n]}, got {tuple(tensors[n].shape)}"
-              for n in expected if n in tensors and tuple(tensors[n].shape) != expected[n]]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if extra:
-        problems.append(f"unexpected tensors: {extra}")
-    if shaped:
-        problems.append(f"mis-shaped tensors: {shaped}")
+    problems = tensor_table_problems(expected, {n: tuple(t.shape) for n, t in tensors.items()})
     if problems:
         raise CheckpointError(f"checkpoint {source} does not match the {spec.family} spec; " + "; ".join(problems))
     if check_finite:

@@ -53,7 +53,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException
 
 from ..dsl import CheckpointError, ModelSpec, SpecError, UnifiedModelsError
-from .hf_safetensors import load_hf_config, safetensors_files, validate_state_dict
+from .hf_safetensors import load_hf_config, read_tensors, tensor_table_problems, validate_state_dict
 
 FORMAT_NAME = "unified_models.megatron_dist_ckpt"
 FORMAT_VERSION = 1
@@ -206,24 +206,6 @@ def _copy_assets(src: Path, dst: Path) -> list[str]:
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     return copied
-
-
-def _read_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files, in its stored dtype (no cast)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(hf_dir):
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
-        dup = set(part) & set(tensors)
-        if dup:
-            raise CheckpointError(f"{f} repeats tensors already loaded: {sorted(dup)[:5]}")
-        tensors.update(part)
-    return tensors
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -406,18 +388,8 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, *, spec: ModelSpec | None
         metadata = compat.load_tensors_metadata(d)
     except _IO_ERRORS as e:  # noqa: BLE001
         raise CheckpointError(f"{d}/.metadata is unreadable (corrupt checkpoint): {describe_error(e)}") from None
-    expected = ckpt_spec.parameter_shapes()
-    missing = [n for n in expected if n not in metadata]
-    extra = [n for n in metadata if n not in expected]
-    shaped = [f"{n}: expected {expected[n]}, stored {tuple(metadata[n].global_shape)}"
-              for n in expected if n in metadata and tuple(metadata[n].global_shape) != expected[n]]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if extra:
-        problems.append(f"unexpected tensors: {extra}")
-    if shaped:
-        problems.append(f"mis-shaped tensors: {shaped}")
+    problems = tensor_table_problems(ckpt_spec.parameter_shapes(),
+                                     {n: tuple(m.global_shape) for n, m in metadata.items()}, verb="stored")
     if problems:
         raise CheckpointError(f"Megatron checkpoint {d} does not match its {ckpt_spec.family} config; "
                               + "; ".join(problems))
@@ -488,7 +460,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
     except SpecError as e:
         raise type(e)(f"{src}/config.json: {e}") from None
     text = (src / "config.json").read_bytes().decode("utf-8")
-    tensors = _read_hf_tensors(src)
+    tensors = read_tensors(src)
     validate_state_dict(tensors, spec, source=str(src))
     return save_dist_checkpoint(tensors, text, out_dir, spec=spec, assets_from=src, writer=writer,
                                 overwrite=overwrite)

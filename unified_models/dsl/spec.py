@@ -59,6 +59,10 @@ class RopeSpec:
     theta: float
     rotary_dim: int
 
+    def __post_init__(self) -> None:
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.theta <= 0:
+            raise SpecError(f"RoPE needs an even rotary_dim > 0 and theta > 0, got {self.rotary_dim}, {self.theta}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
@@ -78,6 +82,8 @@ class AttentionSpec:
     softmax_scale: float | None = None
 
     def __post_init__(self) -> None:
+        if self.rope is not None and self.rope.rotary_dim > self.head_dim:
+            raise SpecError(f"{self.name}: rotary_dim={self.rope.rotary_dim} exceeds head_dim={self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 f"{self.name}: num_heads={self.num_heads} is not a multiple of "

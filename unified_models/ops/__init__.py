@@ -11,6 +11,7 @@ from .embedding import embedding
 from .linear import linear
 from .logprob import gather_token_logprobs, logprobs
 from .rmsnorm import rms_norm
+from .rope import apply_rope, rope_cos_sin
 
 __all__ = ["embedding", "rms_norm", "linear", "relu2", "swiglu", "write_kv_cache",
-           "paged_attention", "logprobs", "gather_token_logprobs"]
+           "paged_attention", "logprobs", "gather_token_logprobs", "rope_cos_sin", "apply_rope"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...dsl import AttentionSpec, MLPSpec, ModelSpec, SpecError
+from ...ops.rope import apply_rope_reference
 
 
 class ReferenceModel(nn.Module):
@@ -61,7 +62,9 @@ class ReferenceModel(nn.Module):
         k = self._lin(x_TD, a.name + ".k_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
         v = self._lin(x_TD, a.name + ".v_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
         if a.rope is not None:
-            raise SpecError(f"{a.name}: rotary attention is not implemented in this version")
+            pos = torch.arange(t, device=x_TD.device)
+            q = apply_rope_reference(q, pos, a.rope.rotary_dim, a.rope.theta).to(self.dtype)
+            k = apply_rope_reference(k, pos, a.rope.rotary_dim, a.rope.theta).to(self.dtype)
         rep = a.num_heads // a.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.einsum("the,she->hts", q, k) * a.scale

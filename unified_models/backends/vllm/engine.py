@@ -261,18 +261,10 @@ def load_weights_inplace(llm, state_dict: Mapping[str, torch.Tensor], *, strict:
         RuntimeError: the prefix cache could not be reset (requests in flight).
     """
     model = get_model(llm)
-    shapes = model.spec.parameter_shapes()
-    extra = sorted(n for n in state_dict if n not in shapes)
-    missing = [n for n in shapes if n not in state_dict] if strict else []
-    shaped = [f"{n}: expected {shapes[n]}, got {tuple(t.shape)}" for n, t in state_dict.items()
-              if n in shapes and tuple(t.shape) != shapes[n]]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if extra:
-        problems.append(f"unexpected tensors: {extra}")
-    if shaped:
-        problems.append(f"mis-shaped tensors: {shaped}")
+    from ...converters.hf_safetensors import tensor_table_problems
+
+    problems = tensor_table_problems(model.spec.parameter_shapes(),
+                                     {n: tuple(t.shape) for n, t in state_dict.items()}, require_all=strict)
     if problems:
         raise CheckpointError("in-place weight update rejected; " + "; ".join(problems))
     for n, t in state_dict.items():
