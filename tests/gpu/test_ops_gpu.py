@@ -323,3 +323,21 @@ def test_attention_cuda_graph_equals_eager(attn_seqs, gen):
     g.replay()
     torch.cuda.synchronize()
     assert_bitwise(static_out, eager, "attention graph replay vs eager")
+
+
+# --------------------------------------------------------------------------- rope
+
+def test_rope(gen):
+    from unified_models.ops.rope import apply_rope, apply_rope_reference, rope_cos_sin
+
+    x = torch.randn(2048, 32, 128, generator=gen).to(DEV).bfloat16()
+    pos = torch.randint(0, 4096, (2048,), generator=gen).to(DEV)
+    cos, sin = rope_cos_sin(4096, 64, 10000.0, DEV)
+    full = apply_rope(x, pos, cos, sin)
+    for m in (1, 3, 17, 511):
+        assert_bitwise(apply_rope(x[:m], pos[:m], cos, sin), full[:m], f"rope x[:{m}]")
+    perm = torch.randperm(2048, generator=gen).to(DEV)
+    assert_bitwise(apply_rope(x[perm], pos[perm], cos, sin), full[perm], "rope permuted")
+    assert_bitwise(apply_rope(x[7:8], pos[7:8], cos, sin), full[7:8], "rope row alone")
+    ref = apply_rope_reference(x.cpu(), pos.cpu(), 64, 10000.0).float()
+    assert (full.float().cpu() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
