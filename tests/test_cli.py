@@ -53,3 +53,16 @@ def test_inspect_prints_spec(tiny_checkpoint, capsys):
     assert main(["inspect", str(tiny_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "pattern *-*-*-" in out and "backbone.layers.0.mixer.q_proj.weight" in out
+
+
+def test_tokenizer_outside_vocab_names_the_tokenizer(tmp_path, capsys):
+    """A checkpoint without a tokenizer whose vocabulary is smaller than the
+    bundled tokenizer's: the error names the tokenizer used and the way out."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(hybrid_override_pattern="*-", hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000)
+    NemotronHForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    assert main(["check", "--model", str(tmp_path / "m"), "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "outside the model vocabulary (1000)" in err and "--tokenizer" in err

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .consistency.metrics import LogprobDiff, compare_logprobs, full_vocab_max_abs_diff
-from .dsl import UnifiedModelsError
+from .dsl import PromptError, UnifiedModelsError
 from .presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path, tokenizer_dir
 from .prompts import load_prompt_texts, tokenize_prompts
 
@@ -39,6 +39,7 @@ class CheckOptions:
     model: str | None = None
     preset: str | None = None
     prompts: str | None = None
+    tokenizer: str | None = None
     num_prompts: int = 16
     max_new_tokens: int = 128
     seed: int = 0
@@ -89,7 +90,9 @@ def _device(opt: str) -> str:
     return opt
 
 
-def _tokenizer_dir(model_dir: Path) -> Path:
+def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
         return model_dir
     return tokenizer_dir()
@@ -163,8 +166,11 @@ def run_check(opts: CheckOptions) -> int:
     with step("prompts"):
         texts = load_prompt_texts(opts.prompts or default_prompts_path(), opts.num_prompts)
         max_prompt = spec.max_position_embeddings - opts.max_new_tokens
-        prompt_ids = tokenize_prompts(texts, _tokenizer_dir(model_dir), vocab_size=spec.vocab_size,
-                                      max_prompt_tokens=max_prompt)
+        tok_dir = _tokenizer_dir(model_dir, opts.tokenizer)
+        try:
+            prompt_ids = tokenize_prompts(texts, tok_dir, vocab_size=spec.vocab_size, max_prompt_tokens=max_prompt)
+        except PromptError as e:
+            raise PromptError(f"{e} (tokenizer: {tok_dir}; pass --tokenizer to use another)") from None
     timings["load"] = time.perf_counter() - t0
     console.log(f"{len(prompt_ids)} prompts, {sum(map(len, prompt_ids))} prompt tokens")
 

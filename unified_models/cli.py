@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="HF checkpoint directory (default: build the built-in tiny Nemotron-H)")
     c.add_argument("--preset", default=None, help="built-in preset to build when --model is not given")
     c.add_argument("--prompts", help="JSONL prompt file (default: bundled GSM8K questions)")
+    c.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     c.add_argument("--num-prompts", type=_positive(int), default=16)
     c.add_argument("--max-new-tokens", type=_positive(int), default=128)
     c.add_argument("--seed", type=int, default=0)
