@@ -21,7 +21,8 @@ Why each pin (integration manual sections in brackets):
   log-probabilities) gathered, with no re-derivation [5]; prompt logprobs too.
 * ``VLLM_USE_FLASHINFER_SAMPLER=0``: keep the PyTorch sampling path [7].
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (CPU): 1 GiB of KV cache; start in seconds [7].
-* ``dtype=bfloat16``, ``block_size`` multiple of 16, ``model_impl="vllm"`` (no
+* ``dtype`` = the spec's dtype (the checkpoint config's; bf16 by default), so
+  the trainer, built from the same spec, computes in the same dtype; ``block_size`` multiple of 16, ``model_impl="vllm"`` (no
   silent Transformers fallback), ``enforce_eager=True`` by default (our builder
   declares no CUDA-graph support yet).
 * Chunked prefill is off by default on CPU: V1 rewinds a seeded request's
@@ -53,11 +54,11 @@ PINNED_ENV = {
 }
 
 
-def _architecture(model_dir: str | os.PathLike) -> str:
+def _spec(model_dir: str | os.PathLike):
     from ...converters.hf_safetensors import load_hf_config
     from ...models import spec_from_hf_config
 
-    return spec_from_hf_config(load_hf_config(model_dir)).architecture
+    return spec_from_hf_config(load_hf_config(model_dir))
 
 
 def validate_checkpoint(model_dir: str | os.PathLike) -> None:
@@ -137,7 +138,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     model_dir = str(Path(model_dir))
     if validate:
         validate_checkpoint(model_dir)
-    arch = _architecture(model_dir)
+    spec = _spec(model_dir)
 
     for k, v in PINNED_ENV.items():
         os.environ[k] = v
@@ -158,9 +159,11 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         tokenizer=model_dir,
         skip_tokenizer_init=skip_tokenizer_init,
         trust_remote_code=False,
-        hf_overrides={"architectures": [arch]},
+        hf_overrides={"architectures": [spec.architecture]},
         model_impl="vllm",
-        dtype="bfloat16",
+        # The spec decides the dtype (from the checkpoint config), and the trainer
+        # builds from the same spec: both engines always compute in one dtype.
+        dtype=str(spec.dtype).removeprefix("torch."),
         seed=seed,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

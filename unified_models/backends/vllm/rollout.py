@@ -31,6 +31,15 @@ class RolloutResult:
     full_row_keys: list[tuple[int, int]] = field(default_factory=list)
 
 
+def _eos_token_ids(model_dir) -> list[int]:
+    from ...converters.hf_safetensors import load_hf_config
+
+    eos = getattr(load_hf_config(model_dir), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
 def _select_keys(keys: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     if limit < 0 or limit >= len(keys):
         return keys
@@ -73,12 +82,15 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         raise ValueError("rollout: only temperature 1.0 is supported in this version")
     longest = max(len(p) for p in prompt_ids)
     n = len(prompt_ids)
+    stop_ids = _eos_token_ids(model_dir) if stop_at_eos else []
+    # Prompts are token ids and nothing is detokenized, so vLLM needs no
+    # tokenizer (the checkpoint may not have one); EOS comes from the config.
     llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
-                   max_num_seqs=max_num_seqs or n, max_logprobs=0,
+                   max_num_seqs=max_num_seqs or n, max_logprobs=0, skip_tokenizer_init=True,
                    max_num_batched_tokens=max(longest + max_new_tokens, sum(len(p) for p in prompt_ids)))
     try:
         params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens,
-                                 ignore_eos=not stop_at_eos, logprobs=0,
+                                 ignore_eos=not stop_at_eos, stop_token_ids=stop_ids, logprobs=0,
                                  detokenize=False) for i in range(n)]
         with SampleRecorder(llm, keep_rows=full_vocab_rows != 0) as rec:
             outs = generate_token_ids(llm, prompt_ids, params)

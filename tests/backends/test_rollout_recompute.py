@@ -1,0 +1,39 @@
+"""The check pipeline's two halves on a non-default checkpoint: fp32 weights,
+GQA 4:1, pattern ``-*--*``. Both engines must pick the dtype from the same spec."""
+
+import pytest
+import torch
+from transformers import NemotronHConfig, NemotronHForCausalLM
+
+from unified_models.backends.megatron.recompute import recompute_logprobs
+from unified_models.backends.vllm.rollout import rollout
+from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+
+@pytest.fixture(scope="module")
+def fp32_checkpoint(tmp_path_factory):
+    cfg = NemotronHConfig(hybrid_override_pattern="-*--*", hidden_size=96, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=160, vocab_size=512,
+                          eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    torch.manual_seed(3)
+    d = tmp_path_factory.mktemp("fp32") / "m"
+    NemotronHForCausalLM(cfg).to(torch.float32).save_pretrained(d)
+    return d
+
+
+def test_fp32_checkpoint_rollout_equals_recompute(fp32_checkpoint):
+    _, spec, sd = spec_and_state_dict(fp32_checkpoint)
+    assert spec.dtype == torch.float32
+    prompts = [[1, 5, 9, 11, 40], [1, 7], list(range(3, 70))]
+    ro = rollout(fp32_checkpoint, prompts, max_new_tokens=12, seed=5)
+    assert [len(c) for c in ro.completions] == [12, 12, 12]
+    tr = recompute_logprobs(spec, sd, prompts, ro.completions, full_rows_for=ro.full_row_keys)
+    rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])
+    assert torch.equal(rollout_lp, torch.cat(tr.logprobs))
+    assert len(ro.full_row_keys) == 36
+    for k in ro.full_row_keys:
+        assert torch.equal(ro.full_rows[k], tr.full_rows[k])
+    # the trainer really runs in fp32: a bf16 copy of the weights gives other logprobs
+    _, spec16, sd16 = spec_and_state_dict(fp32_checkpoint, dtype=torch.bfloat16)
+    tr16 = recompute_logprobs(spec16, sd16, prompts, ro.completions)
+    assert not torch.equal(rollout_lp, torch.cat(tr16.logprobs))
