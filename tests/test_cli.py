@@ -66,3 +66,41 @@ def test_tokenizer_outside_vocab_names_the_tokenizer(tmp_path, capsys):
     assert main(["check", "--model", str(tmp_path / "m"), "--num-prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert "outside the model vocabulary (1000)" in err and "--tokenizer" in err
+
+
+def test_more_bad_input_is_one_line(tmp_path, capsys, tiny_checkpoint):
+    import shutil
+
+    # a config transformers itself rejects (unknown layer type string)
+    d = tmp_path / "bogus"
+    shutil.copytree(tiny_checkpoint, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["layers_block_type"][0] = "bogus"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["check", "--model", str(d)]) == 2
+    assert "not a valid transformers config" in capsys.readouterr().err
+    # no attention layer: refused before any engine starts
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(hybrid_override_pattern="--", hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=32064)
+    NemotronHForCausalLM(cfg).save_pretrained(tmp_path / "mlp_only")
+    assert main(["check", "--model", str(tmp_path / "mlp_only")]) == 2
+    assert "has no attention layer" in capsys.readouterr().err
+    # --json inside a file, a too long generation, and mutually exclusive flags
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert main(["check", "--model", str(tiny_checkpoint), "--json", str(f / "out.json")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["check", "--model", str(tiny_checkpoint), "--max-new-tokens", "5000"]) == 2
+    assert "leaves no room for a prompt" in capsys.readouterr().err
+    assert main(["check", "--model", str(tiny_checkpoint), "--preset", "nemotron_h_tiny"]) == 2
+    assert "mutually exclusive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["check", "--seed", "-5"], ["check", "--seed", str(2**32)],
+                                  ["check", "--full-vocab-rows", "-7"]])
+def test_out_of_range_flags(argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2

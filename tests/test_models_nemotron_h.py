@@ -58,8 +58,20 @@ def test_spec_is_frozen_and_keyword_only():
         RMSNormSpec("x", 4, 1e-5)
 
 
-def test_tied_embeddings_share_one_parameter():
-    spec = spec_from_hf_config(_cfg(tie_word_embeddings=True))
-    assert "lm_head.weight" not in spec.parameter_shapes()
-    assert spec.lm_head.weight_name == "backbone.embeddings.weight"
+@pytest.mark.parametrize("flag", [{"tie_word_embeddings": True}, {"attention_bias": True}])
+def test_flags_transformers_ignores_are_ignored_too(flag, tmp_path):
+    """transformers' NemotronH saves lm_head.weight even when tied and never
+    builds attention biases; the spec follows what the checkpoint holds."""
+    from safetensors import safe_open
+    from transformers import NemotronHForCausalLM
+
+    cfg = _cfg(**flag)
+    NemotronHForCausalLM(cfg).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        theirs = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    assert spec_from_hf_config(cfg).parameter_shapes() == theirs
+
+
+def test_dtype_from_config_or_argument():
     assert spec_from_hf_config(_cfg(), dtype=torch.float32).dtype == torch.float32
+    assert spec_from_hf_config(_cfg()).dtype == torch.bfloat16

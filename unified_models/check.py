@@ -66,6 +66,7 @@ class CheckReport:
     full_vocab_rows: int
     full_vocab_max_abs_diff: float
     peer: dict
+    options: dict = field(default_factory=dict)
     timings_s: dict = field(default_factory=dict)
 
     @property
@@ -88,6 +89,19 @@ def _device(opt: str) -> str:
     if opt == "cuda" and not torch.cuda.is_available():
         raise UnifiedModelsError("--device cuda requested but no CUDA device is available")
     return opt
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before any work if the JSON report cannot be written there."""
+    if path.exists() and path.is_dir():
+        raise UnifiedModelsError(f"--json {path} is a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UnifiedModelsError(f"--json {path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UnifiedModelsError(f"--json {path}: {parent} is not writable")
+            return
 
 
 def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
@@ -147,6 +161,10 @@ def run_check(opts: CheckOptions) -> int:
     if opts.temperature != 1.0:
         raise UnifiedModelsError("--temperature: only 1.0 is supported in this version")
     device = _device(opts.device)
+    if opts.seed + opts.num_prompts > 2**32:
+        raise UnifiedModelsError(f"--seed {opts.seed}: request seeds seed..seed+{opts.num_prompts - 1} exceed 2**32 - 1")
+    if opts.json_out:
+        _check_writable(Path(opts.json_out))
     timings: dict[str, float] = {}
 
     def step(name):
@@ -161,6 +179,12 @@ def run_check(opts: CheckOptions) -> int:
         from .converters.hf_safetensors import spec_and_state_dict
 
         _, spec, state_dict = spec_and_state_dict(model_dir)
+    if opts.max_new_tokens >= spec.max_position_embeddings:
+        raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
+                                 f"max_position_embeddings is {spec.max_position_embeddings}")
+    from .backends.vllm.engine import check_spec_supported
+
+    check_spec_supported(spec)
     console.log(f"model {model_dir} ({spec.family}, pattern {spec.extra.get('pattern')}, "
                 f"{sum(torch.Size(s).numel() for s in spec.parameter_shapes().values()) / 1e6:.1f}M params)")
     with step("prompts"):
@@ -208,7 +232,8 @@ def run_check(opts: CheckOptions) -> int:
     report = CheckReport(
         model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
         seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
-        peer=peer, timings_s={k: round(v, 2) for k, v in timings.items()},
+        peer=peer, options={k: v for k, v in vars(opts).items() if k != "json_out"},
+        timings_s={k: round(v, 2) for k, v in timings.items()},
     )
     print_report(report, out)
     if opts.json_out:

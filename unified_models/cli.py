@@ -20,6 +20,28 @@ def _positive(kind):
     return parse
 
 
+def _seed(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if not 0 <= v < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {v}")
+    return v
+
+
+def _at_least(lo: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unified-models", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -31,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     c.add_argument("--num-prompts", type=_positive(int), default=16)
     c.add_argument("--max-new-tokens", type=_positive(int), default=128)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=_seed, default=0, help="request i samples with seed S+i (0 <= S < 2**32 - N)")
     c.add_argument("--temperature", type=_positive(float), default=1.0,
                    help="sampling temperature (only 1.0 is supported in this version)")
     c.add_argument("--stop-at-eos", action="store_true", help="stop sequences at EOS (default: generate exactly --max-new-tokens)")
@@ -40,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--peer-tolerance", type=_positive(float), default=1e-4,
                    help="max |logit| difference allowed between our fp32 reference and transformers")
     c.add_argument("--peer-prompts", type=_positive(int), default=2, help="prompts used for the peer check")
-    c.add_argument("--full-vocab-rows", type=int, default=-1,
+    c.add_argument("--full-vocab-rows", type=_at_least(-1), default=-1,
                    help="how many sampled positions compare whole logprob rows (-1 = all)")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
 
@@ -49,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--to", dest="dst_format", choices=["hf", "megatron"], required=True)
     v.add_argument("src")
     v.add_argument("dst")
+    v.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
 
     i = sub.add_parser("inspect", help="print the spec built from a checkpoint's config")
     i.add_argument("model")
@@ -61,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             from .check import CheckOptions, run_check
 
+            if args.model and args.preset:
+                raise UnifiedModelsError("--model and --preset are mutually exclusive")
             opts = CheckOptions(**{k: v for k, v in vars(args).items() if k != "command"})
             return run_check(opts)
         if args.command == "convert":
@@ -69,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.src_format == args.dst_format:
                 raise UnifiedModelsError(f"--from and --to are both {args.src_format!r}")
             fn = hf_to_megatron if args.src_format == "hf" else megatron_to_hf
-            out = fn(args.src, args.dst)
+            out = fn(args.src, args.dst, overwrite=args.overwrite)
             print(f"wrote {out}")
             return 0
         if args.command == "inspect":

@@ -42,7 +42,9 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
                 text = row[field]
             else:
                 raise PromptError(f"{p}:{lineno}: expected a JSON object or string")
-            if not isinstance(text, str) or not text.strip():
+            if not isinstance(text, str):
+                raise PromptError(f"{p}:{lineno}: the prompt must be a string, got {type(text).__name__}")
+            if not text.strip():
                 raise PromptError(f"{p}:{lineno}: empty prompt")
             texts.append(text)
             if num_prompts is not None and len(texts) >= num_prompts:

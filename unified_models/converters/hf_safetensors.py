@@ -37,8 +37,9 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
         raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
     try:
         return AutoConfig.from_pretrained(str(d), trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise CheckpointError(f"{d}/config.json could not be parsed by transformers: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many (validation) types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{d}/config.json is not a valid transformers config: {first}") from None
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:

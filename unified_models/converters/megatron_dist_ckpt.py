@@ -172,7 +172,7 @@ def _atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool):
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output path {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"output directory {out} exists and is not empty; pass overwrite=True to replace it")
+        raise CheckpointError(f"output directory {out} exists and is not empty; pass overwrite=True (CLI: --overwrite) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()

@@ -100,7 +100,9 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> Mod
         if t == "full_attention":
             mixer = AttentionSpec(
                 name=f"{prefix}.mixer", hidden_size=d, num_heads=heads, num_kv_heads=kv_heads,
-                head_dim=head_dim, bias=bool(getattr(config, "attention_bias", False)), rope=None,
+                # transformers' NemotronHAttention (and vLLM's) build q/k/v/o without
+                # bias whatever ``attention_bias`` says, so checkpoints never hold one.
+                head_dim=head_dim, bias=False, rope=None,
             )
         else:
             mixer = MLPSpec(
@@ -109,7 +111,9 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> Mod
             )
         blocks.append(ResidualBlockSpec(index=i, norm=RMSNormSpec(name=f"{prefix}.norm", hidden_size=d, eps=eps), mixer=mixer))
 
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # transformers' NemotronHForCausalLM declares no tied weights (``_tied_weights_keys
+    # = {}``) and always saves ``lm_head.weight``, whatever ``tie_word_embeddings``
+    # says; follow the checkpoint producer.
     return ModelSpec(
         family="nemotron_h",
         architecture=ARCHITECTURE,
@@ -118,8 +122,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> Mod
         embedding=EmbeddingSpec(name="backbone.embeddings", vocab_size=v, hidden_size=d),
         blocks=tuple(blocks),
         final_norm=RMSNormSpec(name="backbone.norm_f", hidden_size=d, eps=eps),
-        lm_head=LMHeadSpec(name="lm_head", vocab_size=v, hidden_size=d,
-                           tied_to="backbone.embeddings.weight" if tied else None),
+        lm_head=LMHeadSpec(name="lm_head", vocab_size=v, hidden_size=d, tied_to=None),
         dtype=dtype,
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 4096)),
         extra={"pattern": layer_pattern(config)},

@@ -40,9 +40,19 @@ def rms_norm_torch(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float, out_d
     """CPU implementation over fixed 16-row tiles (fixed torch call shapes)."""
     w = weight_D.float()
 
+    d = x_TD.shape[1]
+    seg = 16384
+
     def tile(x):
         x = x.float()
-        inv = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+        if d <= seg:
+            ms = x.square().mean(dim=-1, keepdim=True)
+        else:  # rows wider than the grain: fixed segments summed in order
+            ss = x[:, :seg].square().sum(dim=-1, keepdim=True)
+            for j in range(seg, d, seg):
+                ss = ss + x[:, j:j + seg].square().sum(dim=-1, keepdim=True)
+            ms = ss / d
+        inv = torch.rsqrt(ms + eps)
         return (x * inv * w).to(out_dtype)
 
     # Keep each torch call below ATen's parallel grain (32768 elements) so the

@@ -44,7 +44,7 @@ def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_
         raise ParallelismError(
             f"{where}: tensor_model_parallel_size={tensor_model_parallel_size} is refused: tensor parallelism "
             "sums partial products across GPUs in an order the rollout engine does not share, so trainer and "
-            "rollout logprobs could not be bitwise equal (DESIGN.md rule 7). Use TP=1 and scale with data "
+            "rollout logprobs could not be bitwise equal (docs/consistency.md, row 12). Use TP=1 and scale with data "
             "parallelism.")
     if pipeline_model_parallel_size > 1:
         raise ParallelismError(

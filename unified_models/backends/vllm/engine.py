@@ -61,6 +61,20 @@ def _spec(model_dir: str | os.PathLike):
     return spec_from_hf_config(load_hf_config(model_dir))
 
 
+def check_spec_supported(spec) -> None:
+    """Refuse specs this vLLM backend cannot serve, before vLLM starts.
+
+    Raises:
+        SpecError: the model has no attention layer (vLLM's KV-cache manager
+            needs at least one cache layer; Mamba state layers come later).
+    """
+    from ...dsl import SpecError
+
+    if not spec.attention_blocks:
+        raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no attention layer; "
+                        "the vLLM backend needs at least one (vLLM allocates its cache per attention layer)")
+
+
 def validate_checkpoint(model_dir: str | os.PathLike) -> None:
     """Check config, tensor names and shapes of a checkpoint without loading data.
 
@@ -139,6 +153,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     if validate:
         validate_checkpoint(model_dir)
     spec = _spec(model_dir)
+    check_spec_supported(spec)
 
     for k, v in PINNED_ENV.items():
         os.environ[k] = v
@@ -270,9 +285,11 @@ def load_weights_inplace(llm, state_dict: Mapping[str, torch.Tensor], *, strict:
                                      {n: tuple(t.shape) for n, t in state_dict.items()}, require_all=strict)
     if problems:
         raise CheckpointError("in-place weight update rejected; " + "; ".join(problems))
+    dtype = model.spec.dtype
     for n, t in state_dict.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"in-place weight update rejected: tensor {n} holds NaN or Inf")
+        if t.is_floating_point() and not bool(torch.isfinite(t.to(dtype)).all()):
+            raise CheckpointError(f"in-place weight update rejected: tensor {n} holds NaN or Inf "
+                                  f"(after the cast to the engine's {dtype})")
     with torch.no_grad():
         loaded = model.load_weights(state_dict.items())
     if not llm.reset_prefix_cache():

@@ -148,7 +148,7 @@ class UnifiedForCausalLM(nn.Module):
         if tp != 1 or pp != 1:
             raise ParallelismError(
                 f"unified_models runs with tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                f"(got {tp} and {pp}): cross-GPU reductions would break bitwise equality (DESIGN.md rule 7)"
+                f"(got {tp} and {pp}): cross-GPU reductions would break bitwise equality (docs/consistency.md, row 12)"
             )
         dtype = vllm_config.model_config.dtype
         self.spec: ModelSpec = spec_from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
