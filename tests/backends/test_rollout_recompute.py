@@ -9,6 +9,8 @@ from unified_models.backends.megatron.recompute import recompute_logprobs
 from unified_models.backends.vllm.rollout import rollout
 from unified_models.converters.hf_safetensors import spec_and_state_dict
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(scope="module")
 def fp32_checkpoint(tmp_path_factory):
@@ -25,9 +27,9 @@ def test_fp32_checkpoint_rollout_equals_recompute(fp32_checkpoint):
     _, spec, sd = spec_and_state_dict(fp32_checkpoint)
     assert spec.dtype == torch.float32
     prompts = [[1, 5, 9, 11, 40], [1, 7], list(range(3, 70))]
-    ro = rollout(fp32_checkpoint, prompts, max_new_tokens=12, seed=5)
+    ro = rollout(fp32_checkpoint, prompts, max_new_tokens=12, seed=5, device=DEVICE)
     assert [len(c) for c in ro.completions] == [12, 12, 12]
-    tr = recompute_logprobs(spec, sd, prompts, ro.completions, full_rows_for=ro.full_row_keys)
+    tr = recompute_logprobs(spec, sd, prompts, ro.completions, full_rows_for=ro.full_row_keys, device=DEVICE)
     rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])
     assert torch.equal(rollout_lp, torch.cat(tr.logprobs))
     assert len(ro.full_row_keys) == 36
@@ -35,5 +37,5 @@ def test_fp32_checkpoint_rollout_equals_recompute(fp32_checkpoint):
         assert torch.equal(ro.full_rows[k], tr.full_rows[k])
     # the trainer really runs in fp32: a bf16 copy of the weights gives other logprobs
     _, spec16, sd16 = spec_and_state_dict(fp32_checkpoint, dtype=torch.bfloat16)
-    tr16 = recompute_logprobs(spec16, sd16, prompts, ro.completions)
+    tr16 = recompute_logprobs(spec16, sd16, prompts, ro.completions, device=DEVICE)
     assert not torch.equal(rollout_lp, torch.cat(tr16.logprobs))
