@@ -107,6 +107,10 @@ def init_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, b
 
     want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "context_parallel_size": cp, "expert_model_parallel_size": ep}
+    if compat.model_parallel_is_initialized() and not dist.is_initialized():
+        # Stale: the process group under Megatron's groups was torn down (e.g. by
+        # vLLM's cleanup_dist_env_and_memory after a rollout in this process).
+        compat.destroy_model_parallel()
     if compat.model_parallel_is_initialized():
         have = compat.parallel_sizes()
         if have != want:
