@@ -6,7 +6,7 @@ Steps (each shown with progress):
 3. peer: our fp32 reference forward vs transformers' own class on the same
    checkpoint (``max_abs_logit_diff`` within ``--peer-tolerance``);
 4. rollout: ``vllm.LLM`` in-process samples ``--max-new-tokens`` per prompt at
-   temperature 1.0 with per-request seeds, returning the logprob of every
+   ``--temperature`` with per-request seeds, returning the logprob of every
    sampled token (and, through a tap on our model class, the whole row);
 5. trainer: the Megatron module recomputes, from the same token ids and
    weights, packed (THD), the logprob of every sampled token and whole rows;
@@ -158,8 +158,6 @@ def run_check(opts: CheckOptions) -> int:
     _quiet_engines()
     console = Console(stderr=True)
     out = Console()
-    if opts.temperature != 1.0:
-        raise UnifiedModelsError("--temperature: only 1.0 is supported in this version")
     device = _device(opts.device)
     if opts.seed + opts.num_prompts > 2**32:
         raise UnifiedModelsError(f"--seed {opts.seed}: request seeds seed..seed+{opts.num_prompts - 1} exceed 2**32 - 1")
@@ -209,6 +207,7 @@ def run_check(opts: CheckOptions) -> int:
     t0 = time.perf_counter()
     with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
         ro = rollout(model_dir, prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                     temperature=opts.temperature,
                      device=device, stop_at_eos=opts.stop_at_eos, max_num_seqs=opts.max_num_seqs,
                      full_vocab_rows=opts.full_vocab_rows)
     timings["rollout"] = time.perf_counter() - t0
@@ -220,7 +219,7 @@ def run_check(opts: CheckOptions) -> int:
     t0 = time.perf_counter()
     with step(f"Megatron recompute ({n_gen} tokens)"):
         tr = recompute_logprobs(spec, state_dict, prompt_ids, ro.completions, device=device,
-                                full_rows_for=ro.full_row_keys)
+                                temperature=opts.temperature, full_rows_for=ro.full_row_keys)
     timings["trainer"] = time.perf_counter() - t0
 
     rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])

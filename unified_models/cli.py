@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=_positive(int), default=128)
     c.add_argument("--seed", type=_seed, default=0, help="request i samples with seed S+i (0 <= S < 2**32 - N)")
     c.add_argument("--temperature", type=_positive(float), default=1.0,
-                   help="sampling temperature (only 1.0 is supported in this version)")
+                   help="sampling temperature, applied by the logprob op on both sides (default 1.0)")
     c.add_argument("--stop-at-eos", action="store_true", help="stop sequences at EOS (default: generate exactly --max-new-tokens)")
     c.add_argument("--max-num-seqs", type=_positive(int), default=None, help="vLLM batch limit (default: all prompts at once)")
     c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -39,3 +39,39 @@ def test_fp32_checkpoint_rollout_equals_recompute(fp32_checkpoint):
     _, spec16, sd16 = spec_and_state_dict(fp32_checkpoint, dtype=torch.bfloat16)
     tr16 = recompute_logprobs(spec16, sd16, prompts, ro.completions, device=DEVICE)
     assert not torch.equal(rollout_lp, torch.cat(tr16.logprobs))
+
+
+def test_temperature_is_applied_by_the_logprob_op_on_both_sides(fp32_checkpoint):
+    """Requests at different temperatures in one batch: the reported logprob is
+    ops.logprobs(logits, T) on the rollout side and on the trainer side."""
+    from unified_models.backends.reference import ReferenceModel
+    from unified_models.backends.vllm.engine import generate_token_ids, make_llm, sampling_params, shutdown_llm
+
+    _, spec, sd = spec_and_state_dict(fp32_checkpoint)
+    prompts = [[1, 5, 9, 11, 40], [1, 7, 8], [3, 4]]
+    temps = [0.6, 1.0, 1.7]
+    llm = make_llm(fp32_checkpoint, seed=0, max_model_len=64, max_num_seqs=3, skip_tokenizer_init=True,
+                   max_logprobs=0, gpu=DEVICE == "cuda")
+    try:
+        params = [sampling_params(temperature=t, seed=11 + i, max_tokens=10, ignore_eos=True, logprobs=0,
+                                  detokenize=False) for i, t in enumerate(temps)]
+        outs = generate_token_ids(llm, prompts, params)
+        with pytest.raises(Exception, match="temperature"):
+            from vllm import SamplingParams
+
+            generate_token_ids(llm, [prompts[0]], SamplingParams(temperature=0.5, max_tokens=2, detokenize=False))
+    finally:
+        shutdown_llm(llm)
+    ref = ReferenceModel(spec, dtype=torch.float64)
+    ref.load_state_dict_hf(sd)
+    for p, t, out in zip(prompts, temps, outs):
+        toks = list(out.outputs[0].token_ids)
+        got = torch.tensor([step[tok].logprob for tok, step in zip(toks, out.outputs[0].logprobs)], dtype=torch.float32)
+        same = recompute_logprobs(spec, sd, [p], [toks], temperature=t, device=DEVICE).logprobs[0]
+        assert torch.equal(got, same)
+        if t != 1.0:
+            assert not torch.equal(got, recompute_logprobs(spec, sd, [p], [toks], device=DEVICE).logprobs[0])
+        # and it is log_softmax(logits / T) of the published math
+        full = torch.tensor(p + toks)
+        oracle = ref.logprobs(full, temperature=t)[len(p) - 1:-1].gather(1, torch.tensor(toks)[:, None]).view(-1)
+        assert (got.double() - oracle).abs().max() < 1e-4

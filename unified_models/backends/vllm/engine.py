@@ -199,7 +199,66 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
 
     from vllm import LLM
 
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    get_model(llm).row_temperatures = RowTemperatures(get_runner(llm))
+    return llm
+
+
+TEMPERATURE_ARG = "unified_models_temperature"
+"""``SamplingParams.extra_args`` key holding a request's sampling temperature."""
+
+
+def sampling_params(*, temperature: float = 1.0, **kwargs):
+    """``vllm.SamplingParams`` that sample at ``temperature`` through our logprob op.
+
+    vLLM itself samples at temperature 1 from the rows our ``compute_logits``
+    returns, which are ``log_softmax(logits / temperature)``: the same
+    distribution, and the reported logprob is the op's value, which the trainer
+    recomputes with ``ops.logprobs(..., temperature)``.
+
+    Raises:
+        ValueError: ``temperature <= 0`` (use ``temperature=1`` with vLLM's
+            greedy settings for argmax decoding), or ``kwargs`` sets vLLM's own
+            ``temperature`` / ``extra_args``.
+    """
+    from vllm import SamplingParams
+
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if "temperature" in kwargs or "extra_args" in kwargs:
+        raise ValueError("sampling_params sets vLLM's temperature and extra_args itself")
+    return SamplingParams(temperature=1.0, extra_args={TEMPERATURE_ARG: float(temperature)}, **kwargs)
+
+
+class RowTemperatures:
+    """``f(R) -> [T_i]``: the temperature of each sampling row of the current step.
+
+    Row ``i`` belongs to ``runner.input_batch.req_ids[i]`` (see ``model.py``); its
+    temperature is ``extra_args[TEMPERATURE_ARG]`` (default 1).
+
+    Raises:
+        ValueError: a request asks vLLM itself for a temperature other than 0 or
+            1, which would apply a second temperature on top of our rows.
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __call__(self, n: int) -> list[float]:
+        out = []
+        for rid in list(self.runner.input_batch.req_ids)[:n]:
+            state = self.runner.requests.get(rid)
+            sp = getattr(state, "sampling_params", None)
+            if sp is None:
+                out.append(1.0)
+                continue
+            if sp.temperature not in (0.0, 1.0):
+                raise ValueError(
+                    f"request {rid}: vLLM temperature {sp.temperature} would be applied on top of unified_models' "
+                    "logprobs; build the request with unified_models.backends.vllm.engine.sampling_params"
+                    "(temperature=...) instead")
+            out.append(float((sp.extra_args or {}).get(TEMPERATURE_ARG, 1.0)))
+        return out
 
 
 def shutdown_llm(llm) -> None:

@@ -136,6 +136,13 @@ class UnifiedForCausalLM(nn.Module):
         last_sample_positions: int64 ``[R]`` (CPU) position of the token whose
             hidden row is sampling row ``i`` of the last forward, recorded when
             ``logprob_tap`` is set or ``record_sample_positions`` is True.
+        row_temperatures: ``None`` or a callable ``f(R) -> list[float]`` giving the
+            sampling temperature of each sampling row (set by ``engine.make_llm``
+            from each request's ``SamplingParams.extra_args``). The rows are then
+            ``log_softmax(logits / T)`` from the logprob op, and vLLM, asked to
+            sample at temperature 1, samples exactly that distribution and reports
+            exactly these values (DESIGN rule 9: temperature applied the same way
+            on both sides, by the same op).
     """
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
@@ -176,6 +183,7 @@ class UnifiedForCausalLM(nn.Module):
         self.record_sample_positions = False
         self.last_sample_positions: torch.Tensor | None = None
         self.logits_call_index = 0
+        self.row_temperatures: Callable[[int], list[float]] | None = None
         self._initial_load_done = False
 
     # ------------------------------------------------------------------ params
@@ -244,8 +252,25 @@ class UnifiedForCausalLM(nn.Module):
         return forward_hidden(self.spec, self.params(), batch, store)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[R, V]`` log-probabilities (temperature 1) of the rows vLLM samples from."""
-        rows = forward_logprobs(self.spec, self.params(), hidden_states, temperature=1.0)
+        """fp32 ``[R, V]`` log-probabilities of the rows vLLM samples from.
+
+        Sampling rows use each request's temperature (``row_temperatures``);
+        prompt-logprob rows and requests without one use temperature 1. Each row
+        depends only on its own hidden state and temperature, so computing rows
+        grouped by temperature changes no bit.
+        """
+        temps = None
+        sampling_call = self.logits_call_index == -1  # first call after forward (see module doc)
+        if self.row_temperatures is not None and sampling_call:
+            temps = self.row_temperatures(hidden_states.shape[0])
+        if temps is None or all(t == 1.0 for t in temps):
+            rows = forward_logprobs(self.spec, self.params(), hidden_states, temperature=1.0)
+        else:
+            rows = torch.empty((hidden_states.shape[0], self.spec.vocab_size), dtype=torch.float32,
+                               device=hidden_states.device)
+            for t in sorted(set(temps)):
+                idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], device=hidden_states.device)
+                rows[idx] = forward_logprobs(self.spec, self.params(), hidden_states[idx], temperature=t)
         self.logits_call_index += 1
         if self.logprob_tap is not None:
             self.logprob_tap(rows.clone())

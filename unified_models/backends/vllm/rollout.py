@@ -64,22 +64,19 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         max_num_seqs: engine batch limit (default: all prompts at once).
         full_vocab_rows: how many sampled positions keep whole rows (-1 = all),
             spread evenly over the rollout.
-        temperature: only 1.0 (the rows vLLM returns are temperature-1 logprobs).
+        temperature: > 0; the rows (and reported logprobs) are ``log_softmax(logits / T)``
+            from the logprob op (see ``engine.sampling_params``).
 
     Returns:
         :class:`RolloutResult`.
 
     Raises:
-        ValueError: temperature other than 1.0.
+        ValueError: temperature <= 0.
         RuntimeError: vLLM returned a logprob that differs from the recorded row
             (the tap and the sampler disagree: a bug, never ignored).
     """
-    from vllm import SamplingParams
+    from .engine import SampleRecorder, generate_token_ids, make_llm, sampling_params, shutdown_llm
 
-    from .engine import SampleRecorder, generate_token_ids, make_llm, shutdown_llm
-
-    if temperature != 1.0:
-        raise ValueError("rollout: only temperature 1.0 is supported in this version")
     longest = max(len(p) for p in prompt_ids)
     n = len(prompt_ids)
     stop_ids = _eos_token_ids(model_dir) if stop_at_eos else []
@@ -89,9 +86,9 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
                    max_num_seqs=max_num_seqs or n, max_logprobs=0, skip_tokenizer_init=True,
                    max_num_batched_tokens=max(longest + max_new_tokens, sum(len(p) for p in prompt_ids)))
     try:
-        params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens,
-                                 ignore_eos=not stop_at_eos, stop_token_ids=stop_ids, logprobs=0,
-                                 detokenize=False) for i in range(n)]
+        params = [sampling_params(temperature=temperature, seed=seed + i, max_tokens=max_new_tokens,
+                                  ignore_eos=not stop_at_eos, stop_token_ids=stop_ids, logprobs=0,
+                                  detokenize=False) for i in range(n)]
         with SampleRecorder(llm, keep_rows=full_vocab_rows != 0) as rec:
             outs = generate_token_ids(llm, prompt_ids, params)
         completions, logprobs, full_rows, keys = [], [], {}, []
