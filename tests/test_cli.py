@@ -29,14 +29,19 @@ def test_check_on_missing_dir_and_empty_prompts(tmp_path, capsys, tiny_checkpoin
     assert "holds no prompts" in capsys.readouterr().err
 
 
-def test_unsupported_layer_named(tmp_path, capsys, tiny_checkpoint):
+def _with_layer_type(tiny_checkpoint, d, index, layer_type):
+    """Copy of the tiny checkpoint whose config says layer ``index`` is ``layer_type``."""
     import shutil
 
-    d = tmp_path / "m"
     shutil.copytree(tiny_checkpoint, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["layers_block_type"][1] = "moe"
+    cfg["layers_block_type"][index] = layer_type
     (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_unsupported_layer_named(tmp_path, capsys, tiny_checkpoint):
+    d = _with_layer_type(tiny_checkpoint, tmp_path / "m", 1, "moe")
     assert main(["check", "--model", str(d)]) == 2
     assert "layer 1 has type 'moe'" in capsys.readouterr().err
 
@@ -69,14 +74,8 @@ def test_tokenizer_outside_vocab_names_the_tokenizer(tmp_path, capsys):
 
 
 def test_more_bad_input_is_one_line(tmp_path, capsys, tiny_checkpoint):
-    import shutil
-
     # a config transformers itself rejects (unknown layer type string)
-    d = tmp_path / "bogus"
-    shutil.copytree(tiny_checkpoint, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["layers_block_type"][0] = "bogus"
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = _with_layer_type(tiny_checkpoint, tmp_path / "bogus", 0, "bogus")
     assert main(["check", "--model", str(d)]) == 2
     assert "not a valid transformers config" in capsys.readouterr().err
     # no attention layer: refused before any engine starts

@@ -23,11 +23,9 @@ def _inputs(T, gen, dtype=torch.bfloat16, k=K, n=N):
 
 
 def _pad(k, dtype, gen):
-    def f(n):
-        rows = torch.randn(n, k, generator=gen) * 50.0
-        rows[: n // 2] = 0.0
-        return (rows.to(dtype),)
-    return f
+    from invariance import Inv
+
+    return Inv.padding(k, dtype, gen, 50.0)
 
 
 def _tol(out_dtype):

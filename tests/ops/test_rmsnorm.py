@@ -17,12 +17,9 @@ def _inputs(T, D, dtype, gen, scale=3.0):
 
 
 def _pad(D, dtype, gen):
-    # padding rows: zeros (as engines pad) and junk of a very different scale
-    def f(n):
-        rows = torch.randn(n, D, generator=gen) * 100.0
-        rows[: n // 2] = 0.0
-        return (rows.to(dtype),)
-    return f
+    from invariance import Inv
+
+    return Inv.padding(D, dtype, gen, 100.0)
 
 
 def _tol(out_dtype):
