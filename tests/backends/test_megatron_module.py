@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (required: a missing install must fail, not skip)
 
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402

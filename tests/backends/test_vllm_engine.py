@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (a required dependency: a missing install must fail, not skip)
 
 from unified_models.backends.vllm import engine  # noqa: E402
 from unified_models.dsl import CheckpointError  # noqa: E402

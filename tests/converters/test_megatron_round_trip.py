@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (required: a missing install must fail, not skip)
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402

@@ -6,8 +6,9 @@ import torch
 from unified_models.ops.rope import apply_rope, apply_rope_reference, apply_rope_torch, rope_cos_sin
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+from invariance import Inv
+
+_bits = Inv.bits
 
 
 @pytest.mark.parametrize("rotary_dim,head_dim", [(64, 64), (32, 64)])
