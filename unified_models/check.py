@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .consistency.metrics import LogprobDiff, compare_logprobs, full_vocab_max_abs_diff
+from .consistency.metrics import LogprobDiff, compare_logprobs, full_vocab_max_abs_diff, rollout_digest
 from .dsl import PromptError, UnifiedModelsError
 from .presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path, tokenizer_dir
 from .prompts import load_prompt_texts, tokenize_prompts
@@ -66,6 +66,7 @@ class CheckReport:
     full_vocab_rows: int
     full_vocab_max_abs_diff: float
     peer: dict
+    rollout_sha256: str = ""
     options: dict = field(default_factory=dict)
     timings_s: dict = field(default_factory=dict)
 
@@ -115,6 +116,11 @@ def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
 def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], tolerance: float) -> dict:
     """Our fp32 reference forward vs transformers' own class, fp32, same checkpoint.
 
+    Both forwards are plain fp32 torch on the host BLAS (MKL on CPU), so the
+    measured difference depends on that BLAS's summation order. On CPU they
+    run single-threaded so the number is the same at any thread count (it may
+    still differ across CPU instruction sets, e.g. AVX2 vs AVX-512 MKL paths).
+
     Returns:
         ``{"against", "max_abs_logit_diff", "tolerance", "within_tolerance", "tokens"}``.
     """
@@ -127,13 +133,18 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     hf.eval()
     worst, tokens = 0.0, 0
-    with torch.no_grad():
-        for ids in prompt_ids:
-            x = torch.tensor(ids)
-            theirs = hf(x[None]).logits[0].float()
-            ours = ref.logits(x)
-            worst = max(worst, float((theirs - ours).abs().max()))
-            tokens += len(ids)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for ids in prompt_ids:
+                x = torch.tensor(ids)
+                theirs = hf(x[None]).logits[0].float()
+                ours = ref.logits(x)
+                worst = max(worst, float((theirs - ours).abs().max()))
+                tokens += len(ids)
+    finally:
+        torch.set_num_threads(threads)
     return {
         "against": f"transformers {type(hf).__name__} (fp32)",
         "ours": "unified_models reference backend (fp32)",
@@ -231,7 +242,7 @@ def run_check(opts: CheckOptions) -> int:
     report = CheckReport(
         model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
         seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
-        peer=peer, options={k: v for k, v in vars(opts).items() if k != "json_out"},
+        peer=peer, rollout_sha256=rollout_digest(ro.completions, rollout_lp), options={k: v for k, v in vars(opts).items() if k != "json_out"},
         timings_s={k: round(v, 2) for k, v in timings.items()},
     )
     print_report(report, out)
@@ -255,5 +266,6 @@ def print_report(r: CheckReport, console: Console) -> None:
     t.add_row("tokens with differing bits", str(r.diff.num_mismatched))
     t.add_row(f"full_vocab_max_abs_diff ({r.full_vocab_rows} rows)", repr(r.full_vocab_max_abs_diff))
     t.add_row("peer max_abs_logit_diff", f"{r.peer['max_abs_logit_diff']:.3g} (tol {r.peer['tolerance']:g})")
+    t.add_row("rollout sha256 (tokens + logprob bits)", r.rollout_sha256[:16])
     t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else "[red]FAIL[/red]")
     console.print(t)

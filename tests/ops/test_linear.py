@@ -110,3 +110,18 @@ def test_torch_impl_vs_reference_and_invariant(out_dtype, gen, inv):
                           prefixes=(1, 3, 17), what="linear_torch")
     exact = x.double() @ w.double().t() + b.double()
     torch.testing.assert_close(full.double(), exact, **_tol(out_dtype))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interpreter_equals_torch_impl(out_dtype, device, gen, inv):
+    """Under the interpreter the Triton linear is the exact dot product rounded once,
+    i.e. the CPU torch implementation bit for bit (neither depends on the host's BLAS)."""
+    if device != "cpu":
+        pytest.skip("the interpreter path exists only on CPU (GPU tiles accumulate in fp32)")
+    from unified_models.ops.triton.linear import linear_triton
+
+    x, w, b = _inputs(70, gen)
+    x[3] = 0.0  # an all-zero row, and rows of very different scale
+    x[5] *= 2.0 ** -60
+    x[6] *= 2.0 ** 40
+    inv.assert_bitwise(linear_triton(x, w, b, out_dtype), linear_torch(x, w, b, out_dtype), "interpreter vs torch")

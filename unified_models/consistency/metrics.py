@@ -8,6 +8,7 @@ an unbiased estimate of KL(q || p). It is exactly 0 when the logprobs are equal.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -78,3 +79,28 @@ def full_vocab_max_abs_diff(rollout_rows: torch.Tensor, trainer_rows: torch.Tens
     same_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
     d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
     return float(d.max())
+
+
+def rollout_digest(completions: list[list[int]], logprobs: torch.Tensor) -> str:
+    """SHA-256 fingerprint of a rollout: every sampled token id and the bits of its logprob.
+
+    Two runs with equal digests sampled the same tokens with bitwise-equal
+    logprobs (used to show that a run does not depend on the host's BLAS
+    kernels or thread count).
+
+    Args:
+        completions: per sequence, the sampled token ids (in order).
+        logprobs: fp32 ``[N]`` logprobs of those tokens, concatenated in the same order.
+
+    Raises:
+        ValueError: ``logprobs`` does not have one entry per sampled token.
+    """
+    n = sum(len(c) for c in completions)
+    if logprobs.shape != (n,):
+        raise ValueError(f"rollout_digest: {tuple(logprobs.shape)} logprobs for {n} sampled tokens")
+    h = hashlib.sha256()
+    for c in completions:
+        h.update(torch.tensor(c, dtype=torch.int64).numpy().tobytes())
+        h.update(b"|")
+    h.update(logprobs.float().contiguous().view(torch.int32).numpy().tobytes())
+    return h.hexdigest()

@@ -98,6 +98,11 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
 
     Each torch call has a shape fixed by the model (16 tokens, G, H/G, E, 16
     positions), so its kernel and thread partition never depend on the batch.
+    No result depends on the host's BLAS either: scores are exact fp64 dot
+    products of the bf16/fp16 operands rounded once to fp32 (exact while the
+    products of one score span fewer than ``53 - 22 - ceil(log2 E)`` binary
+    orders), and ``P @ V`` and the row sum of ``P`` are accumulated
+    elementwise in fp64 in position order, then rounded once to fp32.
     """
     t_all, h, e = q_THE.shape
     s, g = k_cache.shape[1], k_cache.shape[2]
@@ -113,7 +118,7 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
     ar = torch.arange(kv, device=q_THE.device)
     outs = []
     for i in range(0, q_pad.shape[0], ROW_TILE):
-        qf = q_pad[i:i + ROW_TILE].float().view(ROW_TILE, g, r, e)
+        qd = q_pad[i:i + ROW_TILE].double().view(ROW_TILE, g, r, e)
         pos = torch.where(valid_row[i:i + ROW_TILE], pos_pad[i:i + ROW_TILE], -1)
         rows = block_table_BN[sidx_pad[i:i + ROW_TILE]].long()  # [16, nb]
         m = torch.full((ROW_TILE, g, r), float("-inf"), device=q_THE.device)
@@ -131,14 +136,25 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
             vmask = valid.view(ROW_TILE, kv, 1, 1)
             k = torch.where(vmask, k_cache[blk, off].float(), 0.0)  # [16, KV, G, E]
             v = torch.where(vmask, v_cache[blk, off].float(), 0.0)
-            sc = torch.matmul(qf, k.permute(0, 2, 3, 1)) * scale  # [16, G, R, KV]
+            # Scores: exact fp64 products of the bf16/fp16 operands, one rounding to
+            # fp32 (BLAS order cannot matter while the fp64 sum is exact).
+            sc = torch.matmul(qd, k.double().permute(0, 2, 3, 1)).float() * scale  # [16, G, R, KV]
             sc = sc.masked_fill(~valid.view(ROW_TILE, 1, 1, kv), float("-inf"))
             m_new = torch.maximum(m, sc.amax(dim=-1))
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             alpha = torch.exp(m - m_safe)
             pr = torch.exp(sc - m_safe.unsqueeze(-1))
-            l = l * alpha + pr.sum(dim=-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.matmul(pr, v.permute(0, 2, 1, 3))
+            # P @ V and the row sum of P in a fixed order (position 0..KV-1 of the
+            # tile), elementwise in fp64 (each product exact), rounded once to fp32:
+            # no BLAS call and no vectorized reduction can reorder it.
+            pd, vd = pr.double(), v.double().permute(0, 2, 1, 3)  # [16, G, R, KV], [16, G, KV, E]
+            pv = pd[..., 0:1] * vd[:, :, 0:1, :]
+            ps = pd[..., 0]
+            for c in range(1, kv):
+                pv = pv + pd[..., c:c + 1] * vd[:, :, c:c + 1, :]
+                ps = ps + pd[..., c]
+            l = l * alpha + ps.float()
+            acc = acc * alpha.unsqueeze(-1) + pv.float()
             m = m_new
         l_safe = torch.where(l > 0, l, torch.ones_like(l))
         outs.append((acc / l_safe.unsqueeze(-1)).view(ROW_TILE, h, e))

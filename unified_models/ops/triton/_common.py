@@ -68,3 +68,45 @@ def round_to(x, dtype: tl.constexpr):
         return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def interpreter_dot(a, b):
+    """``a [M, K] @ b [K, N]`` in fp64 without BLAS (Triton interpreter only).
+
+    Under ``TRITON_INTERPRET=1`` a ``tl.dot`` is a numpy ``matmul`` on the
+    host's BLAS, whose result for a row depends on the row's place in the tile
+    and on the BLAS kernel family (OpenBLAS Haswell/Zen micro-kernels treat
+    edge rows differently from Prescott/Sandybridge ones), so the same kernel
+    source gave different bits on different hosts (issue 5). Here the products
+    are formed elementwise in fp64 (exact for bf16/fp16 operands: <= 22
+    significand bits; exact for fp32 operands: 48 bits) and summed over K by
+    one ``tl.sum`` (numpy's own ``add.reduce``: a fixed order that depends
+    only on K and the tile layout, never on BLAS, threads or the row). For
+    bf16/fp16 operands the fp64 sum is moreover exact while the nonzero
+    products span fewer than ``53 - 22 - ceil(log2 K)`` binary orders, so it
+    equals the exact dot product. Returns ``[M, N]`` fp64; the caller rounds.
+    """
+    return tl.sum(a.to(tl.float64)[:, :, None] * b.to(tl.float64)[None, :, :], axis=1)
+
+
+@triton.jit
+def round_f64_to(x, dtype: tl.constexpr):
+    """Round fp64 ``x`` to ``dtype`` ONCE, to nearest, ties to even (interpreter only).
+
+    fp32: one IEEE rounding. bf16/fp16: round to fp32 with round-to-odd (the
+    sticky bit is kept in the last fp32 bit), then RNE to ``dtype``, which
+    equals a direct rounding (Boldo & Melquiond 2008); the same rule as
+    :func:`unified_models.ops.linear.round_f64`.
+    """
+    r = x.to(tl.float32)
+    if dtype != tl.float32:
+        bits = r.to(tl.int32, bitcast=True)
+        r64 = r.to(tl.float64)
+        inexact = r64 != x
+        even = (bits & 1) == 0
+        finite = tl.abs(r) < float("inf")
+        step = tl.where(tl.abs(r64) > tl.abs(x), -1, 1)
+        bits = tl.where(inexact & even & finite, bits + step, bits)
+        r = bits.to(tl.float32, bitcast=True)
+    return round_to(r, dtype)

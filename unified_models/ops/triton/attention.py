@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_device, next_pow2, round_to
+from ._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, next_pow2, round_to
 
 if INTERPRET:
     # Short tiles so that small test sequences still span several tiles.
@@ -106,7 +106,9 @@ def _paged_attention_kernel(
         # memory (possibly NaN) never reaches the math.
         kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
                      + e[:, None] * stride_kce, mask=mask_e[:, None] & valid[None, :], other=0.0)
-        if FP32_DOT:
+        if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
+            s = interpreter_dot(q, kt).to(tl.float32)
+        elif FP32_DOT:
             s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt.to(q.dtype))
@@ -118,7 +120,9 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
                     + e[None, :] * stride_vce, mask=valid[:, None] & mask_e[None, :], other=0.0)
-        if FP32_DOT:
+        if _INTERP:
+            pv = interpreter_dot(pr, v).to(tl.float32)
+        elif FP32_DOT:
             pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
@@ -208,8 +212,10 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Numerics: scores and the online softmax are fp32 (exp2 with the scale
     folded in); on GPU the dot operands are ``q``'s dtype (K/V tiles and the
     probabilities are cast to it for the tensor-core ``tl.dot``, fp32
-    accumulation); under the interpreter, or for fp32 ``q``, everything is
-    fp32 (IEEE dot).
+    accumulation); for fp32 ``q`` everything is fp32 (IEEE dot). Under the
+    interpreter (CPU) the two products are :func:`interpreter_dot` (exact fp64
+    products, numpy's fixed summation order, one rounding to fp32), so no
+    host BLAS kernel decides any bit.
     """
     if q_THE.dim() != 3 or q_THE.dtype not in FLOAT_DTYPES:
         raise ValueError(f"paged_attention_triton: q must be [T, H, E] bf16/fp16/fp32, got "

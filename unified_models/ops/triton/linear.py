@@ -15,11 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device, round_to
+from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
 
 if INTERPRET:
-    # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts").
-    BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 256
+    # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts");
+    # BLOCK_K = 64 keeps the [M, K, N] fp64 product of interpreter_dot within
+    # Triton's 2**20-element tensor limit.
+    BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 64
     NUM_WARPS, NUM_STAGES = 4, 1
 else:
     # Hopper (H100/H200): wgmma tile, bf16 operands, fp32 accumulation. Measured on
@@ -60,23 +62,38 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = (k0 + offs_k) < K
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if _INTERP:
+        # CPU (interpreter): exact fp64 products, fp64 sum, ONE rounding, the
+        # same value as the CPU torch implementation (ops.linear.linear_torch).
+        acc64 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = (k0 + offs_k) < K
+            a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc64 += interpreter_dot(a, b)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc64 += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float64)[None, :]
+        tl.store(out_ptrs, round_f64_to(acc64, out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = (k0 + offs_k) < K
+            a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if FP32_DOT:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
@@ -100,8 +117,12 @@ def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
             dtypes, bias of the wrong shape, tensors on different devices.
 
     bf16 operands go to ``tl.dot`` as bf16 on GPU (fp32 accumulate); fp32
-    operands use IEEE fp32 (no TF32). Under the interpreter all operands are
-    cast to fp32 first (the interpreter's bf16 ``tl.dot`` is wrong).
+    operands use IEEE fp32 (no TF32). Under the interpreter (CPU) no
+    ``tl.dot`` runs: products are exact in fp64, summed over all of K in fp64
+    in numpy's fixed order and rounded once (:func:`interpreter_dot`), so the
+    result does not depend on the host's BLAS kernels or threads and equals
+    :func:`unified_models.ops.linear.linear_torch` bit for bit for bf16/fp16
+    operands (while their fp64 sum is exact; see docs/consistency.md).
     """
     if x_TK.dim() != 2 or weight_NK.dim() != 2 or x_TK.shape[1] != weight_NK.shape[1]:
         raise ValueError(f"linear_triton: x {tuple(x_TK.shape)} @ W^T {tuple(weight_NK.shape)} do not match")
