@@ -1,4 +1,4 @@
-"""Command line: ``unified-models check | convert | inspect``."""
+"""Command line: ``unified-models check | rl | convert | inspect``."""
 
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many sampled positions compare whole logprob rows (-1 = all)")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
 
+    _add_rl_parser(sub)
+
     v = sub.add_parser("convert", help="convert between HF safetensors and a Megatron torch_dist checkpoint")
     v.add_argument("--from", dest="src_format", choices=["hf", "megatron"], required=True)
     v.add_argument("--to", dest="dst_format", choices=["hf", "megatron"], required=True)
@@ -78,6 +80,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
+def _token_id(s: str):
+    if s == "auto":
+        return s
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a token id (integer), got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"token ids are >= 0, got {v}")
+    return v
+
+
+def _add_rl_parser(sub) -> None:
+    from .rl.rewards import reward_info, reward_names
+
+    r = sub.add_parser(
+        "rl", help="GRPO: roll out in vLLM, recompute and compare in Megatron, update, sync weights in place",
+        description="GRPO with diff = 0 checked at every step: vLLM rollout -> Megatron recompute and bitwise "
+                    "compare -> update -> in-place weight sync. Exits 1 at the first differing logprob.")
+    r.add_argument("--model", help="HF checkpoint directory (default: build the built-in tiny Nemotron-H)")
+    r.add_argument("--preset", default=None, help="built-in preset to build when --model is not given")
+    r.add_argument("--prompts", help="JSONL prompt file (default: the bundled 200 GSM8K test questions)")
+    r.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
+    r.add_argument("--reward", choices=reward_names(), default="target-token",
+                   help="; ".join(f"{n}: {reward_info(n).description}" for n in reward_names())
+                   + " (default target-token)")
+    r.add_argument("--target-token-id", type=_token_id, default="auto",
+                   help="token id rewarded by --reward target-token; 'auto' (default) = the token the initial "
+                        "policy sampled most often in step 1")
+    r.add_argument("--steps", type=_positive(int), default=30, help="optimizer updates in total (default 30)")
+    r.add_argument("--group-size", type=_at_least(2), default=8, help="samples per prompt, G (default 8)")
+    r.add_argument("--num-prompts-per-step", type=_positive(int), default=4, help="prompts per step, P (default 4)")
+    r.add_argument("--lr", type=_positive(float), default=None,
+                   help="Adam learning rate, constant (default: target-token 3e-5, gsm8k 1e-6)")
+    r.add_argument("--max-new-tokens", type=_positive(int), default=None,
+                   help="tokens sampled per completion (default: target-token 16, gsm8k 64)")
+    r.add_argument("--temperature", type=_positive(float), default=None,
+                   help="sampling temperature, applied by the logprob op on both sides (default: target-token 0.1, "
+                        "where a random model's near-uniform policy becomes peaked enough to hit the target; "
+                        "gsm8k 1.0)")
+    r.add_argument("--seed", type=_seed, default=0, help="prompt order and per-request sampling seeds")
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    r.add_argument("--kl-coef", type=_non_negative_float, default=0.0,
+                   help="beta of the k3 KL penalty to a frozen copy of the initial weights (default 0: none)")
+    r.add_argument("--clip-eps", type=_positive(float), default=0.2, help="PPO ratio clip (inactive at ratio 1)")
+    r.add_argument("--clip-grad", type=_non_negative_float, default=1.0,
+                   help="clip the global grad norm to this (0: off; default 1.0)")
+    r.add_argument("--metrics", default="rl_metrics.jsonl",
+                   help="per-step JSONL (default rl_metrics.jsonl); the plot goes next to it as .png")
+    r.add_argument("--save", help="write Megatron training checkpoints (model, optimizer, RNG, step) here")
+    r.add_argument("--save-every", type=_positive(int), default=0,
+                   help="checkpoint every K steps (and after the last; default: after the last only)")
+    r.add_argument("--resume", help="continue from the latest training checkpoint in DIR up to --steps")
+    r.add_argument("--use-rollout-logprobs", action="store_true",
+                   help="use the rollout's logprobs as old logprobs (skips the no-grad recompute) once diff = 0 was "
+                        "verified by the first step of this process; the update's forward is still compared bitwise")
+    r.add_argument("--stop-at-eos", action="store_true", help="stop completions at EOS (default: exactly --max-new-tokens)")
+    r.add_argument("--full-vocab-rows", type=_at_least(-1), default=256,
+                   help="sampled positions per step compared over the whole vocabulary (-1 = all; default 256)")
+    r.add_argument("--micro-batch-tokens", type=_positive(int), default=None,
+                   help="THD micro-batch size of the trainer (default 4096 CPU / 32768 GPU; bits do not depend on it)")
+    r.add_argument("--no-plot", dest="plot", action="store_false", help="do not write the PNG plot")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -88,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise UnifiedModelsError("--model and --preset are mutually exclusive")
             opts = CheckOptions(**{k: v for k, v in vars(args).items() if k != "command"})
             return run_check(opts)
+        if args.command == "rl":
+            from .rl.loop import RLOptions, run_rl
+
+            opts = RLOptions(**{k: v for k, v in vars(args).items() if k != "command"})
+            return run_rl(opts)
         if args.command == "convert":
-            from .converters.megatron_dist_ckpt import hf_to_megatron, megatron_to_hf
+            from .backends.megatron.dist_ckpt import hf_to_megatron, megatron_to_hf
 
             if args.src_format == args.dst_format:
                 raise UnifiedModelsError(f"--from and --to are both {args.src_format!r}")

@@ -176,17 +176,6 @@ def test_token_logprobs_rows_mask_and_targets(model):
             model(ids, torch.tensor([0, 20], dtype=torch.int32))
 
 
-def test_no_fake_backward(loaded):
-    spec, state_dict = loaded
-    m = UnifiedMegatronModel(spec, device="cpu")
-    m.load_hf_state_dict(state_dict)
-    ids = torch.tensor([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="no backward"):
-        m(ids)
-    with torch.inference_mode():
-        assert m(ids).shape == (3, spec.hidden_size)
-
-
 def test_tensor_parallel_refused(loaded, monkeypatch):
     spec, _ = loaded
     with pytest.raises(ParallelismError, match="tensor_model_parallel_size=2"):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state  # noqa: E402
 from unified_models.converters import megatron_dist_ckpt as mdc  # noqa: E402
 from unified_models.converters.hf_safetensors import load_hf_config, spec_and_state_dict  # noqa: E402
-from unified_models.converters.megatron_dist_ckpt import (  # noqa: E402
+from unified_models.backends.megatron.dist_ckpt import (  # noqa: E402
     hf_to_megatron,
     load_dist_checkpoint,
     megatron_to_hf,
@@ -145,7 +145,7 @@ def test_failed_write_leaves_nothing(hf_dir, tmp_path, monkeypatch):
         (ckpt_dir / "__0_0.distcp").write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(mdc, "_write_torch_dcp", broken)
+    monkeypatch.setattr(mdc, "write_torch_dcp", broken)
     with pytest.raises(CheckpointError, match="disk full"):
         hf_to_megatron(hf_dir, tmp_path / "out", writer="torch_dcp")
     assert not (tmp_path / "out").exists()
@@ -242,7 +242,7 @@ import json, sys, torch
 import megatron.core as mc
 from megatron.core import dist_checkpointing
 from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state
-from unified_models.converters.megatron_dist_ckpt import load_dist_checkpoint
+from unified_models.backends.megatron.dist_ckpt import load_dist_checkpoint
 from unified_models.converters.hf_safetensors import spec_and_state_dict
 hf_dir, mg_dir = sys.argv[1:3]
 assert mc.__version__.startswith("0.19"), mc.__version__

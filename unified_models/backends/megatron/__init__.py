@@ -1,7 +1,8 @@
 """Megatron-core backend: the spec as a ``MegatronModule`` running the shared forward.
 
-Only this package (and the Megatron checkpoint converter, through
-:mod:`.compat`) imports Megatron. Version differences between megatron-core
+Only this package imports Megatron (checkpoint I/O through Megatron lives in
+:mod:`.dist_ckpt` and :mod:`.checkpoint`; ``converters/`` keeps the engine-free
+layout). Version differences between megatron-core
 0.16 (CPU) and 0.19 (GPU) live in :mod:`.compat`.
 """
 

@@ -217,3 +217,99 @@ def packed_seq_cu_seqlens(packed_seq_params: Any) -> torch.Tensor:
     if kv is not None and not torch.equal(kv.to(cu.device).long(), cu.long()):
         raise ValueError("PackedSeqParams: cu_seqlens_kv differs from cu_seqlens_q (self-attention needs equal boundaries)")
     return cu
+
+
+# --------------------------------------------------------------------------- optimizer (training)
+#
+# Same in 0.16 and 0.19 (checked against both sources): ``OptimizerConfig``
+# fields used here, ``get_standard_config_overrides``, ``_get_param_groups``
+# (private; its 0.16 version applies the standard overrides itself when given
+# None, 0.19's does not, so they are always passed explicitly),
+# ``get_megatron_optimizer(config, model_chunks, config_overrides=...)``,
+# ``DistributedDataParallel(config=, ddp_config=, module=)`` and
+# ``finish_grad_sync()`` / ``zero_grad_buffer()``.
+
+
+def megatron_optimizer_config(**kwargs: Any):
+    """Megatron's ``OptimizerConfig`` with the fields this version has (others dropped)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**filter_dataclass_kwargs(OptimizerConfig, kwargs))
+
+
+def optimizer_param_groups(model_chunks: list, optimizer_config) -> list[dict]:
+    """Megatron's own parameter groups (standard overrides: no weight decay on
+    biases and 1-D parameters). Runs on CPU; needs ``torch.distributed``."""
+    from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
+
+    return _get_param_groups(model_chunks, optimizer_config, get_standard_config_overrides(optimizer_config))
+
+
+def megatron_optimizer(optimizer_config, model_chunks: list):
+    """``get_megatron_optimizer`` with the standard overrides passed explicitly. CUDA only."""
+    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+
+    return get_megatron_optimizer(optimizer_config, model_chunks,
+                                  config_overrides=get_standard_config_overrides(optimizer_config))
+
+
+def ddp_wrap(module, transformer_config, **ddp_kwargs: Any):
+    """Megatron's ``DistributedDataParallel`` around ``module``. CUDA only (grad buffers on the GPU)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(**filter_dataclass_kwargs(DistributedDataParallelConfig, ddp_kwargs))
+    return DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=module)
+
+
+# --------------------------------------------------------------------------- dist_checkpointing save without CUDA
+
+
+def cpu_dist_save(sharded_state_dict: dict, checkpoint_dir: str | Path, *, thread_count: int = 1) -> None:
+    """Save a sharded state dict in the ``torch_dist`` layout without CUDA (recipe A of
+    ``reference/megatron-modelopt.md`` §3: Megatron's own translation, PyTorch DCP's writer).
+
+    Megatron's ``dist_checkpointing.save`` cannot run on CPU (its writer calls
+    ``torch.cuda.synchronize``); this is the same pipeline with the CPU-capable
+    ``FileSystemWriter``: ``save_preprocess`` (factories, non-persistent objects,
+    access-integrity validation) -> rank 0 writes ``common.pt`` -> ShardedTensor /
+    ShardedObject keys (main replicas only) -> PyTorch sharded tensors ->
+    ``torch.distributed.checkpoint.save`` with ``MCoreSavePlanner`` -> rank 0
+    writes ``metadata.json``. Collective over the default process group. The
+    result is the 0.16 layout, which 0.16 and 0.19 both load.
+
+    Uses private helpers of ``dist_checkpointing.strategies.torch``
+    (``_replace_state_dict_keys_with_sharded_keys``, identical in 0.16 and 0.19).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    ckpt = Path(checkpoint_dir)
+    sharded_part, common = save_preprocess(sharded_state_dict, True)
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save(common, ckpt / "common.pt")
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
+    pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
+    dcp.save(pyt_state_dict, storage_writer=FileSystemWriter(str(ckpt), thread_count=thread_count),
+             planner=MCoreSavePlanner(flatten_state_dict=False))
+    dist.barrier()
+    if rank == 0:
+        save_config(CheckpointingConfig("torch_dist", 1), str(ckpt))
+    dist.barrier()
+
+
+def rng_tracker():
+    """Megatron's model-parallel CUDA RNG tracker if one was created (``model_parallel_cuda_manual_seed``),
+    else None. Module global ``tensor_parallel.random._CUDA_RNG_STATE_TRACKER`` in 0.16 and 0.19."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)

@@ -15,9 +15,19 @@ Megatron ``PackedSeqParams(qkv_format="thd", ...)``.
 
 Shapes: T tokens, B sequences, R selected rows, D hidden, V vocabulary.
 
-No backward yet: the ops have no autograd functions, so calling the forward
-with gradients enabled on trainable parameters raises instead of building a
-graph through kernels that cannot differentiate.
+Training: with grad mode on and trainable parameters, :meth:`forward` and
+:meth:`token_logprobs` build an autograd graph through the ops'
+``torch.autograd.Function`` s (:mod:`unified_models.ops.autograd`), so
+``loss.backward()`` fills ``.grad`` of the parameters (in ``spec.dtype``;
+roundings of the forward pass gradients straight through). The values are
+bitwise the same as under ``torch.no_grad()``: every forward value still
+comes from the shared kernels; attention takes its gradient from a plain-torch
+recomputation. Parameters carry their HF names for the weight-version guard:
+a backward whose forward saw other weight values raises
+:class:`unified_models.ops.StaleWeightError` naming the parameter. In-place
+torch updates (``p.add_``, ``p.copy_``, torch optimizers) are seen by
+themselves; after writes through ``p.data`` (Megatron's optimizer) call
+``unified_models.ops.bump_weight_version(model)``.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...dsl import AttentionSpec, CheckpointError, MLPSpec, ModelSpec, SpecError
 from ...forward import FlatBatch, PrivateKVStore, forward_hidden, forward_logprobs
-from ...ops import gather_token_logprobs
+from ...ops import gather_token_logprobs, name_weights
 from . import compat
 from .parallel import check_current_parallel_state, check_parallel_sizes
 
@@ -146,6 +156,7 @@ class UnifiedMegatronModel(MegatronModule):
             if name in embed_names:
                 param.is_embedding_or_output_parameter = True
             self._register_nested(name, param)
+        name_weights(self.named_parameters())  # parameter names in weight-version guard errors
         if config.perform_initialization:
             self.reset_parameters()
 
@@ -210,13 +221,14 @@ class UnifiedMegatronModel(MegatronModule):
             p.copy_(state_dict[name].to(device=p.device, dtype=p.dtype))
 
     def load_dist_checkpoint(self, ckpt_dir: str | os.PathLike) -> None:
-        """Load a Megatron dist checkpoint (as written by ``converters.megatron_dist_ckpt``)
+        """Load a Megatron dist checkpoint (as written by :mod:`.dist_ckpt`)
         through ``dist_checkpointing.load`` into this module's :meth:`sharded_state_dict`.
 
         Raises:
             CheckpointError: not a checkpoint, written for another model, corrupt.
         """
-        from ...converters.megatron_dist_ckpt import check_dist_checkpoint, describe_error, verify_digests
+        from ...converters.megatron_dist_ckpt import describe_error, verify_digests
+        from .dist_ckpt import check_dist_checkpoint
 
         info = check_dist_checkpoint(ckpt_dir, spec=self.spec)
         try:
@@ -269,12 +281,6 @@ class UnifiedMegatronModel(MegatronModule):
 
     def _device(self) -> torch.device:
         return next(self.parameters()).device
-
-    def _check_grad_mode(self) -> None:
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            raise NotImplementedError(
-                "UnifiedMegatronModel has no backward yet (the shared ops define no autograd function); "
-                "run the forward under torch.no_grad() / torch.inference_mode(), or freeze the parameters")
 
     def _flat_inputs(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                      packed_seq_params: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -334,13 +340,13 @@ class UnifiedMegatronModel(MegatronModule):
         Returns:
             ``[T, D]`` (``[1, T, D]`` for ``[1, T]`` input) in ``spec.dtype``;
             row ``t`` depends only on its own sequence's tokens up to ``t``.
+            Differentiable w.r.t. the parameters when grad mode is on; the
+            values are the same bits either way.
 
         Raises:
-            NotImplementedError: gradients enabled on trainable parameters (no backward yet).
             ParallelismError: Megatron's parallel state holds a refused layout.
             ValueError: malformed inputs.
         """
-        self._check_grad_mode()
         check_current_parallel_state("UnifiedMegatronModel.forward")
         ids_T, cu, batched = self._flat_inputs(input_ids, cu_seqlens, packed_seq_params)
         hidden_TD, _ = self._hidden(ids_T, cu)
@@ -366,12 +372,12 @@ class UnifiedMegatronModel(MegatronModule):
             return_full: also return the full ``[R, V]`` fp32 logprob rows.
 
         Returns:
-            fp32 ``[R]``, or ``([R], [R, V])`` with ``return_full``.
+            fp32 ``[R]``, or ``([R], [R, V])`` with ``return_full``; differentiable
+            w.r.t. the parameters when grad mode is on (same bits either way).
 
         Raises:
             ValueError: a row out of range, or a sequence's last row without ``target_ids``.
         """
-        self._check_grad_mode()
         check_current_parallel_state("UnifiedMegatronModel.token_logprobs")
         ids_T, cu, _ = self._flat_inputs(input_ids, cu_seqlens, packed_seq_params)
         t = ids_T.shape[0]

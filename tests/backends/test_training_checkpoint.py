@@ -1,0 +1,263 @@
+"""Optimizer plumbing and training checkpoints: resume from step k equals an uninterrupted run, bitwise.
+
+A small bf16 Nemotron-H (attention + MLP) trained through the module's
+``token_logprobs`` on batches drawn from the Python, NumPy and torch RNGs every
+step, so a resume that did not restore the RNG streams would diverge. Runs on CPU (AdamW path, Megatron's translation
+written through DCP) and, with CUDA, on Megatron's optimizer and save.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import NemotronHConfig
+
+from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state
+from unified_models.backends.megatron.checkpoint import (
+    TRACKER_FILE,
+    get_rng_state,
+    latest_iteration,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from unified_models.backends.megatron.optimizer import OptimizerConfig, build_optimizer
+from unified_models.dsl import CheckpointError
+from unified_models.models import spec_from_hf_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+K = 3
+OPT = OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta2=0.99, clip_grad=0.5)
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    return NemotronHConfig(hybrid_override_pattern="*-", hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+                           dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def spec(hf_config):
+    init_parallel_state()
+    s = spec_from_hf_config(hf_config)
+    assert s.dtype == torch.bfloat16
+    return s
+
+
+def _fresh(spec, seed=0):
+    torch.manual_seed(seed)
+    model = UnifiedMegatronModel(spec, device=DEVICE)
+    return model, build_optimizer(model, OPT)
+
+
+def _train_step(model, opt) -> dict:
+    """One policy-gradient-like update through the module; the batch consumes all three RNG streams."""
+    ids = torch.randint(0, model.spec.vocab_size, (24,)).to(DEVICE)  # torch RNG
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=DEVICE)
+    adv = torch.tensor([random.random() - 0.5, float(np.random.rand()) - 0.5], device=DEVICE)  # python, numpy
+    opt.zero_grad()
+    lp = model.token_logprobs(ids, cu)  # rows with a next token: 8 + 14
+    loss = -(lp * torch.repeat_interleave(adv, torch.tensor([8, 14], device=DEVICE))).sum()
+    loss.backward()
+    return opt.step()
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mains = {n: t.detach().clone() for n, t in opt.main_params().items()}
+    state = {n: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for n, s in opt.param_state().items()}
+    return params, mains, state
+
+
+def _assert_same(a, b):
+    for part, (x, y) in zip(("params", "main params", "optimizer state"), zip(a, b)):
+        assert x.keys() == y.keys(), part
+        for n in x:
+            if isinstance(x[n], dict):
+                assert x[n].keys() == y[n].keys(), (part, n)
+                for k in x[n]:
+                    assert torch.equal(torch.as_tensor(x[n][k]), torch.as_tensor(y[n][k])), (part, n, k)
+            else:
+                assert x[n].dtype == y[n].dtype and torch.equal(x[n], y[n]), (part, n)
+
+
+def _rng_equal(a: dict, b: dict) -> bool:
+    return (a["random_rng_state"] == b["random_rng_state"]
+            and all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+                    for x, y in zip(a["np_rng_state"], b["np_rng_state"]))
+            and torch.equal(a["torch_rng_state"], b["torch_rng_state"]))
+
+
+def test_optimizer_steps_in_place_with_fp32_main_weights(spec):
+    model, opt = _fresh(spec)
+    try:
+        ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        _seed_all(1)
+        stats = _train_step(model, opt)
+        assert stats["update_successful"] and stats["iteration"] == 1 and stats["grad_norm"] > 0
+        assert stats["lr"] == OPT.lr
+        moved = []
+        for n, p in model.named_parameters():
+            main = opt.main_params()[n]
+            assert p.data_ptr() == ptrs[n], n
+            assert main.dtype == torch.float32 and not torch.equal(main, before[n].float()), f"{n} did not move"
+            # bf16 model weights are the fp32 main weights rounded to nearest even (a norm weight
+            # at 1.0 moved by 1e-3 stays 1.0 in bf16: the fp32 main weight keeps the update)
+            assert torch.equal(p, main.to(torch.bfloat16)), n
+            moved.append(not torch.equal(p, before[n]))
+        assert sum(moved) >= len(moved) - 3
+        # Megatron's groups: weight decay on matrices only (biases / 1-D params get wd_mult 0)
+        wds = {g["weight_decay"] for g in opt._inners()[0].param_groups}
+        assert wds == {0.0, OPT.weight_decay}
+    finally:
+        opt.close()
+
+
+def test_gradient_clipping_and_nan_refusal(spec):
+    model, opt = _fresh(spec)
+    try:
+        opt.zero_grad()
+        (sum((p.float() * 1e3).sum() for p in model.parameters())).backward()
+        main_grads = [p.main_grad.clone() for p in model.parameters()]
+        stats = opt.step()
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in main_grads])))
+        assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)
+        clipped = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in opt.main_params().values()]))
+        assert float(clipped) == pytest.approx(OPT.clip_grad, rel=1e-4)
+
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        victim = next(iter(model.parameters()))
+        (victim.float().sum() * float("nan")).backward()
+        with pytest.raises(FloatingPointError, match="NaN"):
+            opt.step()
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    finally:
+        opt.close()
+
+
+def test_bad_config_and_double_optimizer(spec):
+    with pytest.raises(ValueError, match="lr"):
+        OptimizerConfig(lr=0.0)
+    with pytest.raises(ValueError, match="adam_beta2"):
+        OptimizerConfig(adam_beta2=1.0)
+    torch.manual_seed(0)
+    model = UnifiedMegatronModel(spec, device=DEVICE)
+    opt = build_optimizer(model, OPT, backend="torch_adamw")  # the CPU path (also runs on CUDA)
+    with pytest.raises(RuntimeError, match="already has an optimizer"):
+        build_optimizer(model, OPT)
+    opt.close()  # removes the gradient hooks: a new optimizer may take over
+    build_optimizer(model, OPT, backend="torch_adamw").close()
+    with pytest.raises(ValueError, match="backend"):
+        build_optimizer(model, OPT, backend="sgd")
+    if DEVICE == "cpu":
+        with pytest.raises(RuntimeError, match="needs the model on CUDA"):
+            build_optimizer(model, OPT, backend="megatron")
+
+
+def test_resume_equals_uninterrupted_run(spec, hf_config, tmp_path):
+    root = tmp_path / "ckpt"
+    # uninterrupted: k steps, save, two more
+    _seed_all(123)
+    model, opt = _fresh(spec, seed=7)
+    for _ in range(K):
+        _train_step(model, opt)
+    rng_at_save = get_rng_state()
+    out = save_training_checkpoint(root, model, opt, iteration=K, hf_config=hf_config.to_dict(),
+                                   extra={"prompt_cursor": 17})
+    assert out.name == f"iter_{K:07d}" and latest_iteration(root) == K
+    assert (root / TRACKER_FILE).read_text().strip() == str(K)
+    assert _rng_equal(get_rng_state(), rng_at_save)  # saving consumes no randomness
+    at_save = _snapshot(model, opt)
+    for _ in range(2):
+        _train_step(model, opt)
+    uninterrupted = _snapshot(model, opt)
+    opt.close()
+    probe_ids = torch.arange(3, 40, device=DEVICE) % spec.vocab_size
+    probe_cu = torch.tensor([0, 12, 37], dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        probe = model.token_logprobs(probe_ids, probe_cu)
+
+    # resumed: a fresh model and optimizer (other init, other RNG), load, two more
+    _seed_all(999)
+    model2, opt2 = _fresh(spec, seed=8)
+    info = load_training_checkpoint(root, model2, opt2)
+    assert info.iteration == K and info.path == out and info.extra == {"prompt_cursor": 17}
+    assert opt2.iteration == K
+    assert _rng_equal(get_rng_state(), rng_at_save)
+    _assert_same(_snapshot(model2, opt2), at_save)
+    for _ in range(2):
+        stats = _train_step(model2, opt2)
+    assert stats["iteration"] == K + 2
+    _assert_same(_snapshot(model2, opt2), uninterrupted)
+    with torch.no_grad():
+        assert torch.equal(model2.token_logprobs(probe_ids, probe_cu), probe)
+    opt2.close()
+
+
+def test_training_checkpoint_is_a_model_checkpoint(spec, hf_config, tmp_path):
+    """With hf_config, the training checkpoint converts to Hugging Face and loads into a module."""
+    from safetensors.torch import load_file
+
+    from unified_models.backends.megatron.dist_ckpt import megatron_to_hf
+
+    model, opt = _fresh(spec, seed=3)
+    _seed_all(0)
+    _train_step(model, opt)
+    out = save_training_checkpoint(tmp_path / "c", model, opt, hf_config=hf_config.to_dict())
+    hf = megatron_to_hf(out, tmp_path / "hf")
+    back = load_file(str(hf / "model.safetensors"))
+    assert all(torch.equal(back[n], p.detach().cpu()) for n, p in model.named_parameters())
+    fresh = UnifiedMegatronModel(spec, device=DEVICE)
+    fresh.load_dist_checkpoint(out)
+    assert all(torch.equal(q, p) for (_, q), (_, p) in zip(fresh.named_parameters(), model.named_parameters()))
+    opt.close()
+
+
+def test_bad_resumes(spec, hf_config, tmp_path):
+    model, opt = _fresh(spec)
+    _seed_all(0)
+    _train_step(model, opt)
+    root = tmp_path / "r"
+    save_training_checkpoint(root, model, opt)
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_training_checkpoint(root, model, opt)
+    with pytest.raises(ValueError, match="JSON"):
+        save_training_checkpoint(root, model, opt, iteration=5, extra={"x": object()})
+    assert not (root / "iter_0000005").exists()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_training_checkpoint(tmp_path / "nope", model, opt)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_training_checkpoint(root, model, opt, iteration=9)
+    # a model-only checkpoint has no training state
+    from unified_models.backends.megatron.dist_ckpt import save_dist_checkpoint
+
+    mdir = save_dist_checkpoint({n: p.detach().cpu() for n, p in model.named_parameters()},
+                                hf_config.to_dict(), tmp_path / "m", writer="torch_dcp")
+    with pytest.raises(CheckpointError, match="not a unified_models training checkpoint"):
+        load_training_checkpoint(mdir, model, opt)
+    # another model
+    other_cfg = NemotronHConfig(hybrid_override_pattern="*-", hidden_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=256,
+                                dtype="bfloat16")
+    other = UnifiedMegatronModel(spec_from_hf_config(other_cfg), device=DEVICE)
+    other_opt = build_optimizer(other, OPT)
+    with pytest.raises(CheckpointError, match="another model.*mis-shaped"):
+        load_training_checkpoint(root, other, other_opt)
+    # a tracker file pointing nowhere / garbage
+    (root / TRACKER_FILE).write_text("garbage")
+    with pytest.raises(CheckpointError, match="iteration number"):
+        load_training_checkpoint(root, model, opt)
+    other_opt.close()
+    opt.close()

@@ -1,0 +1,154 @@
+"""`unified-models rl` end to end on CPU: diff = 0 at every step, plot written, resume
+equals the uninterrupted run bitwise, the first diff != 0 stops the run, bad flags fail cleanly."""
+
+import json
+
+import pytest
+import torch
+
+from unified_models.cli import main
+from unified_models.rl.metrics import REQUIRED_FIELDS, read_metrics
+
+SMALL = ["--num-prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--full-vocab-rows", "12",
+         "--seed", "3", "--lr", "1e-3"]
+"""8 sequences x 6 tokens per step: seconds per step on two cores."""
+
+
+def _diff_zero(row):
+    return (row["max_abs_diff"] == 0.0 and row["mean_abs_diff"] == 0.0 and row["std_abs_diff"] == 0.0
+            and row["k3_kl"] == 0.0 and row["num_mismatched"] == 0 and row["full_vocab_max_abs_diff"] == 0.0
+            and row["importance_ratio_max"] == 1.0 and row["importance_ratio_min"] == 1.0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_checkpoint, tmp_path_factory):
+    """4 steps with checkpoints after steps 2 and 4."""
+    d = tmp_path_factory.mktemp("rl_a")
+    status = main(["rl", "--model", str(tiny_checkpoint), *SMALL, "--steps", "4", "--metrics", str(d / "m.jsonl"),
+                   "--save", str(d / "ckpt"), "--save-every", "2"])
+    return status, d, tiny_checkpoint
+
+
+def test_every_step_has_diff_zero_and_the_plot_is_written(uninterrupted, capsys):
+    status, d, _ = uninterrupted
+    assert status == 0
+    rows = read_metrics(d / "m.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        for k in REQUIRED_FIELDS:
+            assert k in r, k
+        assert _diff_zero(r), r
+        assert r["tokens"] == r["tokens_compared"] == 8 * 6 and r["full_vocab_rows"] >= 12
+        assert r["old_logprobs"] == "recompute"
+        assert set(r["seconds"]) >= {"rollout", "recompute", "update", "sync"}
+        assert all(v >= 0 for v in r["seconds"].values())
+        assert 0 <= r["reward_mean"] <= 1 and r["entropy"] > 0
+        assert r["sync_tensors_copied"] > 0  # the update changed weights and they reached vLLM
+    # the policy moved: the step-1 rollout and the later ones differ, and the target-token id was fixed once
+    assert len({r["rollout_sha256"] for r in rows}) == 4
+    assert len({r["target_token_id"] for r in rows}) == 1
+    png = d / "m.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert (d / "ckpt" / "iter_0000002").is_dir() and (d / "ckpt" / "iter_0000004").is_dir()
+
+
+def _trained_state(ckpt_dir, spec):
+    """Parameters, fp32 main weights and Adam moments of a training checkpoint."""
+    from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state, transformer_config_from_spec
+    from unified_models.backends.megatron.checkpoint import load_training_checkpoint
+    from unified_models.backends.megatron.optimizer import OptimizerConfig, build_optimizer
+
+    init_parallel_state(tp=1)
+    model = UnifiedMegatronModel(spec, transformer_config_from_spec(spec, perform_initialization=True), device="cpu")
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    try:
+        ck = load_training_checkpoint(ckpt_dir, model, opt)
+        state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+        state.update({f"main.{n}": t.detach().clone() for n, t in opt.main_params().items()})
+        for n, st in opt.param_state().items():
+            state.update({f"{k}.{n}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+        return ck.iteration, state
+    finally:
+        opt.close()
+
+
+def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, tmp_path):
+    """Resume from the step-2 checkpoint (with --use-rollout-logprobs, which the resumed
+    process may use from its second step on): steps 3-4 sample the same tokens with the same
+    logprob bits, and the final weights, fp32 main weights and Adam moments are equal bitwise."""
+    status, d, model_dir = uninterrupted
+    assert status == 0
+    _, spec, _ = tiny_model
+    metrics = tmp_path / "resumed.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(d / "m.jsonl")))  # 4 lines to trim
+    assert main(["rl", "--model", str(model_dir), *SMALL,
+                 "--steps", "4", "--metrics", str(metrics), "--resume", str(d / "ckpt" / "iter_0000002"),
+                 "--save", str(tmp_path / "ckpt"), "--use-rollout-logprobs"]) == 0
+    a, b = read_metrics(d / "m.jsonl"), read_metrics(metrics)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # steps 1-2 kept, 3-4 rewritten by the resumed run
+    assert [r["old_logprobs"] for r in b[2:]] == ["recompute", "rollout"]
+    for ra, rb in zip(a[2:], b[2:]):
+        assert _diff_zero(rb), rb
+        for k in ("rollout_sha256", "reward_mean", "reward_std", "prompt_rows", "target_token_id", "entropy",
+                  "grad_norm", "loss"):
+            assert ra[k] == rb[k], k
+    it_a, state_a = _trained_state(d / "ckpt", spec)
+    it_b, state_b = _trained_state(tmp_path / "ckpt", spec)
+    assert it_a == it_b == 4 and state_a.keys() == state_b.keys()
+    for k in state_a:
+        assert torch.equal(state_a[k], state_b[k]), k
+
+
+def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Without the weight sync, vLLM samples step 2 with the old weights while the trainer
+    has the new ones: the run must stop at step 2 (exit 1) and name where."""
+    from unified_models.backends.vllm.weight_sync import SyncReport
+    from unified_models.rl import loop
+
+    monkeypatch.setattr(loop._Run, "sync", lambda self: SyncReport((), (), (), 0, False, 0.0))
+    metrics = tmp_path / "m.jsonl"
+    status = main(["rl", "--model", str(tiny_checkpoint), *SMALL, "--steps", "3", "--metrics", str(metrics)])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "diff != 0 at step 2, sequence 0" in err.replace("\n", " ") or "diff != 0 at step 2, sequence" in err
+    assert "position" in err and "completion token" in err
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert _diff_zero(rows[0]) and rows[1]["max_abs_diff"] > 0 and rows[1]["num_mismatched"] > 0
+    assert (tmp_path / "m.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], None),
+    (["--group-size", "1"], None),
+    (["--lr", "-1"], None),
+    (["--target-token-id", "x"], None),
+    (["--reward", "bleu"], None),
+    (["--save-every", "2"], "--save-every needs --save"),
+    (["--reward", "gsm8k", "--target-token-id", "5"], "applies to --reward target-token"),
+    (["--preset", "nemotron_h_tiny", "--model", "x"], "mutually exclusive"),
+    (["--num-prompts-per-step", "500"], "exceeds the 200 prompts"),
+    (["--target-token-id", "99999999"], "outside the model vocabulary"),
+])
+def test_bad_flags_fail_cleanly(argv, message, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    if message is None:
+        with pytest.raises(SystemExit) as e:
+            main(["rl", *argv, "--metrics", str(metrics)])
+        assert e.value.code == 2
+    else:
+        assert main(["rl", *argv, "--metrics", str(metrics)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("error:") == 1
+    assert not metrics.exists()  # nothing half-written
+
+
+def test_gsm8k_needs_answers_and_resume_needs_a_checkpoint(tmp_path, capsys):
+    p = tmp_path / "q.jsonl"
+    p.write_text(json.dumps({"question": "1 + 1?"}) + "\n")
+    assert main(["rl", "--reward", "gsm8k", "--prompts", str(p), "--num-prompts-per-step", "1",
+                 "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    assert "no 'answer' field" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["rl", "--resume", str(tmp_path / "empty"), "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    assert "no training checkpoint" in capsys.readouterr().err

@@ -1,0 +1,302 @@
+"""Training checkpoints: model, optimizer, RNG states and iteration, with Megatron distributed checkpointing.
+
+Layout (as Megatron-LM's): ``<root>/iter_<7-digit iteration>/`` holds one
+``torch_dist`` checkpoint, ``<root>/latest_checkpointed_iteration.txt`` names
+the newest. The sharded state dict is
+
+* ``"model"``: :meth:`UnifiedMegatronModel.sharded_state_dict` (ShardedTensor
+  key = Hugging Face name, model dtype);
+* ``"optimizer"``: :meth:`TrainOptimizer.sharded_state_dict` (Megatron's keys
+  ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<name>``; hyperparameters
+  and the shared Adam step in the common state);
+* ``"rng_state"``: a ShardedObject (Megatron-LM's ``rng_state``) holding, per
+  data-parallel rank, ``random_rng_state`` (Python), ``np_rng_state`` (NumPy),
+  ``torch_rng_state`` (torch CPU), ``cuda_rng_state`` (when CUDA is
+  initialized) and ``rng_tracker_states`` (Megatron's tracker, when created);
+* common state: ``iteration`` and the ``unified_models`` entry (family; with
+  ``hf_config`` also the ``config.json`` text, which makes the checkpoint
+  readable by ``unified-models convert --from megatron`` and
+  :meth:`UnifiedMegatronModel.load_dist_checkpoint`; ``extra`` user data).
+
+Writers: Megatron's ``dist_checkpointing.save`` when the parameters are on
+CUDA; on CPU Megatron's own translation written through PyTorch DCP
+(:func:`compat.cpu_dist_save`, the 0.16 layout that 0.16 and 0.19 read).
+Reads go through ``dist_checkpointing.load``. Writes land in a temporary
+sibling directory renamed into place when complete; the tracker file is then
+replaced atomically.
+
+Resume contract: after :func:`load_training_checkpoint`, parameters, fp32 main
+weights, Adam moments and step, and the RNG streams equal those at save time
+bit for bit, so continuing gives the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...converters import megatron_dist_ckpt as layout
+from ...converters.hf_safetensors import tensor_table_problems
+from ...dsl import CheckpointError
+from . import compat
+from .optimizer import TrainOptimizer, _bump_weight_versions
+
+__all__ = ["TrainingCheckpoint", "save_training_checkpoint", "load_training_checkpoint", "latest_iteration",
+           "iteration_dir", "get_rng_state", "set_rng_state", "TRACKER_FILE"]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+OPTIMIZER_PREFIX = "optimizer."
+
+
+@dataclass(frozen=True)
+class TrainingCheckpoint:
+    """What :func:`load_training_checkpoint` restored.
+
+    Attributes:
+        path: the ``iter_*`` directory read.
+        iteration: the iteration it was saved at (continue with ``iteration + 1``).
+        extra: the user data passed to :func:`save_training_checkpoint`.
+    """
+
+    path: Path
+    iteration: int
+    extra: dict = field(default_factory=dict)
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """``<root>/iter_0000042`` (Megatron-LM's naming)."""
+    return Path(root) / f"iter_{int(iteration):07d}"
+
+
+def latest_iteration(root: str | os.PathLike) -> int | None:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``; None if absent.
+
+    Raises:
+        CheckpointError: the tracker file does not hold an integer.
+    """
+    f = Path(root) / TRACKER_FILE
+    if not f.is_file():
+        return None
+    text = f.read_text().strip()
+    if not re.fullmatch(r"\d+", text):
+        raise CheckpointError(f"{f} should hold an iteration number, got {text[:40]!r}")
+    return int(text)
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def _dp_rank_size() -> tuple[int, int, Any]:
+    if not dist.is_initialized():
+        return 0, 1, None
+    group = compat.data_context_parallel_group() if compat.model_parallel_is_initialized() else None
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def get_rng_state() -> dict:
+    """This process's RNG states (Megatron-LM's key names)."""
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    tracker = compat.rng_tracker()
+    if tracker is not None:
+        state["rng_tracker_states"] = tracker.get_states()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore :func:`get_rng_state` output (CUDA / tracker states only where present here too).
+
+    Raises:
+        CheckpointError: a required entry is missing.
+    """
+    missing = [k for k in ("random_rng_state", "np_rng_state", "torch_rng_state") if k not in state]
+    if missing:
+        raise CheckpointError(f"RNG state lacks {missing}")
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tracker = compat.rng_tracker()
+    if tracker is not None and state.get("rng_tracker_states"):
+        tracker.set_states(state["rng_tracker_states"])
+
+
+def _rng_sharded_object(state_list: list | None):
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    dp_rank, _, _ = _dp_rank_size()
+    # TP = PP = 1 (enforced): global shape (pp, tp) = (1, 1); only DP rank 0 writes.
+    return ShardedObject("rng_state", state_list, (1, 1), (0, 0), replica_id=dp_rank)
+
+
+def _gathered_rng_states() -> list[dict]:
+    """Every data-parallel rank's RNG state, in DP-rank order (saved by DP rank 0)."""
+    dp_rank, dp_size, group = _dp_rank_size()
+    mine = get_rng_state()
+    if dp_size == 1:
+        return [mine]
+    out: list = [None] * dp_size
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def _state_dict(model, optimizer: TrainOptimizer, is_loading: bool, rng_states: list | None) -> dict:
+    model_ssd = model.sharded_state_dict()
+    return {"model": model_ssd, "optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading),
+            "rng_state": _rng_sharded_object(rng_states)}
+
+
+def _plain(extra: Mapping | None) -> dict:
+    try:
+        return json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra must hold only JSON types (str, int, float, bool, None, lists, dicts): {e}") from None
+
+
+def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOptimizer, *,
+                             iteration: int | None = None, hf_config: Any = None,
+                             extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Write ``<root>/iter_<iteration>/`` and point the tracker file at it. Collective (all ranks call it).
+
+    Args:
+        root: checkpoint root directory (created if needed).
+        model: the ``UnifiedMegatronModel`` being trained.
+        optimizer: its :class:`TrainOptimizer`.
+        iteration: the step just finished (default: ``optimizer.iteration``).
+        hf_config: the model's Hugging Face config (dict, JSON text or transformers
+            config); stored so that the checkpoint converts to Hugging Face.
+        extra: JSON-able user data (e.g. the data cursor), returned on load.
+        overwrite: replace an existing ``iter_*`` directory of the same iteration.
+
+    Returns:
+        The ``iter_*`` directory.
+
+    Raises:
+        CheckpointError: the directory exists (without ``overwrite``) or the write
+            failed (nothing half-written is left).
+        ValueError: ``extra`` is not JSON-able, or a negative iteration.
+    """
+    iteration = optimizer.iteration if iteration is None else int(iteration)
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    extra = _plain(extra)
+    spec = model.spec
+    text = layout.config_text(hf_config) if hf_config is not None else None
+    if text is not None:
+        stored = layout.spec_from_config_text(text, source="save_training_checkpoint")
+        if stored.parameter_shapes() != spec.parameter_shapes():
+            raise CheckpointError("save_training_checkpoint: hf_config describes another model than the one trained")
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
+                                extra_tensor_prefixes=[OPTIMIZER_PREFIX], optimizer_backend=optimizer.backend,
+                                optimizer_iteration=optimizer.iteration, extra=extra)
+    sd = _state_dict(model, optimizer, False, _gathered_rng_states())
+    sd.update({"iteration": iteration, layout.COMMON_KEY: entry})
+    out = iteration_dir(root, iteration)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def write(tmp: Path) -> None:
+        try:
+            (compat.dist_save if on_cuda else compat.cpu_dist_save)(sd, tmp)
+        except layout.IO_ERRORS as e:  # noqa: BLE001 - reported as a failed write; the temp dir is removed
+            raise CheckpointError(f"writing training checkpoint {out} failed: {layout.describe_error(e)}") from e
+
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"training checkpoint {out} already exists; pass overwrite=True to replace it")
+    if rank == 0:
+        with layout.atomic_output_dir(out, overwrite) as tmp:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list([str(tmp)], src=0)
+            write(tmp)
+        tracker = Path(root) / TRACKER_FILE
+        part = tracker.with_name(f".{TRACKER_FILE}.tmp")
+        part.write_text(f"{iteration}\n")
+        os.replace(part, tracker)
+    else:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        write(Path(box[0]))
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
+    p = Path(path)
+    if iteration is not None:
+        return iteration_dir(p, iteration)
+    if (p / TRACKER_FILE).is_file():
+        return iteration_dir(p, latest_iteration(p))
+    if p.is_dir() and not (p / "metadata.json").exists() and any(p.glob("iter_*")):
+        raise CheckpointError(f"{p} has iter_* directories but no {TRACKER_FILE}; pass iteration=")
+    return p
+
+
+@torch.no_grad()
+def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOptimizer, *,
+                             iteration: int | None = None, restore_rng: bool = True) -> TrainingCheckpoint:
+    """Restore model parameters, optimizer state, RNG states and the iteration in place. Collective.
+
+    Args:
+        path: a checkpoint root (the tracker file picks the iteration) or an ``iter_*`` directory.
+        model, optimizer: freshly built (or any) model of the same spec and its optimizer.
+        iteration: load ``<path>/iter_<iteration>`` instead of the latest.
+        restore_rng: also restore this rank's RNG streams.
+
+    Returns:
+        :class:`TrainingCheckpoint`.
+
+    Raises:
+        CheckpointError: missing / incomplete / corrupt checkpoint, a model
+            checkpoint without training state, another model (tensors named),
+            or optimizer groups that do not match.
+    """
+    d = layout.check_layout_files(_resolve(path, iteration))
+    try:
+        common = compat.load_common_state_dict(d)
+        metadata = compat.load_tensors_metadata(d)
+    except layout.IO_ERRORS as e:  # noqa: BLE001
+        raise CheckpointError(f"{d}: checkpoint metadata is unreadable (corrupt?): {layout.describe_error(e)}") from None
+    entry = common.get(layout.COMMON_KEY) if isinstance(common, dict) else None
+    if not isinstance(entry, dict) or not entry.get("training"):
+        raise CheckpointError(f"{d} is not a unified_models training checkpoint (no optimizer/RNG state); "
+                              "load model-only checkpoints with UnifiedMegatronModel.load_dist_checkpoint")
+    stored = {n: tuple(m.global_shape) for n, m in metadata.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    problems = tensor_table_problems(model.spec.parameter_shapes(), stored, verb="stored")
+    if problems:
+        raise CheckpointError(f"training checkpoint {d} holds another model; " + "; ".join(problems))
+    if entry.get("optimizer_backend") != optimizer.backend:
+        raise CheckpointError(f"{d} holds {entry.get('optimizer_backend')!r} optimizer state; this run uses "
+                              f"{optimizer.backend!r} (CPU AdamW and Megatron's CUDA optimizer do not share a state)")
+    template = _state_dict(model, optimizer, True, [get_rng_state()])
+    try:
+        loaded = compat.dist_load(template, d)
+    except layout.IO_ERRORS as e:  # noqa: BLE001 - any reader failure means a corrupt checkpoint
+        raise CheckpointError(f"training checkpoint {d} could not be read (corrupt?): {layout.describe_error(e)}") from None
+    for name, p in model.named_parameters():
+        t = loaded["model"][name]
+        if t is not p:
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+    optimizer.load_state_dict(loaded["optimizer"])
+    optimizer.iteration = int(entry.get("optimizer_iteration", loaded["iteration"]))
+    _bump_weight_versions(model.parameters())
+    if restore_rng:
+        states = loaded["rng_state"]
+        dp_rank, dp_size, _ = _dp_rank_size()
+        set_rng_state(states[dp_rank] if len(states) == dp_size else states[0])
+    return TrainingCheckpoint(path=d, iteration=int(loaded["iteration"]), extra=dict(entry.get("extra") or {}))

@@ -1,0 +1,136 @@
+"""Trainer -> rollout engine weight sync, in place, without a disk round trip.
+
+:func:`sync_weights` takes the trainer's tensors by Hugging Face name (e.g.
+``UnifiedMegatronModel.named_parameters()``) and, for every tensor whose value
+differs from the engine's, copies it into vLLM's existing parameter buffer
+(``data_ptr`` unchanged, so CUDA graphs and cached views stay valid), lets the
+model recompute derived tensors in place, and resets vLLM's prefix cache so no
+KV computed with the old weights is reused. Copying reuses
+:func:`.engine.load_weights_inplace` (validation, ``weight_loader`` copies, cache
+reset).
+
+Derived tensors: a model class may define
+``refresh_derived_tensors(changed: set[str]) -> Iterable[str]``, called after
+the copies with the names that changed; it must recompute quantized weights,
+scales, pre-transposed copies, ... *in place* and return the names of what it
+recomputed. No model defines derived tensors today, so nothing is called.
+
+Only the in-process engine is reachable (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+which :func:`.engine.make_llm` pins).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+from ...dsl import CheckpointError
+from . import engine
+
+__all__ = ["SyncReport", "sync_weights"]
+
+DERIVED_HOOK = "refresh_derived_tensors"
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What :func:`sync_weights` did.
+
+    Attributes:
+        copied: names whose values changed and were copied into the engine.
+        unchanged: names given whose values already equal the engine's (not copied).
+        derived: derived tensors the model recomputed in place.
+        bytes_copied: bytes written into engine parameters.
+        prefix_cache_reset: True when the prefix cache was reset (something changed).
+        seconds: wall time of the sync.
+    """
+
+    copied: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    derived: tuple[str, ...]
+    bytes_copied: int
+    prefix_cache_reset: bool
+    seconds: float
+
+
+def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    out, seen = [], set()
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ValueError(f"sync_weights expects (name, tensor) pairs, got {type(item).__name__}")
+        name, t = item
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise ValueError(f"sync_weights expects (str, Tensor) pairs, got ({type(name).__name__}, "
+                             f"{type(t).__name__})")
+        if name in seen:
+            raise CheckpointError(f"weight sync rejected: tensor {name} is given twice")
+        if not t.is_floating_point():
+            raise CheckpointError(f"weight sync rejected: tensor {name} has dtype {t.dtype}; parameters are floating point")
+        seen.add(name)
+        out.append((name, t.detach()))
+    return out
+
+
+@torch.no_grad()
+def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                 strict: bool = True, skip_unchanged: bool = True) -> SyncReport:
+    """Copy the trainer's weights into a live vLLM engine in place.
+
+    Args:
+        llm: an in-process engine from :func:`.engine.make_llm`.
+        named_tensors: ``{HF name: tensor}`` or ``(HF name, tensor)`` pairs (any
+            device; e.g. ``model.named_parameters()``). Tensors are cast to the
+            engine dtype by ``copy_`` (round to nearest even); pass the bf16
+            model parameters, not fp32 main weights, to copy bits unchanged.
+        strict: every engine parameter must be given (a full sync).
+        skip_unchanged: copy only tensors whose values differ from the engine's.
+
+    Returns:
+        :class:`SyncReport`. Afterwards every given tensor equals the engine's
+        parameter (after the cast) and every engine ``data_ptr`` is unchanged.
+
+    Raises:
+        CheckpointError: unknown names, missing names (``strict``), shape
+            mismatches (all named), a name given twice, a non-float tensor, or
+            NaN/Inf; nothing is copied then.
+        ValueError: not ``(str, Tensor)`` pairs.
+        RuntimeError: the engine is not in process, a copy moved a parameter's
+            storage, or the prefix cache could not be reset.
+    """
+    from ...converters.hf_safetensors import tensor_table_problems
+
+    start = time.perf_counter()
+    pairs = _pairs(named_tensors)
+    model = engine.get_model(llm)
+    params = model.params()
+    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items()},
+                                     {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
+    if problems:
+        raise CheckpointError("weight sync rejected; " + "; ".join(problems))
+    changed: dict[str, torch.Tensor] = {}
+    unchanged: list[str] = []
+    for name, t in pairs:
+        p = params[name]
+        new = t.to(device=p.device, dtype=p.dtype)
+        if skip_unchanged and torch.equal(new, p):  # NaN never compares equal: it reaches the finite check
+            unchanged.append(name)
+        else:
+            changed[name] = new
+    derived: list[str] = []
+    if changed:
+        ptrs = {n: params[n].data_ptr() for n in changed}
+        engine.load_weights_inplace(llm, changed, strict=False)  # validates, copies, resets the prefix cache
+        moved = [n for n, ptr in ptrs.items() if params[n].data_ptr() != ptr]
+        if moved:
+            raise RuntimeError(f"weight sync replaced the storage of {moved[:5]}; in-place copies are required "
+                               "(CUDA graphs hold the old buffers)")
+        hook = getattr(model, DERIVED_HOOK, None)
+        if callable(hook):
+            derived = sorted(hook(set(changed)) or ())
+    return SyncReport(copied=tuple(changed), unchanged=tuple(unchanged), derived=tuple(derived),
+                      bytes_copied=sum(t.numel() * t.element_size() for t in changed.values()),
+                      prefix_cache_reset=bool(changed), seconds=time.perf_counter() - start)

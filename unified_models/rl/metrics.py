@@ -1,0 +1,135 @@
+"""Per-step metrics of ``unified-models rl``: one JSON object per line (JSONL).
+
+Every line has at least (all floats in nats unless named otherwise):
+
+==========================  ==================================================
+``step``                    1-based update index (the line of step k is
+                            written after update k and its weight sync)
+``reward_mean``             mean reward over the step's S = P·G completions
+``reward_std``              its population std
+``max_abs_diff``            max |rollout logprob - trainer logprob| over the
+                            step's sampled tokens (fp64); 0 = bitwise equal
+``mean_abs_diff``,          mean / std of the same, and the rollout-vs-trainer
+``std_abs_diff``, ``k3_kl`` k3 KL estimator (:mod:`..consistency.metrics`)
+``num_mismatched``          sampled tokens whose fp32 bits differ
+``full_vocab_max_abs_diff`` max |Δ| over whole logprob rows
+                            (``full_vocab_rows`` of them)
+``importance_ratio_max``    max and min of ρ = exp(trainer - old logprob) at
+``importance_ratio_min``    the update (exactly 1 while diff = 0)
+``entropy``                 mean policy entropy -Σ_v p log p over the sampled
+                            positions (exact, from the trainer's full rows)
+``ref_kl``                  mean k3 KL to the frozen reference (0 if β = 0)
+``tokens``                  completion tokens compared / trained on
+``loss``, ``grad_norm``     GRPO loss, global grad norm before clipping
+``old_logprobs``            ``"recompute"`` or ``"rollout"`` (see ``--use-rollout-logprobs``)
+``seconds``                 ``{"rollout", "recompute", "update", "sync", "save", "step"}``
+==========================  ==================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["REQUIRED_FIELDS", "PHASES", "MetricsWriter", "read_metrics", "json_safe", "summarize"]
+
+REQUIRED_FIELDS = ("step", "reward_mean", "max_abs_diff", "mean_abs_diff", "k3_kl", "full_vocab_max_abs_diff",
+                   "importance_ratio_max", "entropy", "tokens", "seconds")
+PHASES = ("rollout", "recompute", "update", "sync")
+
+
+def json_safe(x: Any) -> Any:
+    """Floats that JSON can hold (NaN/Inf -> None); recurses into dicts and lists."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All lines of a metrics JSONL (blank lines skipped).
+
+    Raises:
+        ValueError: a line is not a JSON object (the message names the line).
+    """
+    rows = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: not a JSON object")
+            rows.append(row)
+    return rows
+
+
+class MetricsWriter:
+    """Append one JSON line per step, flushed and fsynced (a killed run keeps every finished step).
+
+    Args:
+        path: the JSONL file; its directory is created.
+        resume_step: None for a fresh run (the file is truncated); k for a run
+            resumed after step k (lines with ``step <= k`` are kept, later ones
+            dropped, so the file reads like one uninterrupted run).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        keep: list[dict] = []
+        if resume_step is not None and self.path.is_file():
+            keep = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        """Append ``row`` (must hold :data:`REQUIRED_FIELDS`).
+
+        Raises:
+            ValueError: a required field is missing.
+        """
+        missing = [k for k in REQUIRED_FIELDS if k not in row]
+        if missing:
+            raise ValueError(f"metrics row lacks {missing}")
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(json_safe(row)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def rows(self) -> list[dict]:
+        return read_metrics(self.path)
+
+
+def summarize(rows: Iterable[dict], window: int = 5) -> dict:
+    """First/last-``window`` mean reward, worst diff over all steps and time per phase (for the end table)."""
+    rows = list(rows)
+    if not rows:
+        return {}
+    rewards = [r["reward_mean"] for r in rows]
+    w = min(window, len(rows))
+
+    def worst(key):
+        vals = [r.get(key) for r in rows if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    secs = {p: sum((r.get("seconds") or {}).get(p, 0.0) or 0.0 for r in rows) for p in (*PHASES, "save", "step")}
+    return {
+        "steps": len(rows), "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
+        f"reward_mean_first_{w}": sum(rewards[:w]) / w, f"reward_mean_last_{w}": sum(rewards[-w:]) / w,
+        "max_abs_diff": worst("max_abs_diff"), "full_vocab_max_abs_diff": worst("full_vocab_max_abs_diff"),
+        "k3_kl": worst("k3_kl"), "importance_ratio_max": worst("importance_ratio_max"),
+        "tokens": sum(r.get("tokens", 0) for r in rows), "seconds": secs,
+    }
