@@ -30,7 +30,18 @@ from .autograd import (
     write_kv_cache,
 )
 from .rope import rope_cos_sin
+from .grad.moe import moe_experts, moe_route, moe_shared_expert
+from .nvfp4 import (NVFP4Error, NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_into, nvfp4_scale_2,
+                    stack_nvfp4_experts, validate_nvfp4, validate_nvfp4_experts)
 
 __all__ = ["embedding", "rms_norm", "linear", "relu2", "swiglu", "write_kv_cache",
            "paged_attention", "logprobs", "gather_token_logprobs", "rope_cos_sin", "apply_rope",
            "StaleWeightError", "bump_weight_version", "bump_on_step", "name_weights", "weight_version"]
+__all__ += ["moe_route", "moe_experts", "moe_shared_expert", "NVFP4Error", "NVFP4Weight", "nvfp4_quantize",
+            "nvfp4_dequantize", "nvfp4_quantize_into", "nvfp4_scale_2", "validate_nvfp4", "validate_nvfp4_experts",
+            "stack_nvfp4_experts"]
+from .grad.mamba2 import causal_conv1d, gated_rms_norm, mamba2_dt, ssd_chunk_scan
+from .mamba2 import Mamba2Metadata, Mamba2State, mamba2_metadata, start_positions
+
+__all__ += ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm", "Mamba2State", "Mamba2Metadata",
+            "mamba2_metadata", "start_positions"]
