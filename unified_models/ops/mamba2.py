@@ -9,7 +9,8 @@ H heads, P head dim, G groups (B/C), N state size, C conv channels
 
 Math (per head h, group g = h // (H/G), per sequence; a_t = dt_t * A_h < 0)::
 
-    xBC   = silu(bias + sum_w weight[:, w] * xBC_in[t - (W-1) + w])   (causal, depthwise)
+    xBC   = silu(sum_w weight[:, w] * xBC_in[t - (W-1) + w] + bias)   (causal, depthwise, fp32,
+                                                                       rounded once to the model dtype)
     dt    = clamp(softplus(dt_raw + dt_bias), *dt_limit)             (fp32)
     S_t   = exp(a_t) S_{t-1} + dt_t x_t B_t^T        (S: [P, N], fp32)
     y_t   = S_t C_t + D_h x_t
@@ -31,7 +32,8 @@ entries are exact zeros, and S_{k+1} only on S_k and the Q rows of chunk k. So
 full prefill, chunked prefill split anywhere, token-by-token decode and
 training evaluate the very same expressions and give the same bits: decode
 does not run a one-step recurrence, it re-executes the current chunk from the
-boundary state and the cached rows of the chunk so far.
+boundary state and the cached rows of the chunk so far. (Inputs are assumed
+finite: a masked term is ``0 * x``.)
 
 **State layout** (:class:`Mamba2State`, one per layer; a sequence owns one slot
 ``s``; ``p`` = number of its tokens already processed)::
@@ -268,7 +270,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
     p0 = start_pos_B.detach().to("cpu", torch.int64).view(-1)
     B = cu.shape[0] - 1
     if B < 0 or p0.shape[0] != B or int(cu[0]) != 0:
-        raise ValueError(f"mamba2: cu_seqlens must be [B+1] from 0 and start_pos [B]; got {cu.shape[0]} / {p0.shape[0]}")
+        raise ValueError(f"mamba2: cu_seqlens must be [B+1] from 0 and start_pos [B]; got {cu.shape[0]} / "
+                         f"{p0.shape[0]}")
     n_rows = cu[1:] - cu[:-1]
     if (n_rows < 0).any():
         raise ValueError("mamba2: cu_seqlens must be non-decreasing")
@@ -374,7 +377,8 @@ def causal_conv1d(x_TC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Ten
         ValueError: shape mismatch or state/metadata mismatch.
     """
     if x_TC.dim() != 2 or weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
-        raise ValueError(f"causal_conv1d: x {tuple(x_TC.shape)} must be [T, C] and weight {tuple(weight_CW.shape)} [C, W]")
+        raise ValueError(f"causal_conv1d: x {tuple(x_TC.shape)} must be [T, C] and weight "
+                         f"{tuple(weight_CW.shape)} [C, W]")
     if bias_C is not None and bias_C.shape != (x_TC.shape[1],):
         raise ValueError(f"causal_conv1d: bias {tuple(bias_C.shape)} must be [{x_TC.shape[1]}]")
     if x_TC.shape[0] != meta.num_tokens:
@@ -638,7 +642,8 @@ def ssd_chunk_scan_torch(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta: Mamba2M
     order (n = 0..N-1 for C.B and C.S, s = 0..Q-1 for the diagonal block and
     the chunk state), rounded once to fp32: each product is exact (operands of
     <= 24 significand bits) and no BLAS or vectorised reduction picks the order.
-    Masked terms add ``-0.0`` (the exact identity). Each query row is computed
+    Masked terms are exact zeros, the identity of the accumulation (inputs are
+    finite; the accumulator is never -0). Each query row is computed
     on its own (rows of a step never interact), so a decode step computes the
     same expressions as the prefill rows it stands for.
     """
@@ -678,11 +683,11 @@ def ssd_chunk_scan_torch(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta: Mamba2M
     if comp.numel():
         cu_ = comp.to(dev)
         w = _ew(torch.exp, alast[cu_][:, None, :] - acum[cu_]) * dts[cu_]  # [Uc, Q, H]
-        xw = xs[cu_].float() * w[..., None]  # [Uc, Q, H, P] fp32
-        Bh = Bs[cu_].repeat_interleave(R, dim=2).double()  # [Uc, Q, H, N]
+        xw = (xs[cu_].float() * w[..., None]).double().transpose(0, 1).contiguous()  # [Q, Uc, H, P]
+        Bh = Bs[cu_].repeat_interleave(R, dim=2).double().transpose(0, 1).contiguous()  # [Q, Uc, H, N]
         cs = torch.zeros((comp.numel(), H, P, N), dtype=torch.float64, device=dev)
         for s in range(Q):
-            cs = cs + xw[:, s, :, :, None].double() * Bh[:, s, :, None, :]
+            cs = cs + xw[s][..., None] * Bh[s][..., None, :]
         cs = cs.float()
         cpos = {int(u): i for i, u in enumerate(comp.tolist())}
         for b in range(len(h["seq_len"])):
@@ -708,31 +713,35 @@ def ssd_chunk_scan_torch(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta: Mamba2M
     tok_l = (meta.token_pos.to(dev) % Q)
     sarange = torch.arange(Q, device=dev)
     Dv = D_H.float() if D_H is not None else None
-    neg0 = torch.tensor(-0.0, dtype=torch.float64, device=dev)
+    # fp64 copies laid out with the contraction index first, so every step of the
+    # fixed-order loops below reads one contiguous slab (gathered per query row)
+    Bs_n = Bs.double().permute(3, 0, 1, 2).contiguous()  # [N, U, Q, G]
+    xs_s = xs.double().transpose(0, 1).contiguous()  # [Q, U, H, P]
+    ss_n = sstart.double().permute(3, 0, 1, 2).contiguous()  # [N, U, H, P]
     for i in range(0, rows_all.numel(), ROWS_CPU):
         rows = rows_all[i:i + ROWS_CPU]
+        nr = rows.numel()
         it, l = tok_item[rows], tok_l[rows]
-        Ct = C_TGN[rows].double()  # [R_, G, N]
-        Bsi = Bs[it]  # [R_, Q, G, N]
-        cb = torch.zeros((rows.numel(), Q, G), dtype=torch.float64, device=dev)
+        Ct = C_TGN[rows].double().permute(2, 0, 1).contiguous()  # [N, R_, G]
+        cb = torch.zeros((nr, Q, G), dtype=torch.float64, device=dev)
         for n in range(N):
-            cb = cb + Ct[:, None, :, n] * Bsi[:, :, :, n].double()
+            cb = cb + Ct[n][:, None, :] * Bs_n[n][it]
         cb = cb.float().repeat_interleave(R, dim=2)  # [R_, Q, H]
         ac = acum[it]  # [R_, Q, H]
         acl = ac.gather(1, l.view(-1, 1, 1).expand(-1, 1, H))  # [R_, 1, H]
         causal = (sarange.view(1, Q) <= l.view(-1, 1))[..., None]  # [R_, Q, 1]
         dec = _ew(torch.exp, torch.where(causal, acl - ac, torch.zeros((), device=dev)))
         m = torch.where(causal, cb * dec * dts[it], torch.zeros((), device=dev))  # [R_, Q, H]
-        xsi = xs[it]  # [R_, Q, H, P]
-        yd = torch.zeros((rows.numel(), H, P), dtype=torch.float64, device=dev)
-        for s in range(Q):
-            term = m[:, s, :, None].double() * xsi[:, s].double()
-            yd = yd + torch.where(causal[:, s, :, None], term, neg0)
-        ss = sstart[it]  # [R_, H, P, N]
-        Ch = Ct.repeat_interleave(R, dim=1)  # [R_, H, N]
-        yo = torch.zeros((rows.numel(), H, P), dtype=torch.float64, device=dev)
+        md = m.double().transpose(0, 1).contiguous()  # [Q, R_, H]
+        # Masked terms are +-0: the accumulator starts at +0 and is never -0 (an exact zero
+        # sum rounds to +0), so adding them is the identity; rows past a query never count.
+        yd = torch.zeros((nr, H, P), dtype=torch.float64, device=dev)
+        for s in range(int(l.max()) + 1):
+            yd = yd + md[s][..., None] * xs_s[s][it]
+        Ch = Ct.repeat_interleave(R, dim=2)  # [N, R_, H]
+        yo = torch.zeros((nr, H, P), dtype=torch.float64, device=dev)
         for n in range(N):
-            yo = yo + Ch[:, :, None, n] * ss[:, :, :, n].double()
+            yo = yo + Ch[n][..., None] * ss_n[n][it]
         yo = yo.float() * _ew(torch.exp, acl[:, 0])[..., None]
         y = yd.float() + yo
         if Dv is not None:

@@ -1,0 +1,622 @@
+"""Mamba-2 ops: causal conv1d, dt, SSD chunked scan, gated RMSNorm.
+
+Both forward implementations run every test: the CPU torch path and the Triton
+kernels through the interpreter (``UM_OPS_BACKEND=triton``). Checked:
+
+* bitwise, per implementation, at every position of every sequence: full
+  prefill (sequences in random order, padding sequences and padding rows)
+  == training (no state) == chunked prefill split at random points (chunks of
+  1, 2 and 3 tokens, shorter than the conv width, included) == token-by-token
+  decode (every position inside a chunk re-executed from the boundary state and
+  the cached rows) == prefill of a prefix then decode; the final states
+  (conv rows, boundary state, pending rows) are bitwise equal too. State slots
+  are a random permutation, filled with stale NaN before first use;
+* each op against its fp64 reference, within the tolerances below;
+* the composed mixer (in_proj, our four ops, out_proj) against transformers'
+  ``NemotronHMamba2Mixer`` torch path in fp32;
+* gradients against fp64 autograd of the references, also for a continuation
+  over cached state (treated as constant).
+
+Tolerances (|ours - fp64 ref| <= atol + rtol |ref|): fp32 inputs: scan output
+1e-5/1e-5, conv/norm/dt 1e-6/1e-5; bf16 inputs: ops whose output is bf16 one
+bf16 rounding (rtol 4e-3 > 2^-8), the fp32 scan output 1e-5/1e-5 on the same bf16
+inputs. Peer (transformers fp32): 2e-5/1e-4. Gradients: relative L2 error
+1e-5 (fp32) / 4e-3 (bf16), as tests/ops/test_autograd.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unified_models import ops
+from unified_models.ops import Mamba2State, StaleWeightError, bump_weight_version, mamba2_metadata
+from unified_models.ops.mamba2 import (causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
+                                       ssd_chunked_torch, ssd_reference, start_positions)
+
+H, P, G, N, Q, W = 4, 8, 2, 16, 8, 4
+F_ = H * P
+CD = F_ + 2 * G * N
+EPS = 1e-5
+LIMIT = (0.0, math.inf)
+BACKENDS = ["torch", "triton"]
+LENGTHS = [21, 1, 8, 11, 4]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch, device):
+    if request.param == "triton" and device == "cuda":
+        pytest.skip("CPU tensors here; the CUDA kernels run in tests/gpu")
+    monkeypatch.setenv("UM_OPS_BACKEND", request.param)
+    return request.param
+
+
+class Params:
+    def __init__(self, dtype, gen):
+        self.conv_w = (torch.randn(CD, W, generator=gen) * 0.4).to(dtype)
+        self.conv_b = (torch.randn(CD, generator=gen) * 0.1).to(dtype)
+        # dt_bias as transformers/mamba_ssm initialise it: inverse softplus of dt ~ logU(1e-3, 1e-1)
+        dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_bias = (dt0 + torch.log(-torch.expm1(-dt0))).to(dtype)
+        self.A_log = torch.log(torch.arange(1, H + 1, dtype=torch.float32)).to(dtype)
+        self.D = (1.0 + 0.1 * torch.randn(H, generator=gen)).to(dtype)
+        self.norm_w = (1.0 + 0.1 * torch.randn(F_, generator=gen)).to(dtype)
+
+
+def _seqs(lengths, dtype, gen):
+    return [dict(xin=torch.randn(n, CD, generator=gen).to(dtype),
+                 dt=(torch.randn(n, H, generator=gen) * 1.5).to(dtype),
+                 z=torch.randn(n, F_, generator=gen).to(dtype)) for n in lengths]
+
+
+def mixer_core(prm, xin, dtraw, z, meta, state):
+    """conv -> split -> dt -> scan -> gated norm, as the layer will call them."""
+    T = xin.shape[0]
+    xbc = ops.causal_conv1d(xin, prm.conv_w, prm.conv_b, meta, state)
+    x, Bm, Cm = xbc.split([F_, G * N, G * N], dim=-1)
+    dt = ops.mamba2_dt(dtraw, prm.dt_bias, LIMIT)
+    y = ops.ssd_chunk_scan(x.view(T, H, P), dt, prm.A_log, Bm.view(T, G, N), Cm.view(T, G, N), prm.D, meta, state)
+    o = ops.gated_rms_norm(y.view(T, F_), z, prm.norm_w, F_ // G, EPS)
+    return dict(xbc=xbc, dt=dt, y=y.view(T, F_), o=o)
+
+
+class Run:
+    """One state cache (random slots, stale NaN) and a schedule of steps over ``seqs``."""
+
+    def __init__(self, seqs, prm, dtype, gen, stateful=True):
+        self.seqs, self.prm, self.dtype, self.gen = seqs, prm, dtype, gen
+        n = len(seqs)
+        self.state = (Mamba2State.allocate(n + 3, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W,
+                                           chunk_size=Q, dtype=dtype, fill=float("nan")) if stateful else None)
+        self.slots = torch.randperm(n + 3, generator=gen)[:n].tolist()
+        self.pos = [0] * n
+        self.out = [{k: None for k in ("xbc", "dt", "y", "o")} for _ in seqs]
+
+    def junk(self, n):
+        j = lambda *s: (torch.randn(*s, generator=self.gen) * 50).to(self.dtype)  # noqa: E731
+        return dict(xin=j(n, CD), dt=j(n, H), z=j(n, F_))
+
+    def step(self, chunks, pad_seqs=0, pad_rows=0):
+        """``chunks`` = [(seq, n_tokens)]; plus padding sequences (slot -1) and trailing padding rows."""
+        parts = [(b, self.pos[b], self.pos[b] + c) for b, c in chunks]
+        if self.state is not None:
+            parts += [(-1, int(torch.randint(0, 7, (1,), generator=self.gen)), None) for _ in range(pad_seqs)]
+        order = torch.randperm(len(parts), generator=self.gen).tolist()
+        parts = [parts[i] for i in order]
+        rows, cu, p0, slots = {"xin": [], "dt": [], "z": []}, [0], [], []
+        for b, s, e in parts:
+            if b >= 0:
+                src = {k: self.seqs[b][k][s:e] for k in rows}
+                p0.append(s)
+                slots.append(self.slots[b])
+            else:
+                src = self.junk(s)
+                p0.append(int(torch.randint(0, 40, (1,), generator=self.gen)))
+                slots.append(-1)
+            for k in rows:
+                rows[k].append(src[k])
+            cu.append(cu[-1] + src["xin"].shape[0])
+        tail = self.junk(pad_rows)
+        for k in rows:
+            rows[k].append(tail[k])
+        batch = {k: torch.cat(v) for k, v in rows.items()}
+        T = batch["xin"].shape[0]
+        meta = mamba2_metadata(torch.tensor(cu), torch.tensor(p0), Q, num_tokens=T,
+                               state_idx_B=torch.tensor(slots) if self.state is not None else None)
+        res = mixer_core(self.prm, batch["xin"], batch["dt"], batch["z"], meta, self.state)
+        real = torch.zeros(T, dtype=torch.bool)
+        for i, (b, s, e) in enumerate(parts):
+            if b < 0:
+                continue
+            real[cu[i]:cu[i + 1]] = True
+            for k, v in res.items():
+                cur = self.out[b][k]
+                self.out[b][k] = v[cu[i]:cu[i + 1]].clone() if cur is None else torch.cat([cur, v[cu[i]:cu[i + 1]]])
+            self.pos[b] = e
+        for k in ("xbc", "y", "o"):
+            assert (res[k][~real] == 0).all(), f"padding rows of {k} are not zero"
+        return res
+
+    def final_state(self, b):
+        """The meaningful part of sequence b's state (what a later call may read)."""
+        s, L = self.slots[b], self.pos[b]
+        st = self.state
+        d = dict(conv=st.conv[s, max(0, W - 1 - L):].clone(), x=st.x[s, :L % Q].clone(), dt=st.dt[s, :L % Q].clone(),
+                 B=st.B[s, :L % Q].clone())
+        if L >= Q:
+            d["ssm"] = st.ssm[s].clone()
+        return d
+
+
+def _prefill(run):
+    run.step([(b, s["xin"].shape[0]) for b, s in enumerate(run.seqs)], pad_seqs=2, pad_rows=3)
+
+
+def _chunked(run, sizes=(1, 2, 3, 5, 9, 17)):
+    lens = [s["xin"].shape[0] for s in run.seqs]
+    while any(p < n for p, n in zip(run.pos, lens)):
+        chunks = []
+        for b in range(len(lens)):
+            if run.pos[b] < lens[b] and int(torch.randint(0, 4, (1,), generator=run.gen)) > 0:
+                c = sizes[int(torch.randint(0, len(sizes), (1,), generator=run.gen))]
+                chunks.append((b, min(c, lens[b] - run.pos[b])))
+        if chunks:
+            run.step(chunks, pad_seqs=1, pad_rows=2)
+
+
+def _decode(run, prefix=None):
+    lens = [s["xin"].shape[0] for s in run.seqs]
+    if prefix is not None:
+        run.step([(b, min(prefix[b], n)) for b, n in enumerate(lens) if min(prefix[b], n) > 0], pad_seqs=1)
+    while any(p < n for p, n in zip(run.pos, lens)):
+        run.step([(b, 1) for b in range(len(lens)) if run.pos[b] < lens[b]], pad_seqs=1, pad_rows=1)
+
+
+def _schedules(seqs, prm, dtype, gen):
+    runs = {}
+    for name in ("prefill", "train", "chunked", "decode", "prefix+decode"):
+        run = Run(seqs, prm, dtype, gen, stateful=name != "train")
+        if name == "train":
+            run.step([(b, s["xin"].shape[0]) for b, s in enumerate(seqs)], pad_rows=5)
+        elif name == "prefill":
+            _prefill(run)
+        elif name == "chunked":
+            _chunked(run)
+        elif name == "decode":
+            _decode(run)
+        else:
+            lens = [s["xin"].shape[0] for s in seqs]
+            _decode(run, prefix=[int(torch.randint(n // 2, n + 1, (1,), generator=gen)) for n in lens])
+        runs[name] = run
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_schedules_bitwise_and_vs_reference(dtype, backend, gen, inv):
+    prm = Params(dtype, gen)
+    seqs = _seqs(LENGTHS, dtype, gen)
+    runs = _schedules(seqs, prm, dtype, gen)
+    base = runs["prefill"]
+    for name, run in runs.items():
+        for b in range(len(seqs)):
+            for k in ("xbc", "dt", "y", "o"):
+                inv.assert_bitwise(run.out[b][k], base.out[b][k], f"{backend} {dtype} seq {b} {k}: {name} vs prefill")
+            if run.state is not None:
+                fs, fb = run.final_state(b), base.final_state(b)
+                assert fs.keys() == fb.keys()
+                for k in fs:
+                    inv.assert_bitwise(fs[k], fb[k], f"{backend} {dtype} seq {b} state {k}: {name} vs prefill")
+    # every position of a chunk was produced by decode (one row re-executing its chunk)
+    assert max(LENGTHS) > 2 * Q
+    _check_reference(base, prm, seqs, dtype, backend)
+
+
+def _close(got, ref, rtol, atol, what):
+    err = (got.double() - ref.double()).abs()
+    bound = atol + rtol * ref.double().abs()
+    worst = float((err / bound).max()) if err.numel() else 0.0
+    print(f"ERR {what}: max abs {float(err.max()) if err.numel() else 0:.3e}, worst/bound {worst:.3f}")
+    assert worst <= 1.0, f"{what}: error {float(err.max()):.3e} exceeds atol {atol} + rtol {rtol}"
+
+
+def _check_reference(run, prm, seqs, dtype, backend):
+    """Each op of the prefill run against its fp64 reference on the same inputs."""
+    f32 = dtype == torch.float32
+    tol_bf16 = dict(rtol=4e-3, atol=1e-6)  # one bf16 rounding: 2^-8 = 3.9e-3 relative
+    tol_small = dict(rtol=1e-5, atol=1e-6) if f32 else tol_bf16
+    for b, s in enumerate(seqs):
+        out = run.out[b]
+        L = s["xin"].shape[0]
+        conv = causal_conv1d_reference(s["xin"], prm.conv_w, prm.conv_b)
+        _close(out["xbc"], conv, what=f"{backend} {dtype} conv seq {b}", **tol_small)
+        dt = mamba2_dt_reference(s["dt"], prm.dt_bias, LIMIT)
+        _close(out["dt"], dt, rtol=1e-5, atol=1e-7, what=f"{backend} {dtype} dt seq {b}")
+        x, Bm, Cm = out["xbc"].split([F_, G * N, G * N], dim=-1)  # the scan's inputs are the conv's output
+        y, _ = ssd_reference(x.view(L, H, P), out["dt"], prm.A_log, Bm.view(L, G, N), Cm.view(L, G, N), prm.D)
+        _close(out["y"], y.reshape(L, F_), rtol=1e-5, atol=1e-5, what=f"{backend} {dtype} scan seq {b}")
+        o = gated_rms_norm_reference(out["y"], s["z"], prm.norm_w, F_ // G, EPS)
+        _close(out["o"], o, what=f"{backend} {dtype} norm seq {b}", **tol_small)
+
+
+def test_continuation_shorter_than_conv_width(backend, gen, inv):
+    """A sequence continued by 1-token and 2-token chunks (< W-1 = 3 conv rows) right after a
+    chunk boundary and across one: same bits as one prefill."""
+    dtype = torch.bfloat16
+    prm = Params(dtype, gen)
+    seqs = _seqs([2 * Q + 3], dtype, gen)
+    a = Run(seqs, prm, dtype, gen)
+    _prefill(a)
+    b = Run(seqs, prm, dtype, gen)
+    for c in (1, 2, Q - 4, 1, 1, 2, Q - 3, 1, 2):  # boundaries hit by 1-token chunks
+        b.step([(0, c)], pad_seqs=1)
+    assert b.pos[0] == 2 * Q + 3
+    for k in ("xbc", "y", "o"):
+        inv.assert_bitwise(b.out[0][k], a.out[0][k], f"{backend} {k}")
+    for k, v in b.final_state(0).items():
+        inv.assert_bitwise(v, a.final_state(0)[k], f"{backend} state {k}")
+
+
+def test_triton_equals_across_row_blocks_and_items(device, monkeypatch, gen, inv):
+    """The kernel's row blocks (BLOCK_L < Q under the interpreter) and the CPU's row steps:
+    every sequence alone == all sequences together (both implementations)."""
+    dtype = torch.bfloat16
+    prm = Params(dtype, gen)
+    seqs = _seqs([Q + 7, 3, 2 * Q], dtype, gen)
+    for be in BACKENDS:
+        monkeypatch.setenv("UM_OPS_BACKEND", be)
+        together = Run(seqs, prm, dtype, gen)
+        _prefill(together)
+        for b in range(len(seqs)):
+            alone = Run([seqs[b]], prm, dtype, gen)
+            alone.step([(0, seqs[b]["xin"].shape[0])])
+            for k in ("xbc", "y", "o"):
+                inv.assert_bitwise(alone.out[0][k], together.out[b][k], f"{be} seq {b} {k}")
+
+
+def test_cpu_path_independent_of_threads(monkeypatch, gen, inv):
+    """The CPU implementations at wider shapes (ATen calls above the parallel grain):
+    1 and 2 threads give the same bits (no BLAS, no thread-split reductions)."""
+    monkeypatch.setenv("UM_OPS_BACKEND", "torch")
+    h, p, g, n, q, w = 8, 16, 2, 32, 32, 4
+    lens = [70, 33, 5]
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    T = int(cu[-1])
+    cd = h * p + 2 * g * n
+    xin = torch.randn(T, cd, generator=gen).to(torch.bfloat16)
+    cw = (torch.randn(cd, w, generator=gen) * 0.4).to(torch.bfloat16)
+    dtraw = torch.randn(T, h, generator=gen).to(torch.bfloat16)
+    z = torch.randn(T, h * p, generator=gen).to(torch.bfloat16)
+    A_log = torch.log(torch.arange(1, h + 1, dtype=torch.float32))
+    meta = mamba2_metadata(cu, torch.zeros(3, dtype=torch.long), q)
+
+    def run():
+        xbc = ops.causal_conv1d(xin, cw, None, meta)
+        x, Bm, Cm = xbc.split([h * p, g * n, g * n], dim=-1)
+        dt = ops.mamba2_dt(dtraw, torch.zeros(h), LIMIT)
+        y = ops.ssd_chunk_scan(x.reshape(T, h, p), dt, A_log, Bm.reshape(T, g, n), Cm.reshape(T, g, n), None, meta)
+        return [xbc, dt, y, ops.gated_rms_norm(y.view(T, -1), z, torch.ones(h * p), h * p // g, EPS)]
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(old)
+    for a, b, k in zip(one, two, ("conv", "dt", "scan", "norm")):
+        inv.assert_bitwise(a, b, f"{k}: 1 vs 2 threads")
+
+
+def test_dispatch(monkeypatch, device, gen, inv):
+    from unified_models.ops.mamba2 import ssd_chunk_scan_torch
+    from unified_models.ops.triton.mamba2 import ssd_chunk_scan_triton
+
+    T = 2 * Q + 1
+    meta = mamba2_metadata(torch.tensor([0, T]), torch.tensor([0]), Q)
+    ins = _ssd_inputs(T, torch.bfloat16, gen)
+    for be, impl in (("torch", ssd_chunk_scan_torch), ("triton", ssd_chunk_scan_triton)):
+        monkeypatch.setenv("UM_OPS_BACKEND", be)
+        inv.assert_bitwise(ops.ssd_chunk_scan(*ins, meta), impl(*ins, meta, None, torch.float32)[0], be)
+
+
+# --------------------------------------------------------------------------- peer: transformers
+
+
+def _hf_mixer(gen):
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cfg = NemotronHConfig(hidden_size=64, num_hidden_layers=1, hybrid_override_pattern="M", mamba_num_heads=H,
+                          mamba_head_dim=P, n_groups=G, ssm_state_size=N, conv_kernel=W, chunk_size=Q,
+                          layer_norm_epsilon=EPS, use_conv_bias=True, mamba_proj_bias=False, vocab_size=32,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=64)
+    mixer = NemotronHMamba2Mixer(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p_ in (mixer.in_proj.weight, mixer.out_proj.weight):
+            p_.copy_(torch.randn(p_.shape, generator=gen) * p_.shape[1] ** -0.5)
+        mixer.conv1d.weight.copy_(torch.randn(mixer.conv1d.weight.shape, generator=gen) * 0.4)
+        mixer.conv1d.bias.copy_(torch.randn(mixer.conv1d.bias.shape, generator=gen) * 0.1)
+        mixer.norm.weight.copy_(1 + 0.1 * torch.randn(F_, generator=gen))
+        mixer.D.copy_(1 + 0.1 * torch.randn(H, generator=gen))
+        dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        mixer.dt_bias.copy_(dt0 + torch.log(-torch.expm1(-dt0)))
+    return cfg, mixer
+
+
+def test_peer_transformers_mixer_fp32(backend, gen):
+    """Our ops composed as the mixer == transformers' NemotronHMamba2Mixer (torch path) in fp32.
+
+    transformers clamps dt to ``(time_step_min, inf)`` (its ``time_step_limit``);
+    we pass the same limit here. Sequences go through transformers one at a time
+    and through our ops as one THD batch (with state: a later chunk continues).
+    """
+    cfg, mixer = _hf_mixer(gen)
+    lens = [2 * Q + 5, Q - 3, 9]
+    hs = [torch.randn(1, n, cfg.hidden_size, generator=gen) for n in lens]
+    with torch.no_grad():
+        ref = [mixer(h)[0] for h in hs]
+    limit = mixer.time_step_limit
+    assert limit[0] == cfg.time_step_min  # the transformers quirk we follow here
+    state = Mamba2State.allocate(len(lens), num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W,
+                                 chunk_size=Q, dtype=torch.float32, fill=float("nan"))
+    w_in, w_out = mixer.in_proj.weight.detach(), mixer.out_proj.weight.detach()
+    outs = [[] for _ in lens]
+    for cut in ((0, 6), (6, None)):  # two calls: the second continues from the state
+        parts = [(b, h[0, cut[0]:cut[1]]) for b, h in enumerate(hs) if h[0, cut[0]:cut[1]].shape[0]]
+        x = torch.cat([p_ for _, p_ in parts])
+        cu = torch.tensor([0] + [p_.shape[0] for _, p_ in parts]).cumsum(0)
+        meta = mamba2_metadata(cu, torch.tensor([cut[0]] * len(parts)), Q,
+                               state_idx_B=torch.tensor([b for b, _ in parts]))
+        T = x.shape[0]
+        with torch.no_grad():
+            zxbcdt = x.double() @ w_in.double().t()  # projections are not under test: exact-ish
+            z, xbc, dt = zxbcdt.float().split([F_, CD, H], dim=-1)
+            xbc = ops.causal_conv1d(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, meta, state)
+            xs, Bm, Cm = xbc.split([F_, G * N, G * N], dim=-1)
+            dtp = ops.mamba2_dt(dt, mixer.dt_bias, limit)
+            y = ops.ssd_chunk_scan(xs.reshape(T, H, P), dtp, mixer.A_log, Bm.reshape(T, G, N), Cm.reshape(T, G, N),
+                                   mixer.D, meta, state)
+            o = ops.gated_rms_norm(y.view(T, F_), z, mixer.norm.weight, F_ // G, EPS)
+            out = (o.double() @ w_out.double().t()).float()
+        for i, (b, _) in enumerate(parts):
+            outs[b].append(out[cu[i]:cu[i + 1]])
+    for b in range(len(lens)):
+        _close(torch.cat(outs[b]), ref[b], rtol=1e-4, atol=2e-5, what=f"{backend} peer transformers seq {b}")
+
+
+def test_peer_transformers_chunk_scan_function(backend, gen):
+    """The scan alone vs transformers' ``mamba2_chunk_scan`` (raw dt, softplus inside) in fp32."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    L = 3 * Q - 5
+    x = torch.randn(1, L, H, P, generator=gen)
+    dtraw = torch.randn(1, L, H, generator=gen)
+    B = torch.randn(1, L, G, N, generator=gen) * 0.5
+    C = torch.randn(1, L, G, N, generator=gen) * 0.5
+    A_log = torch.log(torch.arange(1, H + 1, dtype=torch.float32))
+    D = torch.rand(H, generator=gen) + 0.5
+    dt_bias = torch.randn(H, generator=gen) * 0.5
+    ref = mamba2_chunk_scan(x, dtraw, -torch.exp(A_log), B, C, Q, D=D, dt_bias=dt_bias, dt_softplus=True,
+                            dt_limit=(0.0, math.inf))
+    meta = mamba2_metadata(torch.tensor([0, L]), torch.tensor([0]), Q)
+    dt = ops.mamba2_dt(dtraw[0], dt_bias, (0.0, math.inf))
+    y = ops.ssd_chunk_scan(x[0], dt, A_log, B[0], C[0], D, meta)
+    _close(y, ref[0], rtol=1e-4, atol=2e-5, what=f"{backend} peer mamba2_chunk_scan")
+
+
+# --------------------------------------------------------------------------- gradients
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _grads(op, ref, inputs, g, what, inv):
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = op(*xs)
+    assert out.grad_fn is not None, f"{what}: no graph"
+    with torch.no_grad():
+        plain = op(*inputs)
+    inv.assert_bitwise(out.detach(), plain, f"{what}: forward with grad vs no-grad")
+    out.backward(g)
+    x64 = [x.detach().double().requires_grad_() for x in inputs]
+    ref(*x64).backward(g.double())
+    for i, (x, r) in enumerate(zip(xs, x64)):
+        assert x.grad is not None and x.grad.dtype == x.dtype, f"{what}: grad {i}"
+        err = _rel(x.grad, r.grad)
+        print(f"GRAD-ERR {what} input {i}: {err:.3e}")
+        assert err <= TOL[x.dtype], f"{what}: input {i} gradient rel. error {err:.3e}"
+
+
+def _packed(lengths):
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_conv_dt_norm(dtype, backend, gen, inv):
+    lens = [Q + 3, 5]
+    cu = _packed(lens)
+    T = int(cu[-1])
+    meta = mamba2_metadata(cu, torch.zeros(2, dtype=torch.long), Q, num_tokens=T + 2)
+    x = torch.randn(T + 2, CD, generator=gen).to(dtype)
+    w = (torch.randn(CD, W, generator=gen) * 0.4).to(dtype)
+    bias = (torch.randn(CD, generator=gen) * 0.1).to(dtype)
+    g = torch.randn(T + 2, CD, generator=gen).to(dtype)
+    g[T:] = 0
+
+    def conv_ref(x_, w_, b_):
+        return torch.cat([causal_conv1d_reference(x_[cu[i]:cu[i + 1]], w_, b_) for i in range(2)]
+                         + [x_.new_zeros(2, CD)])
+
+    _grads(lambda x_, w_, b_: ops.causal_conv1d(x_, w_, b_, meta), conv_ref, [x, w, bias], g,
+           f"conv {dtype} {backend}", inv)
+    dtr = (torch.randn(T, H, generator=gen) * 3).to(dtype)
+    dtb = torch.randn(H, generator=gen).to(dtype)
+    _grads(lambda a, b_: ops.mamba2_dt(a, b_, (0.0, 2.0)), lambda a, b_: mamba2_dt_reference(a, b_, (0.0, 2.0)),
+           [dtr, dtb], torch.randn(T, H, generator=gen), f"dt {dtype} {backend}", inv)
+    y = torch.randn(T, F_, generator=gen)
+    z = torch.randn(T, F_, generator=gen).to(dtype)
+    nw = (1 + 0.1 * torch.randn(F_, generator=gen)).to(dtype)
+    _grads(lambda y_, z_, w_: ops.gated_rms_norm(y_, z_, w_, F_ // G, EPS),
+           lambda y_, z_, w_: gated_rms_norm_reference(y_, z_, w_, F_ // G, EPS),
+           [y, z, nw], torch.randn(T, F_, generator=gen).to(dtype), f"norm {dtype} {backend}", inv)
+
+
+def _ssd_inputs(T, dtype, gen):
+    return [torch.randn(T, H, P, generator=gen).to(dtype), torch.rand(T, H, generator=gen) * 0.3 + 0.01,
+            torch.log(torch.arange(1, H + 1, dtype=torch.float32)).to(dtype),
+            (torch.randn(T, G, N, generator=gen) * 0.5).to(dtype),
+            (torch.randn(T, G, N, generator=gen) * 0.5).to(dtype),
+            (1 + 0.1 * torch.randn(H, generator=gen)).to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_ssd_packed(dtype, backend, gen, inv):
+    lens = [2 * Q + 5, 7, Q]
+    cu = _packed(lens)
+    T = int(cu[-1])
+    meta = mamba2_metadata(cu, torch.zeros(3, dtype=torch.long), Q)
+    ins = _ssd_inputs(T, dtype, gen)
+
+    def ref(x, dt, A_log, B, C, D):
+        return torch.cat([ssd_reference(x[cu[i]:cu[i + 1]], dt[cu[i]:cu[i + 1]], A_log, B[cu[i]:cu[i + 1]],
+                                        C[cu[i]:cu[i + 1]], D)[0] for i in range(3)])
+
+    _grads(lambda *a: ops.ssd_chunk_scan(*a, meta), ref, ins, torch.randn(T, H, P, generator=gen),
+           f"ssd packed {dtype} {backend}", inv)
+
+
+def test_grad_ssd_and_conv_continuation(backend, gen, inv):
+    """A chunk continuing a cached sequence (boundary state and pending rows constant)."""
+    dtype = torch.float32
+    L0, L1 = Q + 5, Q + 2
+    full = _ssd_inputs(L0 + L1, dtype, gen)
+    state = Mamba2State.allocate(2, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W, chunk_size=Q,
+                                 dtype=dtype, fill=float("nan"))
+    slot = torch.tensor([1])
+    m0 = mamba2_metadata(torch.tensor([0, L0]), torch.tensor([0]), Q, state_idx_B=slot)
+    with torch.no_grad():
+        ops.ssd_chunk_scan(*(t[:L0] if t.dim() > 1 else t for t in full), m0, state)
+    snap = Mamba2State(**{k: v.clone() for k, v in vars(state).items()})
+    m1 = mamba2_metadata(torch.tensor([0, L1]), torch.tensor([L0]), Q, state_idx_B=slot)
+    new = [t[L0:] if t.dim() > 1 else t for t in full]
+
+    def op(x, dt, A_log, B, C, D):
+        st = Mamba2State(**{k: v.clone() for k, v in vars(snap).items()})
+        return ops.ssd_chunk_scan(x, dt, A_log, B, C, D, m1, st)
+
+    bq = (L0 // Q) * Q  # boundary; rows bq..L0-1 are pending, the state at bq is cached
+
+    def ref(x, dt, A_log, B, C, D):
+        s_b = ssd_reference(full[0][:bq], full[1][:bq], A_log.detach(), full[3][:bq], full[4][:bq], None)[1]
+        xs = torch.cat([full[0][bq:L0].double(), x])
+        dts = torch.cat([full[1][bq:L0].double(), dt])
+        Bs = torch.cat([full[3][bq:L0].double(), B])
+        Cs = torch.cat([full[4][bq:L0].double(), C])
+        return ssd_reference(xs, dts, A_log, Bs, Cs, D, s_b.detach())[0][L0 - bq:]
+
+    _grads(op, ref, new, torch.randn(L1, H, P, generator=gen), f"ssd continuation {backend}", inv)
+
+    # conv: the cached rows are constants
+    x = torch.randn(L0 + L1, CD, generator=gen)
+    w = torch.randn(CD, W, generator=gen) * 0.4
+    bias = torch.randn(CD, generator=gen) * 0.1
+    with torch.no_grad():
+        ops.causal_conv1d(x[:L0], w, bias, m0, state)
+    conv_snap = state.conv.clone()
+
+    def conv_op(x_, w_, b_):
+        st = Mamba2State(**{**{k: v.clone() for k, v in vars(snap).items()}, "conv": conv_snap.clone()})
+        return ops.causal_conv1d(x_, w_, b_, m1, st)
+
+    _grads(conv_op, lambda x_, w_, b_: causal_conv1d_reference(x_, w_, b_, x[:L0]), [x[L0:], w, bias],
+           torch.randn(L1, CD, generator=gen), f"conv continuation {backend}", inv)
+
+
+def test_grad_mixer_core_composed(backend, gen, inv):
+    """conv -> split views -> dt -> scan -> gated norm, differentiated end to end (fp32)
+    against fp64 autograd of the composed references, packed sequences."""
+    lens = [Q + 5, 6]
+    cu = _packed(lens)
+    T = int(cu[-1])
+    meta = mamba2_metadata(cu, torch.zeros(2, dtype=torch.long), Q)
+    prm = Params(torch.float32, gen)
+    seq = _seqs([T], torch.float32, gen)[0]
+    ins = [seq["xin"], seq["dt"], seq["z"], prm.conv_w, prm.conv_b, prm.dt_bias, prm.A_log, prm.D, prm.norm_w]
+
+    def op(xin, dtraw, z, cw, cb, dtb, A_log, D, nw):
+        xbc = ops.causal_conv1d(xin, cw, cb, meta)
+        x, Bm, Cm = xbc.split([F_, G * N, G * N], dim=-1)
+        dt = ops.mamba2_dt(dtraw, dtb, LIMIT)
+        y = ops.ssd_chunk_scan(x.view(T, H, P), dt, A_log, Bm.view(T, G, N), Cm.view(T, G, N), D, meta)
+        return ops.gated_rms_norm(y.view(T, F_), z, nw, F_ // G, EPS)
+
+    def ref(xin, dtraw, z, cw, cb, dtb, A_log, D, nw):
+        outs = []
+        for i in range(len(lens)):
+            s_ = slice(int(cu[i]), int(cu[i + 1]))
+            xbc = causal_conv1d_reference(xin[s_], cw, cb)
+            x, Bm, Cm = xbc.split([F_, G * N, G * N], dim=-1)
+            n_ = x.shape[0]
+            dt = mamba2_dt_reference(dtraw[s_], dtb, LIMIT)
+            y, _ = ssd_reference(x.reshape(n_, H, P), dt, A_log, Bm.reshape(n_, G, N), Cm.reshape(n_, G, N), D)
+            outs.append(gated_rms_norm_reference(y.reshape(n_, F_), z[s_], nw, F_ // G, EPS))
+        return torch.cat(outs)
+
+    _grads(op, ref, ins, torch.randn(T, F_, generator=gen), f"mixer core {backend}", inv)
+
+
+def test_chunked_torch_matches_reference(gen):
+    """The backward's recomputation (chunked einsums) equals the step recurrence (fp64)."""
+    x, dt, A_log, B, C, D = (t.double() for t in _ssd_inputs(2 * Q + 3, torch.float32, gen))
+    s0 = torch.randn(H, P, N, generator=gen, dtype=torch.float64)
+    y = ssd_chunked_torch(x, dt, A_log, B, C, D, Q, s0)
+    r, _ = ssd_reference(x, dt, A_log, B, C, D, s0)
+    torch.testing.assert_close(y, r, rtol=1e-10, atol=1e-12)
+
+
+def test_grad_guard_stale_weight(gen):
+    prm = Params(torch.float32, gen)
+    w = prm.norm_w.clone().requires_grad_()
+    y = torch.randn(4, F_, generator=gen, requires_grad=True)
+    out = ops.gated_rms_norm(y, torch.randn(4, F_, generator=gen), w, F_ // G, EPS)
+    bump_weight_version(w)
+    with pytest.raises(StaleWeightError, match="gated_rms_norm"):
+        out.sum().backward()
+
+
+# --------------------------------------------------------------------------- metadata and errors
+
+
+def test_metadata_and_errors():
+    meta = mamba2_metadata(torch.tensor([0, 3, 3, 40]), torch.tensor([14, 0, 5]), 16, num_tokens=42,
+                           state_idx_B=torch.tensor([2, 0, -1]))
+    # seq 0: positions 14..16 -> chunks 0 (complete: 16 = Q) and 1; seq 2 is padding
+    assert meta.host["item_seq"] == [0, 0] and meta.host["item_chunk"] == [0, 1]
+    assert meta.num_entries == 1 and meta.commit_slot.tolist() == [2]
+    assert meta.pend_index.tolist() == [0]  # position 16 becomes pending row 0
+    assert (meta.token_seq[3:] == -1).all()
+    assert start_positions(torch.tensor([0, 2, 2, 5]), torch.tensor([7, 8, 0, 1, 2])).tolist() == [7, 0, 0]
+    with pytest.raises(ValueError, match="needs a state"):
+        mamba2_metadata(torch.tensor([0, 3]), torch.tensor([4]), Q)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mamba2_metadata(torch.tensor([0, 3, 2]), torch.tensor([0, 0]), Q)
+    m = mamba2_metadata(torch.tensor([0, 3]), torch.tensor([0]), Q)
+    with pytest.raises(ValueError, match="fp32"):
+        ops.ssd_chunk_scan(torch.zeros(3, H, P), torch.zeros(3, H, dtype=torch.bfloat16), torch.zeros(H),
+                           torch.zeros(3, G, N), torch.zeros(3, G, N), None, m)
+    with pytest.raises(ValueError, match="rows"):
+        ops.causal_conv1d(torch.zeros(4, CD), torch.zeros(CD, W), None, m)
+    with pytest.raises(ValueError, match="group_size"):
+        ops.gated_rms_norm(torch.zeros(2, 12), torch.zeros(2, 12), torch.zeros(12), 5, EPS)
+    state = Mamba2State.allocate(1, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W,
+                                 chunk_size=2 * Q, dtype=torch.float32)
+    ms = mamba2_metadata(torch.tensor([0, 3]), torch.tensor([0]), Q, state_idx_B=torch.tensor([0]))
+    with pytest.raises(ValueError, match="chunk size"):
+        ops.ssd_chunk_scan(torch.zeros(3, H, P), torch.zeros(3, H), torch.zeros(H), torch.zeros(3, G, N),
+                           torch.zeros(3, G, N), None, ms, state)
