@@ -261,6 +261,8 @@ def test_continuation_shorter_than_conv_width(backend, gen, inv):
 def test_triton_equals_across_row_blocks_and_items(device, monkeypatch, gen, inv):
     """The kernel's row blocks (BLOCK_L < Q under the interpreter) and the CPU's row steps:
     every sequence alone == all sequences together (both implementations)."""
+    if device == "cuda":
+        pytest.skip("compares the CPU torch path with the interpreter on CPU tensors; the CUDA kernel runs in the other tests")
     dtype = torch.bfloat16
     prm = Params(dtype, gen)
     seqs = _seqs([Q + 7, 3, 2 * Q], dtype, gen)
@@ -311,6 +313,8 @@ def test_cpu_path_independent_of_threads(monkeypatch, gen, inv):
 
 
 def test_dispatch(monkeypatch, device, gen, inv):
+    if device == "cuda":
+        pytest.skip("compares the CPU torch path with the interpreter on CPU tensors; the CUDA kernel runs in the other tests")
     from unified_models.ops.mamba2 import ssd_chunk_scan_torch
     from unified_models.ops.triton.mamba2 import ssd_chunk_scan_triton
 

@@ -75,7 +75,10 @@ def _e4m3_to_f32(b):
     bits = ((e + 120) << 23) | (m << 20)
     bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, bits)
     v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, bits.to(tl.float32, bitcast=True))
-    return tl.where(b >= 128, -v, v)
+    # The sign as a bit: Triton lowers unary minus to ``0 - v`` on GPU, which
+    # turns 0x80 (-0.0) into +0.0.
+    vb = v.to(tl.int32, bitcast=True)
+    return tl.where(b >= 128, vb | -2147483648, vb).to(tl.float32, bitcast=True)
 
 
 @triton.jit
