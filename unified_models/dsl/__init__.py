@@ -1,5 +1,25 @@
-"""Spec dataclasses (frozen, keyword-only) and the errors for bad input."""
+"""Spec dataclasses (frozen, keyword-only) and the errors for bad input.
 
+A spec says *what* a model computes (layer types, widths, which activation,
+which parameters exist and under which Hugging Face names); the kernels that
+compute it live in :mod:`unified_models.ops`, each layer family's forward over
+those kernels in :mod:`unified_models.layers`, and the engine adapters in
+:mod:`unified_models.backends`. Every engine builds its parameters from
+:meth:`ModelSpec.parameter_shapes`, so the backends can never disagree on
+names or shapes.
+
+One module per family: :mod:`.attention` (``AttentionSpec``, ``RopeSpec``),
+:mod:`.mlp` (``MLPSpec``), :mod:`.norm` (``RMSNormSpec``), :mod:`.embedding`
+(``EmbeddingSpec``, ``LMHeadSpec``), :mod:`.model` (``ResidualBlockSpec``,
+``ModelSpec``, the ``Mixer`` union); :mod:`.errors`.
+
+Axis legend used in names and docstrings across the package:
+T tokens (flat, packed), B sequences, H query heads, G kv heads, E head dim,
+D hidden, F MLP intermediate, V vocabulary, N cache blocks, S block size.
+"""
+
+from .attention import AttentionSpec, RopeSpec
+from .embedding import EmbeddingSpec, LMHeadSpec
 from .errors import (
     CheckpointError,
     ParallelismError,
@@ -8,20 +28,13 @@ from .errors import (
     UnifiedModelsError,
     UnsupportedLayerError,
 )
-from .spec import (
-    AttentionSpec,
-    EmbeddingSpec,
-    LMHeadSpec,
-    MLPSpec,
-    ModelSpec,
-    ResidualBlockSpec,
-    RMSNormSpec,
-    RopeSpec,
-)
+from .mlp import MLPSpec
+from .model import Mixer, ModelSpec, ResidualBlockSpec
+from .norm import RMSNormSpec
 
 __all__ = [
     "AttentionSpec", "EmbeddingSpec", "LMHeadSpec", "MLPSpec", "ModelSpec",
     "ResidualBlockSpec", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
-    "UnsupportedLayerError",
+    "UnsupportedLayerError", "Mixer",
 ]

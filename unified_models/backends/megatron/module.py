@@ -4,7 +4,8 @@ The module owns no math: it registers the spec's parameters under their
 Hugging Face names (nested modules mirroring the dotted names, so
 ``named_parameters()`` yields exactly :meth:`ModelSpec.parameter_shapes`) and
 calls :func:`unified_models.forward.forward_hidden` with the trainer's private
-KV store, the same program and kernels vLLM runs. It plugs into Megatron
+state store (:class:`unified_models.state.PrivateKVStore`, mirroring vLLM's
+KV-cache groups), the same program and kernels vLLM runs. It plugs into Megatron
 through ``config`` / ``model_type`` / ``set_input_tensor`` (what the schedules
 look up), parameter tensor-parallel attributes (what the optimizer and grad
 norm read) and :meth:`sharded_state_dict` (what ``dist_checkpointing`` reads).
@@ -43,8 +44,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...dsl import AttentionSpec, CheckpointError, MLPSpec, ModelSpec, SpecError
-from ...forward import FlatBatch, PrivateKVStore, forward_hidden, forward_logprobs
+from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
+from ...state import FlatBatch, PrivateKVStore
 from . import compat
 from .parallel import check_current_parallel_state, check_parallel_sizes
 

@@ -1,8 +1,11 @@
 """Our attention backend for vLLM: a metadata pass-through and the cache shape.
 
 The backend never computes attention: our model's forward calls
-:func:`unified_models.forward.forward_hidden`, whose attention op reads and
-writes vLLM's paged cache through a :class:`~unified_models.forward.StateStore`.
+:func:`unified_models.forward.forward_hidden`, whose attention layer function
+(:mod:`unified_models.layers.attention`) reads and writes vLLM's paged cache
+through the :class:`~unified_models.state.StateStore` (its
+``attention_state(layer_index)``: the layer's K/V pages and its KV-cache
+group's block table and slot mapping).
 vLLM only needs the backend to (a) say which cache shape/dtypes/block sizes it
 accepts and (b) build per-step metadata, which here is a plain pass-through of
 vLLM's ``CommonAttentionMetadata`` fields. ``get_impl_cls`` is never called for a
@@ -43,7 +46,12 @@ engine default (64) is a multiple of every tile in use."""
 
 @dataclass
 class UnifiedAttentionMetadata(AttentionMetadata):
-    """One step's batch layout, shared by all our attention layers of a KV group.
+    """One step's batch layout, shared by all our attention layers of a KV-cache group.
+
+    vLLM builds one per group (one builder per group); ``block_table``,
+    ``slot_mapping`` and ``block_size`` belong to the group, the other fields
+    are the same in every group. The model turns each distinct object into
+    one :class:`~unified_models.state.PagedGroup`.
 
     Shapes: R requests (possibly padded: padded requests have query length 0 and
     seq_len 0), T tokens (possibly padded beyond ``num_actual_tokens``).

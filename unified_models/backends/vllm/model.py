@@ -1,8 +1,8 @@
 """The vLLM model class: the spec's parameters + the single forward program.
 
 :class:`UnifiedForCausalLM` owns no math. Its ``forward`` turns vLLM's flat batch
-and attention metadata into a :class:`~unified_models.forward.FlatBatch` and a
-:class:`VllmKVStore`, and calls :func:`~unified_models.forward.forward_hidden`;
+and attention metadata into a :class:`~unified_models.state.FlatBatch` and a
+:class:`VllmStateStore`, and calls :func:`~unified_models.forward.forward_hidden`;
 ``compute_logits`` returns :func:`~unified_models.forward.forward_logprobs`
 (fp32 log-probabilities, temperature 1). The engine runs with
 ``logprobs_mode="raw_logits"``, so the logprobs vLLM reports are exactly these
@@ -30,6 +30,21 @@ How ``compute_logits`` rows map to requests (vLLM V1 model runner, both 0.26 and
   user request id (``RequestOutput.request_id``);
   ``engine.external_request_id(req_id)`` strips it.
   :class:`~unified_models.backends.vllm.engine.SampleRecorder` does all of this.
+
+KV-cache groups. vLLM puts layers whose cache specs are equal into one group
+and runs one metadata builder per group, so all layers of a group share one
+:class:`UnifiedAttentionMetadata` object (their group's ``block_table``,
+``slot_mapping`` and ``block_size``) while ``query_start_loc`` and
+``num_actual_tokens`` are common to every group. Each step the model reads
+every stateful layer's metadata from the forward context, makes one
+:class:`~unified_models.state.PagedGroup` per distinct metadata object and
+hands :class:`VllmStateStore` the table ``layer index -> group``; each layer
+asks the store for its own views. Several groups (sliding window, compressed
+KV, ...) therefore need no change here beyond their cache modules. A Mamba-2
+layer will add a ``MambaBase`` cache module per layer (its own group, vLLM's
+``MambaSpec``: one state slot per request) and a ``mamba_state(layer_index)``
+accessor returning its state tensors and the group's per-request slot indices
+(see :mod:`unified_models.state`).
 """
 
 from __future__ import annotations
@@ -43,7 +58,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError
-from ...forward import FlatBatch, forward_hidden, forward_logprobs
+from ...forward import forward_hidden, forward_logprobs
+from ...state import AttentionState, FlatBatch, PagedGroup
 from . import compat
 from .attention_backend import KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata
 
@@ -93,20 +109,27 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
         return None
 
 
-class VllmKVStore:
-    """:class:`~unified_models.forward.StateStore` over vLLM's paged cache for one step."""
+class VllmStateStore:
+    """:class:`~unified_models.state.StateStore` over vLLM's caches for one step.
 
-    def __init__(self, block_table: torch.Tensor, slot_mapping: torch.Tensor,
-                 layers: dict[int, UnifiedAttentionCache], bound: bool):
-        self.block_table = block_table
-        self.slot_mapping = slot_mapping
-        self._layers = layers
-        self._bound = bound
+    Args:
+        attention: layer index -> the layer's cache module (holds the bound K/V pages).
+        groups: layer index -> the :class:`PagedGroup` of the layer's KV-cache
+            group this step (one shared object per group), or ``None`` in
+            profiling/dummy runs (no cache bound: every accessor gives ``None``).
+    """
 
-    def kv_cache(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self._bound:
+    def __init__(self, attention: dict[int, UnifiedAttentionCache], groups: dict[int, PagedGroup] | None):
+        self._attention = attention
+        self._groups = groups
+
+    def attention_state(self, layer_index: int) -> AttentionState | None:
+        if self._groups is None:
             return None
-        return self._layers[layer_index].kv_views()
+        views = self._attention[layer_index].kv_views()
+        if views is None:
+            return None
+        return AttentionState(views[0], views[1], self._groups[layer_index])
 
 
 class _Node(nn.Module):
@@ -177,7 +200,6 @@ class UnifiedForCausalLM(nn.Module):
             *path, leaf = local.split(".")
             _submodule(self, path).add_module(leaf, layer)
             self._attn[blk.index] = layer
-        self._attn_names = [self._attn[i].layer_name for i in sorted(self._attn)]
 
         self.logprob_tap: Callable[[torch.Tensor], None] | None = None
         self.record_sample_positions = False
@@ -197,29 +219,30 @@ class UnifiedForCausalLM(nn.Module):
 
         return ops.embedding(input_ids, self.params()[self.spec.embedding.name + ".weight"])
 
-    def _metadata(self) -> UnifiedAttentionMetadata | None:
-        if not self._attn_names:
+    def _metadata(self) -> dict[int, UnifiedAttentionMetadata] | None:
+        """This step's metadata of every attention layer (layer index -> its group's
+        object), or ``None`` in profiling/dummy runs."""
+        if not self._attn:
             return None
-        first = compat.layer_metadata(self._attn_names[0])
-        for name in self._attn_names[1:]:
-            md = compat.layer_metadata(name)
-            if md is not first:
-                raise NotImplementedError(
-                    f"attention layers {self._attn_names[0]} and {name} are in different KV-cache groups; "
-                    "one StateStore needs one block table"
-                )
-        return first
+        mds = {i: compat.layer_metadata(layer.layer_name) for i, layer in sorted(self._attn.items())}
+        present = [i for i, md in mds.items() if md is not None]
+        if not present:
+            return None
+        if len(present) != len(mds):
+            missing = [self._attn[i].layer_name for i in mds if mds[i] is None]
+            raise RuntimeError(f"unified_models: vLLM gave no attention metadata for {missing} this step "
+                               f"but did for {self._attn[present[0]].layer_name}")
+        return mds  # type: ignore[return-value]
 
     def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    md: UnifiedAttentionMetadata | None) -> tuple[FlatBatch, VllmKVStore]:
+                    mds: dict[int, UnifiedAttentionMetadata] | None) -> tuple[FlatBatch, VllmStateStore]:
         t = input_ids.shape[0]
         dev = input_ids.device
-        if md is None:  # profiling / dummy run: no cache, nothing written
+        if mds is None:  # profiling / dummy run: no cache, nothing written
             batch = FlatBatch(input_ids=input_ids, positions=positions.long(),
                               seq_idx=torch.zeros(t, dtype=torch.int32, device=dev))
-            store = VllmKVStore(torch.zeros((1, 1), dtype=torch.int32, device=dev),
-                                torch.full((t,), -1, dtype=torch.int64, device=dev), self._attn, bound=False)
-            return batch, store
+            return batch, VllmStateStore(self._attn, None)
+        md = next(iter(mds.values()))  # the step's layout is common to every group
         n = min(int(md.num_actual_tokens), t)
         tok = torch.arange(t, device=dev)
         real = tok < n
@@ -228,15 +251,26 @@ class UnifiedForCausalLM(nn.Module):
         seq_idx = torch.searchsorted(qsl[1:].contiguous(), tok, right=True)
         seq_idx = torch.where(real, seq_idx, torch.zeros_like(seq_idx)).to(torch.int32)
         pos = torch.where(real, positions[:t].long(), torch.zeros_like(tok))
-        slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        slot[:n] = md.slot_mapping[:n].to(torch.int64)
         batch = FlatBatch(input_ids=input_ids, positions=pos, seq_idx=seq_idx)
-        store = VllmKVStore(md.block_table, slot, self._attn, bound=True)
+        by_md: dict[int, PagedGroup] = {}  # one PagedGroup per KV-cache group (= metadata object)
+        groups: dict[int, PagedGroup] = {}
+        for i, g_md in mds.items():
+            group = by_md.get(id(g_md))
+            if group is None:
+                if int(g_md.num_actual_tokens) != int(md.num_actual_tokens) or int(g_md.num_reqs) != int(md.num_reqs):
+                    raise RuntimeError(
+                        f"unified_models: KV-cache groups disagree on the step layout ({self._attn[i].layer_name}: "
+                        f"{int(g_md.num_reqs)} requests / {int(g_md.num_actual_tokens)} tokens, expected "
+                        f"{int(md.num_reqs)} / {int(md.num_actual_tokens)})")
+                slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
+                slot[:n] = g_md.slot_mapping[:n].to(torch.int64)
+                group = by_md[id(g_md)] = PagedGroup(g_md.block_table, slot, int(g_md.block_size))
+            groups[i] = group
         if self.logprob_tap is not None or self.record_sample_positions:
             q = qsl.cpu()
             ends = q[1:][q[1:] > q[:-1]] - 1  # requests with query length 0 are padding
             self.last_sample_positions = positions[ends.to(positions.device)].long().cpu()
-        return batch, store
+        return batch, VllmStateStore(self._attn, groups)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
@@ -246,8 +280,8 @@ class UnifiedForCausalLM(nn.Module):
             raise ParallelismError("unified_models does not support pipeline parallelism")
         if inputs_embeds is not None or input_ids is None:
             raise NotImplementedError("unified_models: prompt embeddings (inputs_embeds) are not supported")
-        md = self._metadata()
-        batch, store = self._flat_batch(input_ids, positions, md)
+        mds = self._metadata()
+        batch, store = self._flat_batch(input_ids, positions, mds)
         self.logits_call_index = -1
         return forward_hidden(self.spec, self.params(), batch, store)
 

@@ -1,0 +1,62 @@
+"""What every layer function shares: its signature and the model-wide context.
+
+A layer function computes one residual block's mixer over the flat batch::
+
+    fn(spec, layer_index, params, x_TD, batch, store, ctx) -> y_TD
+
+* ``spec``: the block's mixer spec (its type picks ``fn`` in ``layers.LAYERS``);
+* ``layer_index``: the block's index (``ResidualBlockSpec.index``), the key of
+  its state in ``store``;
+* ``params``: HF parameter name -> tensor (``ModelSpec.dtype``), the whole model's;
+* ``x_TD``: ``[T, D]`` normed input of the block;
+* ``batch``: the :class:`~unified_models.state.FlatBatch`;
+* ``store``: the :class:`~unified_models.state.StateStore`; stateless layers ignore it;
+* ``ctx``: :class:`LayerContext`, model-wide facts.
+
+Returns ``[T, D]`` in ``ModelSpec.dtype``; the forward adds it to the residual.
+Layer functions call only :mod:`unified_models.ops` (never an engine) and
+must keep each token's row independent of its neighbours (DESIGN rule 2).
+
+Shapes: T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import torch
+
+from ..state import FlatBatch, StateStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..dsl import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Model-wide facts a layer may need (never per-layer weights or state).
+
+    Attributes:
+        model: the whole model spec (``max_position_embeddings``, ``dtype``, ...).
+    """
+
+    model: "ModelSpec"
+
+    @property
+    def max_positions(self) -> int:
+        """Rows of position-indexed tables (RoPE): ``model.max_position_embeddings``."""
+        return self.model.max_position_embeddings
+
+
+LayerFn = Callable[[Any, int, Mapping[str, torch.Tensor], torch.Tensor, FlatBatch, StateStore, LayerContext],
+                   torch.Tensor]
+"""``(spec, layer_index, params, x_TD, batch, store, ctx) -> y_TD``."""
+
+
+def bias_getter(prefix: str, params: Mapping[str, torch.Tensor], has_bias: bool
+                ) -> Callable[[str], torch.Tensor | None]:
+    """``bias("q_proj")`` -> ``params[f"{prefix}.q_proj.bias"]`` if the spec has biases, else ``None``."""
+    if has_bias:
+        return lambda n: params[f"{prefix}.{n}.bias"]
+    return lambda n: None

@@ -1,0 +1,213 @@
+"""What the forward reads besides the parameters: the flat token batch and the state store.
+
+Shapes: T tokens (flat, all sequences packed, THD), B sequences (block-table
+rows), N cache blocks, S block size, G kv heads, E head dim.
+
+State store and KV-cache groups
+-------------------------------
+Every layer that keeps state between steps asks the store for **its own
+views, by layer index**; the forward never sees a model-wide block table.
+vLLM puts layers whose caches have equal specs into one *KV-cache group*
+(full attention, sliding-window attention, compressed KV, indexer keys, Mamba
+state, ...); each group has its own block table (one row per request, row =
+``FlatBatch.seq_idx``), its own slot mapping (one slot per token) and its own
+block size, and all groups share one pool of pages. The store maps a layer
+index to its group and returns the layer's cache tensors together with that
+group's tables:
+
+* ``store.attention_state(layer_index) -> AttentionState | None`` for paged
+  attention layers (``None`` in vLLM's profiling/dummy runs: no cache bound).
+
+Both implementations (:class:`PrivateKVStore` here, the trainer's; and
+``VllmStateStore`` in :mod:`unified_models.backends.vllm.model`) hold a table
+``layer index -> group`` and one :class:`PagedGroup` per group, so a model
+with several groups needs no change in :mod:`unified_models.forward` or in
+the layers. Today every model has one group (full attention).
+
+How a Mamba-2 state group plugs in (issue 7): a Mamba layer keeps per
+*request* state slots, not per-token blocks. The store gains
+``store.mamba_state(layer_index) -> MambaState | None`` with the layer's
+state tensors (``conv_state [slots, ...]``, ``ssm_state [slots, ...]``, the
+chunk buffer) and its group's ``state_indices`` int32 ``[B]`` (slot of each
+sequence) and ``num_computed`` int ``[B]`` (tokens already folded into the
+slot; 0 = fresh slot, initialise it). vLLM: the Mamba cache module
+(``MambaBase``) gets its own group and metadata builder; ``state_indices``
+is the group's block-table column (``mamba_get_block_table_tensor``). The
+trainer: one slot per packed sequence (``state_indices = arange(B)``),
+``num_computed`` = the sequence's start position. The Mamba layer function
+reads and writes its slot with the same kernels on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Protocol
+
+import torch
+
+from .dsl import AttentionSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """Tokens of several sequences packed into one row.
+
+    Attributes:
+        input_ids: int ``[T]``.
+        positions: int ``[T]``, position of each token inside its own sequence.
+        seq_idx: int32 ``[T]``, block-table row of each token's sequence (the
+            same row in every KV-cache group).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    seq_idx: torch.Tensor
+
+    @staticmethod
+    def from_cu_seqlens(input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                        start_positions: torch.Tensor | None = None) -> "FlatBatch":
+        """Build from sequence boundaries ``cu_seqlens [B+1]`` (THD packing).
+
+        ``start_positions [B]`` is the position of each sequence's first token
+        in this batch (0 for a full sequence; the cached length for a chunk).
+        """
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        b = lens.shape[0]
+        seq_idx = torch.repeat_interleave(torch.arange(b, device=input_ids.device), lens)
+        starts = cu_seqlens[:-1].long().repeat_interleave(lens)
+        pos = torch.arange(input_ids.shape[0], device=input_ids.device) - starts
+        if start_positions is not None:
+            pos = pos + start_positions.long().repeat_interleave(lens)
+        return FlatBatch(input_ids=input_ids, positions=pos, seq_idx=seq_idx.to(torch.int32))
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    """One paged KV-cache group for one step, shared by every layer of the group.
+
+    Attributes:
+        block_table: int32 ``[B, max_blocks]`` physical blocks of each sequence.
+        slot_mapping: int64 ``[T]`` ``block * S + offset`` of each token; -1 = padding.
+        block_size: S.
+    """
+
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """What one paged attention layer reads and writes this step.
+
+    Attributes:
+        k_cache, v_cache: the layer's own ``[N, S, G, E]`` cache views.
+        group: its KV-cache group's tables.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    group: PagedGroup
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 ``[B, max_blocks]`` of the layer's group."""
+        return self.group.block_table
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """int64 ``[T]`` of the layer's group (-1 = padding)."""
+        return self.group.slot_mapping
+
+
+class StateStore(Protocol):
+    """Where stateful layers keep their state between steps, per KV-cache group.
+
+    Each stateful layer family has one accessor taking the layer index; the
+    store resolves the layer's group. See the module docstring for groups and
+    for how Mamba state slots plug in.
+    """
+
+    def attention_state(self, layer_index: int) -> AttentionState | None:
+        """K/V cache views of attention layer ``layer_index`` and its group's
+        block table and slot mapping, or ``None`` in profiling runs."""
+
+
+def attention_group_key(spec: AttentionSpec) -> Hashable:
+    """The KV-cache group of an attention layer: layers with equal keys share one.
+
+    Mirrors vLLM's grouping by equal cache spec. Every :class:`AttentionSpec`
+    today is full attention (one ``FullAttentionSpec``), hence one group;
+    sliding-window or compressed caches will return their own keys.
+    """
+    return "full_attention"
+
+
+class PrivateKVStore:
+    """The trainer's state store: private paged caches for the packed sequences.
+
+    Mirrors vLLM's KV-cache groups (:func:`attention_group_key`): one
+    :class:`PagedGroup` per group, each with its own block table and block
+    size; sequences get consecutive blocks. The caches are written and read
+    with the same kernels and tile alignment as vLLM's, so neither the block
+    size nor the grouping changes any bit of the result (tiles are aligned at
+    absolute positions).
+
+    Args:
+        spec: the model.
+        seq_lens: length of each packed sequence (row ``b`` of every block table).
+        block_size: S of every group not in ``group_block_sizes``.
+        group_block_sizes: group key -> S of that group.
+        device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``).
+    """
+
+    def __init__(self, spec: ModelSpec, seq_lens: list[int], *, block_size: int = 64,
+                 group_block_sizes: Mapping[Hashable, int] | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+        self.block_size = block_size
+        sizes = dict(group_block_sizes or {})
+        self._group_of: dict[int, Hashable] = {}
+        self._groups: dict[Hashable, PagedGroup] = {}
+        self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        for blk in spec.blocks_of(AttentionSpec):
+            a = blk.mixer
+            key = attention_group_key(a)
+            self._group_of[blk.index] = key
+            s = sizes.get(key, block_size)
+            nblocks = [max(1, math.ceil(n / s)) for n in seq_lens]
+            if key not in self._groups:
+                table = self._consecutive_table(nblocks, max(nblocks) if nblocks else 1)
+                self._groups[key] = PagedGroup(table.to(device), empty, s)
+            shape = (sum(nblocks), s, a.num_kv_heads, a.head_dim)
+            self._caches[blk.index] = (
+                torch.zeros(shape, dtype=dtype or spec.dtype, device=device),
+                torch.zeros(shape, dtype=dtype or spec.dtype, device=device),
+            )
+
+    @staticmethod
+    def _consecutive_table(nblocks: list[int], width: int) -> torch.Tensor:
+        table = torch.zeros((len(nblocks), width), dtype=torch.int32)
+        start = 0
+        for b, n in enumerate(nblocks):
+            table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+            start += n
+        return table
+
+    @property
+    def groups(self) -> dict[Hashable, PagedGroup]:
+        """Group key -> this step's :class:`PagedGroup`."""
+        return dict(self._groups)
+
+    def bind(self, batch: FlatBatch) -> None:
+        """Compute the slot of every token of ``batch`` in every group's cache."""
+        for key, g in list(self._groups.items()):
+            s = g.block_size
+            rows = g.block_table[batch.seq_idx.long()].long()
+            col = (batch.positions // s).long().view(-1, 1)
+            self._groups[key] = PagedGroup(g.block_table, rows.gather(1, col).view(-1) * s + batch.positions % s, s)
+
+    def attention_state(self, layer_index: int) -> AttentionState | None:
+        k, v = self._caches[layer_index]
+        return AttentionState(k, v, self._groups[self._group_of[layer_index]])
