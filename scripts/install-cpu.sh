@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vllm, megatron.core, transformers" 2>/dev/null; then
+if ! .venv/bin/python -c "import vllm, megatron.core, transformers, matplotlib" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements-cpu.txt
   # PyPI torchvision/torchaudio/torchcodec break `import transformers` next to

@@ -155,7 +155,7 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     }
 
 
-def _quiet_engines() -> None:
+def quiet_engines() -> None:
     """Engine logs below ERROR would drown the table (override with VLLM_LOGGING_LEVEL)."""
     import warnings
 
@@ -166,7 +166,7 @@ def _quiet_engines() -> None:
 
 def run_check(opts: CheckOptions) -> int:
     """Run the whole check; print the table; write JSON; return the exit status."""
-    _quiet_engines()
+    quiet_engines()
     console = Console(stderr=True)
     out = Console()
     device = _device(opts.device)

@@ -146,7 +146,8 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--use-rollout-logprobs", action="store_true",
                    help="use the rollout's logprobs as old logprobs (skips the no-grad recompute) once diff = 0 was "
                         "verified by the first step of this process; the update's forward is still compared bitwise")
-    r.add_argument("--stop-at-eos", action="store_true", help="stop completions at EOS (default: exactly --max-new-tokens)")
+    r.add_argument("--stop-at-eos", action="store_true",
+                   help="stop completions at EOS (default: exactly --max-new-tokens)")
     r.add_argument("--full-vocab-rows", type=_at_least(-1), default=256,
                    help="sampled positions per step compared over the whole vocabulary (-1 = all; default 256)")
     r.add_argument("--micro-batch-tokens", type=_positive(int), default=None,

@@ -29,6 +29,7 @@ def uninterrupted(tiny_checkpoint, tmp_path_factory):
     return status, d, tiny_checkpoint
 
 
+@pytest.mark.slow
 def test_every_step_has_diff_zero_and_the_plot_is_written(uninterrupted, capsys):
     status, d, _ = uninterrupted
     assert status == 0
@@ -72,6 +73,7 @@ def _trained_state(ckpt_dir, spec):
         opt.close()
 
 
+@pytest.mark.slow
 def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, tmp_path):
     """Resume from the step-2 checkpoint (with --use-rollout-logprobs, which the resumed
     process may use from its second step on): steps 3-4 sample the same tokens with the same
@@ -99,6 +101,7 @@ def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, 
         assert torch.equal(state_a[k], state_b[k]), k
 
 
+@pytest.mark.slow
 def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """Without the weight sync, vLLM samples step 2 with the old weights while the trainer
     has the new ones: the run must stop at step 2 (exit 1) and name where."""

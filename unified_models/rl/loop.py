@@ -254,6 +254,13 @@ def _entropy_sum(lp_RV: torch.Tensor) -> float:
     return total
 
 
+def _full_vocab(pairs: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> float:
+    """Max |Δ| over ``(rollout row, trainer row, key)`` pairs (0.0 when none were recorded)."""
+    if not pairs:
+        return 0.0
+    return full_vocab_max_abs_diff(torch.stack([a for a, _, _ in pairs]), torch.stack([b for _, b, _ in pairs]))
+
+
 def _first_mismatch(a_N: torch.Tensor, b_N: torch.Tensor) -> int | None:
     bad = (a_N.float().view(torch.int32) != b_N.float().view(torch.int32)).nonzero()
     return int(bad[0]) if bad.numel() else None
@@ -264,8 +271,8 @@ def _row_recorder(llm, max_requests: int):
     ``max_requests`` requests it sees only (-1: all; 0: none).
 
     vLLM admits requests in submission order, so with every request admitted at
-    once these are the first ones submitted. Other rows are dropped as they
-    arrive (a GPU run samples far more rows than host memory should hold).
+    once these are the first ones submitted. Only the kept rows leave the
+    device (a GPU run samples far more rows than the host should copy or hold).
     """
     from ..backends.vllm.engine import SampleRecorder
 
@@ -275,14 +282,21 @@ def _row_recorder(llm, max_requests: int):
     class _SubsetRecorder(SampleRecorder):
         def _tap(self, rows):
             n0 = len(self.entries)
-            super()._tap(rows)
-            for k in range(n0, len(self.entries)):
-                rid, pos, row = self.entries[k]
+            super()._tap(rows)  # keep_rows=False: appends (request, position, None) per sampling row, in row order
+            idx = []
+            for i, k in enumerate(range(n0, len(self.entries))):
+                rid = self.entries[k][0]
                 if rid not in kept and len(kept) < limit:
                     kept.add(rid)
-                self.entries[k] = (rid, pos, row.clone() if (row is not None and rid in kept) else None)
+                if rid in kept:
+                    idx.append((i, k))
+            if idx:
+                host = rows[torch.tensor([i for i, _ in idx], device=rows.device)].float().cpu()
+                for r, (_, k) in enumerate(idx):
+                    rid, pos, _ = self.entries[k]
+                    self.entries[k] = (rid, pos, host[r])
 
-    return _SubsetRecorder(llm, keep_rows=max_requests != 0)
+    return _SubsetRecorder(llm, keep_rows=False)
 
 
 # --------------------------------------------------------------------------- the run
@@ -379,6 +393,13 @@ class _Run:
     def _limit(self) -> int:
         return self.opts.micro_batch_tokens or (32768 if self.device == "cuda" else 4096)
 
+    def _elapsed(self, t0: float) -> float:
+        """Seconds since ``t0`` once the GPU has finished the phase's queued work
+        (without the synchronize, asynchronous kernels are billed to the next phase)."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     @torch.no_grad()
     def recompute(self, packs: list[_Pack], full_keys: set) -> tuple[torch.Tensor, dict]:
         """Trainer logprobs ``[N]`` (flat order) and the whole rows of ``full_keys``."""
@@ -466,7 +487,7 @@ class _Run:
         adv_N = torch.repeat_interleave(adv_S, torch.tensor(lengths, dtype=torch.long))
         w_N = token_weights(lengths)
         rollout_N = torch.cat(rollout_lps) if rollout_lps else torch.zeros(0)
-        timer["rollout"] = time.perf_counter() - t0
+        timer["rollout"] = self._elapsed(t0)
 
         from ..consistency.metrics import rollout_digest
 
@@ -488,19 +509,17 @@ class _Run:
                 old_N, timer["recompute"] = rollout_N, 0.0
             else:
                 trainer_N, trainer_rows = self.recompute(packs, set(full_rows))
-                timer["recompute"] = time.perf_counter() - t0
+                timer["recompute"] = self._elapsed(t0)
                 pairs = [(full_rows[k], trainer_rows[k], k) for k in full_rows]
                 diff = compare_logprobs(rollout_N, trainer_N)
-                fv = full_vocab_max_abs_diff(torch.stack([a for a, _, _ in pairs]), torch.stack([b for _, b, _ in pairs])) \
-                    if pairs else 0.0
                 row.update(diff.as_dict())
-                row.update(full_vocab_max_abs_diff=fv, full_vocab_rows=len(pairs))
+                row.update(full_vocab_max_abs_diff=_full_vocab(pairs), full_vocab_rows=len(pairs))
                 self.check(step, "recompute", rollout_N, trainer_N, owners, prompt_rows, seq_prompts, pairs)
                 old_N = trainer_N
             t0 = time.perf_counter()
             up = self.update(step, packs, rollout_N, old_N, adv_N, w_N, full_rows, use_rollout, prompt_rows,
                              seq_prompts)
-            timer["update"] = time.perf_counter() - t0
+            timer["update"] = self._elapsed(t0)
         except DiffNotZeroError as e:
             if e.diff is not None:
                 row.update(e.diff.as_dict())
@@ -512,9 +531,7 @@ class _Run:
             diff = compare_logprobs(rollout_N, up["trainer_N"])
             pairs = up["fv_pairs"]
             row.update(diff.as_dict())
-            row.update(full_vocab_max_abs_diff=full_vocab_max_abs_diff(
-                torch.stack([a for a, _, _ in pairs]), torch.stack([b for _, b, _ in pairs])) if pairs else 0.0,
-                full_vocab_rows=len(pairs))
+            row.update(full_vocab_max_abs_diff=_full_vocab(pairs), full_vocab_rows=len(pairs))
         n = max(int(rollout_N.numel()), 1)
         row.update(importance_ratio_max=up["importance_ratio_max"], importance_ratio_min=up["importance_ratio_min"],
                    entropy=up["entropy_sum"] / n, ref_kl=up["ref_kl_sum"] / n, loss=up["loss"],
@@ -522,7 +539,7 @@ class _Run:
                    advantage_abs_mean=float(adv_S.abs().mean()))
         t0 = time.perf_counter()
         rep = self.sync()
-        timer["sync"] = time.perf_counter() - t0
+        timer["sync"] = self._elapsed(t0)
         row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
         return _StepOut(row=row)
 
@@ -573,15 +590,23 @@ def _load(opts: RLOptions, console) -> _Run:
 
 def _start_engines(run: _Run, console) -> int:
     """vLLM engine, trainer module, optimizer, reference; restore ``--resume``. Returns the last finished step."""
-    from ..backends.megatron import UnifiedMegatronModel, init_parallel_state, transformer_config_from_spec
+    from ..backends.megatron import (
+        UnifiedMegatronModel,
+        destroy_parallel_state,
+        init_parallel_state,
+        transformer_config_from_spec,
+    )
     from ..backends.megatron.optimizer import OptimizerConfig, build_optimizer
     from ..backends.vllm.engine import make_llm
-    from ..backends.vllm.rollout import _eos_token_ids
+    from ..backends.vllm.rollout import eos_token_ids
 
     o, spec = run.opts, run.spec
+    # Megatron's groups from an earlier run in this process may sit on a process
+    # group vLLM's shutdown has destroyed: drop them; vLLM (re)creates the world.
+    destroy_parallel_state()
     longest = max(len(p) for p in run.prompt_ids)
     s = o.num_prompts_per_step * o.group_size
-    run.stop_ids = _eos_token_ids(run.model_dir) if o.stop_at_eos else []
+    run.stop_ids = eos_token_ids(run.model_dir) if o.stop_at_eos else []
     run.llm = make_llm(run.model_dir, seed=o.seed, max_model_len=longest + o.max_new_tokens,
                        gpu=(run.device == "cuda"), max_num_seqs=s, max_logprobs=0, skip_tokenizer_init=True,
                        max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
@@ -667,10 +692,10 @@ def run_rl(opts: RLOptions) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..check import _quiet_engines
+    from ..check import quiet_engines
     from .plot import plot_metrics, plot_path_for
 
-    _quiet_engines()
+    quiet_engines()
     opts = resolve_options(opts)
     _validate(opts)
     console, out = Console(stderr=True), Console()
@@ -680,14 +705,14 @@ def run_rl(opts: RLOptions) -> int:
     console.log(f"model {run.model_dir} ({run.spec.family}, pattern {run.spec.extra.get('pattern')}); "
                 f"reward {opts.reward}; {opts.num_prompts_per_step} prompts x {opts.group_size} samples x "
                 f"{opts.max_new_tokens} tokens per step at T={opts.temperature:g}, lr {opts.lr:g}, device {run.device}")
-    with console.status("[bold]starting vLLM and the Megatron trainer[/bold]", spinner="dots"):
-        start = _start_engines(run, console)
-    if start:
-        console.log(f"resumed from {opts.resume} at step {start}")
-    writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None)
     failure: DiffNotZeroError | None = None
     saved_at: Path | None = None
     try:
+        with console.status("[bold]starting vLLM and the Megatron trainer[/bold]", spinner="dots"):
+            start = _start_engines(run, console)
+        if start:
+            console.log(f"resumed from {opts.resume} at step {start}")
+        writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None)
         columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -714,17 +739,23 @@ def run_rl(opts: RLOptions) -> int:
                 progress.update(task, advance=1,
                                 info=f"reward {res.row['reward_mean']:.3f}  max|Δ| {_fmt(res.row['max_abs_diff'])}")
     finally:
+        from ..backends.megatron import destroy_parallel_state
         from ..backends.vllm.engine import shutdown_llm
 
         if run.optimizer is not None:
             run.optimizer.close()
+        destroy_parallel_state()  # its groups live on the process group vLLM's shutdown tears down
         if run.llm is not None:
             shutdown_llm(run.llm)
             run.llm = None
     rows = writer.rows()
     png = None
     if opts.plot and rows:
-        png = plot_metrics(opts.metrics, plot_path_for(opts.metrics), title=f"GRPO {opts.reward}")
+        try:
+            png = plot_metrics(opts.metrics, plot_path_for(opts.metrics), title=f"GRPO {opts.reward}")
+        except ImportError as e:  # the run itself is complete; say why there is no picture
+            console.log(f"[yellow]no plot[/yellow]: {e} (matplotlib is in requirements-cpu.txt; "
+                        "re-run ./scripts/install-cpu.sh or pip install matplotlib)")
     _print_summary(out, rows, opts, png, saved_at, time.perf_counter() - wall0, failure)
     if failure is not None:
         console.print(f"[red]FAIL[/red]: {failure}")

@@ -22,6 +22,12 @@ Every line has at least (all floats in nats unless named otherwise):
 ``tokens``                  completion tokens compared / trained on
 ``loss``, ``grad_norm``     GRPO loss, global grad norm before clipping
 ``old_logprobs``            ``"recompute"`` or ``"rollout"`` (see ``--use-rollout-logprobs``)
+``rollout_sha256``          SHA-256 of the sampled token ids and the bits of
+                            their logprobs (equal digests = identical rollouts)
+``prompt_rows``             1-based lines of the step's prompts in the file
+``target_token_id``         the rewarded token (``target-token`` only)
+``sync_tensors_copied``,    parameters (bytes) copied into vLLM after the
+``sync_bytes``              update
 ``seconds``                 ``{"rollout", "recompute", "update", "sync", "save", "step"}``
 ==========================  ==================================================
 """

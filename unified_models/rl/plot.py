@@ -64,6 +64,7 @@ def plot_metrics(metrics_path: str | os.PathLike, out: str | os.PathLike | None 
         all_zero &= all(v == 0 for v in vals if v is not None)
         ax_d.plot(steps, [float("nan") if v is None else v for v in vals], style, marker=".", label=key)
     ax_d.set_yscale("symlog", linthresh=1e-7)
+    ax_d.set_ylim(bottom=0.0, top=max(1e-1, *(2 * (r.get("max_abs_diff") or 0.0) for r in rows)))
     ax_d.set_ylabel("|Δ logprob| rollout vs trainer (nats)")
     ax_d.set_xlabel("step")
     ax_d.grid(alpha=0.3)

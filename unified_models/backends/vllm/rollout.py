@@ -31,7 +31,7 @@ class RolloutResult:
     full_row_keys: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _eos_token_ids(model_dir) -> list[int]:
+def eos_token_ids(model_dir) -> list[int]:
     from ...converters.hf_safetensors import load_hf_config
 
     eos = getattr(load_hf_config(model_dir), "eos_token_id", None)
@@ -79,7 +79,7 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
 
     longest = max(len(p) for p in prompt_ids)
     n = len(prompt_ids)
-    stop_ids = _eos_token_ids(model_dir) if stop_at_eos else []
+    stop_ids = eos_token_ids(model_dir) if stop_at_eos else []
     # Prompts are token ids and nothing is detokenized, so vLLM needs no
     # tokenizer (the checkpoint may not have one); EOS comes from the config.
     llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
