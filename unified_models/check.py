@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .run_options import check_output_path, resolve_device
 from .consistency.metrics import LogprobDiff, compare_logprobs, full_vocab_max_abs_diff, rollout_digest
 from .dsl import PromptError, UnifiedModelsError
 from .presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path, tokenizer_dir
@@ -82,27 +83,6 @@ class CheckReport:
         d.update(self.diff.as_dict())
         d["passed"] = self.passed
         return d
-
-
-def _device(opt: str) -> str:
-    if opt == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if opt == "cuda" and not torch.cuda.is_available():
-        raise UnifiedModelsError("--device cuda requested but no CUDA device is available")
-    return opt
-
-
-def _check_writable(path: Path) -> None:
-    """Fail before any work if the JSON report cannot be written there."""
-    if path.exists() and path.is_dir():
-        raise UnifiedModelsError(f"--json {path} is a directory")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UnifiedModelsError(f"--json {path}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise UnifiedModelsError(f"--json {path}: {parent} is not writable")
-            return
 
 
 def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
@@ -169,11 +149,11 @@ def run_check(opts: CheckOptions) -> int:
     quiet_engines()
     console = Console(stderr=True)
     out = Console()
-    device = _device(opts.device)
+    device = resolve_device(opts.device)
     if opts.seed + opts.num_prompts > 2**32:
         raise UnifiedModelsError(f"--seed {opts.seed}: request seeds seed..seed+{opts.num_prompts - 1} exceed 2**32 - 1")
     if opts.json_out:
-        _check_writable(Path(opts.json_out))
+        check_output_path("--json", Path(opts.json_out))
     timings: dict[str, float] = {}
 
     def step(name):

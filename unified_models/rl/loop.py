@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..run_options import check_output_path, resolve_device
 from ..consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
 from ..dsl import PromptError, UnifiedModelsError
 from .data import load_prompt_rows, prompts_for_step, request_seed
@@ -126,26 +127,6 @@ class DiffNotZeroError(RuntimeError):
 # --------------------------------------------------------------------------- helpers
 
 
-def _device(opt: str) -> str:
-    if opt == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if opt == "cuda" and not torch.cuda.is_available():
-        raise UnifiedModelsError("--device cuda requested but no CUDA device is available")
-    return opt
-
-
-def _check_output_path(flag: str, path: Path) -> None:
-    if path.exists() and path.is_dir():
-        raise UnifiedModelsError(f"{flag} {path} is a directory")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UnifiedModelsError(f"{flag} {path}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise UnifiedModelsError(f"{flag} {path}: {parent} is not writable")
-            return
-
-
 def _validate(opts: RLOptions) -> None:
     """Every refusal that needs no model, before anything starts."""
     if opts.model and opts.preset:
@@ -166,7 +147,7 @@ def _validate(opts: RLOptions) -> None:
         raise UnifiedModelsError(f"--save-every must be >= 0, got {opts.save_every}")
     if opts.target_token_id != AUTO and opts.reward != "target-token":
         raise UnifiedModelsError(f"--target-token-id applies to --reward target-token, not {opts.reward!r}")
-    _check_output_path("--metrics", Path(opts.metrics))
+    check_output_path("--metrics", Path(opts.metrics))
     if opts.resume:
         from ..backends.megatron.checkpoint import latest_iteration
 
@@ -550,7 +531,7 @@ def _load(opts: RLOptions, console) -> _Run:
     from ..presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path
     from ..prompts import tokenize_prompts
 
-    device = _device(opts.device)
+    device = resolve_device(opts.device)
     model_dir = Path(opts.model) if opts.model else build_preset_checkpoint(opts.preset or DEFAULT_PRESET)
     _, spec, state_dict = spec_and_state_dict(model_dir)
     check_spec_supported(spec)

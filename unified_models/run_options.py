@@ -1,0 +1,41 @@
+"""Option checks shared by the commands (`check`, `rl`): device choice and output paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .dsl import UnifiedModelsError
+
+
+def resolve_device(opt: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is present, else ``cpu``.
+
+    Raises:
+        UnifiedModelsError: ``cuda`` requested without a CUDA device.
+    """
+    if opt == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if opt == "cuda" and not torch.cuda.is_available():
+        raise UnifiedModelsError("--device cuda requested but no CUDA device is available")
+    return opt
+
+
+def check_output_path(flag: str, path: Path) -> None:
+    """Fail before any work if ``path`` (given by ``flag``) cannot be written.
+
+    Raises:
+        UnifiedModelsError: ``path`` is a directory, a parent is a file, or the
+            nearest existing parent is not writable.
+    """
+    if path.exists() and path.is_dir():
+        raise UnifiedModelsError(f"{flag} {path} is a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UnifiedModelsError(f"{flag} {path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UnifiedModelsError(f"{flag} {path}: {parent} is not writable")
+            return
