@@ -22,20 +22,29 @@ Both implementations (:class:`PrivateKVStore` here, the trainer's; and
 ``VllmStateStore`` in :mod:`unified_models.backends.vllm.model`) hold a table
 ``layer index -> group`` and one :class:`PagedGroup` per group, so a model
 with several groups needs no change in :mod:`unified_models.forward` or in
-the layers. Today every model has one group (full attention).
+the layers. Attention models have one group (full attention); hybrids add the Mamba group.
 
-How a Mamba-2 state group plugs in (issue 7): a Mamba layer keeps per
-*request* state slots, not per-token blocks. The store gains
-``store.mamba_state(layer_index) -> MambaState | None`` with the layer's
-state tensors (``conv_state [slots, ...]``, ``ssm_state [slots, ...]``, the
-chunk buffer) and its group's ``state_indices`` int32 ``[B]`` (slot of each
-sequence) and ``num_computed`` int ``[B]`` (tokens already folded into the
-slot; 0 = fresh slot, initialise it). vLLM: the Mamba cache module
-(``MambaBase``) gets its own group and metadata builder; ``state_indices``
-is the group's block-table column (``mamba_get_block_table_tensor``). The
-trainer: one slot per packed sequence (``state_indices = arange(B)``),
-``num_computed`` = the sequence's start position. The Mamba layer function
-reads and writes its slot with the same kernels on both sides.
+Mamba-2 state group (issue 7): a Mamba layer keeps per *request* state
+slots, not per-token blocks:
+
+* ``store.mamba_state(layer_index) -> MambaState | None`` with the layer's
+  :class:`~unified_models.ops.Mamba2State` views (``conv [slots, W-1, C]``,
+  ``ssm [slots, H, P, N]`` fp32, the pending chunk rows ``x``/``dt``/``B``;
+  leading dim = slot), ``slots_B`` int32 ``[B]`` (slot of each sequence, row
+  = ``FlatBatch.seq_idx``; ``< 0`` = padding sequence) and ``start_B`` int64
+  ``[B]`` (tokens already folded into the slot = position of the sequence's
+  first token in this batch; 0 = fresh slot, nothing of it is read).
+  ``None`` = profiling run: the layer runs stateless.
+
+vLLM: the Mamba cache module gets its own group; ``slots_B`` is the group's
+block-table column (``mamba_get_block_table_tensor``), ``start_B`` the
+request's computed tokens. The trainer (:class:`PrivateKVStore`): one slot per
+packed sequence (``slots_B = arange(B)``), ``start_B`` = the sequence's start
+position in the bound batch. The Mamba layer function reads and writes its
+slot with the same kernels on both sides; the per-batch
+:class:`~unified_models.ops.Mamba2Metadata` is built once per forward from the
+first Mamba layer's ``slots_B``/``start_B`` (every Mamba layer of a model
+shares them) and kept in the layer context.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from typing import Hashable, Mapping, Protocol
 import torch
 
 from .dsl import AttentionSpec, ModelSpec
+from .ops.mamba2 import Mamba2State
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,26 @@ class AttentionState:
         return self.group.slot_mapping
 
 
+@dataclass(frozen=True)
+class MambaState:
+    """What one Mamba-2 layer reads and writes this step.
+
+    Attributes:
+        state: the layer's own :class:`~unified_models.ops.Mamba2State` views
+            (leading dim = slot; any strides).
+        slots_B: int32 ``[B]``, the state slot of each sequence (row ``b`` =
+            ``FlatBatch.seq_idx == b``); ``< 0`` = padding sequence (nothing
+            read or written, zero output).
+        start_B: int64 ``[B]``, tokens already folded into the slot before this
+            batch = position of the sequence's first token in this batch
+            (0 = fresh slot; nothing of the slot is read).
+    """
+
+    state: Mamba2State
+    slots_B: torch.Tensor
+    start_B: torch.Tensor
+
+
 class StateStore(Protocol):
     """Where stateful layers keep their state between steps, per KV-cache group.
 
@@ -132,6 +162,11 @@ class StateStore(Protocol):
     def attention_state(self, layer_index: int) -> AttentionState | None:
         """K/V cache views of attention layer ``layer_index`` and its group's
         block table and slot mapping, or ``None`` in profiling runs."""
+
+    def mamba_state(self, layer_index: int) -> MambaState | None:
+        """State slots of Mamba-2 layer ``layer_index`` with its group's slot of
+        each sequence and tokens already in each slot, or ``None`` in profiling
+        runs (the layer then runs stateless over whole sequences from 0)."""
 
 
 def attention_group_key(spec: AttentionSpec) -> Hashable:

@@ -44,7 +44,6 @@ uninterrupted one.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
