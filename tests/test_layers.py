@@ -132,7 +132,8 @@ def test_vllm_store_maps_layers_to_their_groups():
     full = md(torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 20]), 16)
     window = md(torch.tensor([[3, 0], [2, 1]], dtype=torch.int32), torch.tensor([48, 49, 36]), 32)
     attn = {i: _Cache(i) for i in (0, 2, 3)}
-    fake = SimpleNamespace(_attn=attn, logprob_tap=None, record_sample_positions=False)
+    fake = SimpleNamespace(_attn=attn, _mamba={}, logprob_tap=None, record_sample_positions=False)
+    fake._cache_layer_names = lambda: UnifiedForCausalLM._cache_layer_names(fake)
     mds = {0: full, 2: window, 3: full}
     batch, store = UnifiedForCausalLM._flat_batch(fake, torch.arange(4), torch.tensor([0, 1, 4, 0]), mds)
     assert batch.seq_idx.tolist() == [0, 0, 1, 0] and batch.positions.tolist() == [0, 1, 4, 0]

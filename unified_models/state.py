@@ -55,8 +55,8 @@ from typing import Hashable, Mapping, Protocol
 
 import torch
 
-from .dsl import AttentionSpec, ModelSpec
-from .ops.mamba2 import Mamba2State
+from .dsl import AttentionSpec, Mamba2Spec, ModelSpec
+from .ops.mamba2 import Mamba2State, start_positions
 
 
 @dataclass(frozen=True)
@@ -144,11 +144,21 @@ class MambaState:
         start_B: int64 ``[B]``, tokens already folded into the slot before this
             batch = position of the sequence's first token in this batch
             (0 = fresh slot; nothing of the slot is read).
+        cu_seqlens_B1: optional int ``[B+1]``, token rows of each sequence
+            (vLLM's ``query_start_loc``); rows past ``cu_seqlens_B1[B]`` are
+            padding. ``None``: derived from ``FlatBatch.seq_idx`` (each
+            sequence's tokens contiguous, in row order, no padding rows), as
+            the trainer packs.
+
+    Every Mamba layer of one step gets the same ``slots_B``/``start_B``/
+    ``cu_seqlens_B1`` objects (one group); the forward builds the batch's
+    :class:`~unified_models.ops.Mamba2Metadata` once from them.
     """
 
     state: Mamba2State
     slots_B: torch.Tensor
     start_B: torch.Tensor
+    cu_seqlens_B1: torch.Tensor | None = None
 
 
 class StateStore(Protocol):
@@ -189,6 +199,12 @@ class PrivateKVStore:
     size nor the grouping changes any bit of the result (tiles are aligned at
     absolute positions).
 
+    Mamba-2 layers get one :class:`~unified_models.ops.Mamba2State` slot per
+    packed sequence (``slots_B = arange(B)``, allocated uninitialised: the ops
+    never read a slot before writing it); :meth:`bind` sets ``start_B`` to
+    each sequence's first position in the batch, so a store reused over a
+    prefix and its continuation chunks continues each sequence's state.
+
     Args:
         spec: the model.
         seq_lens: length of each packed sequence (row ``b`` of every block table).
@@ -206,6 +222,14 @@ class PrivateKVStore:
         self._groups: dict[Hashable, PagedGroup] = {}
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         empty = torch.empty(0, dtype=torch.int64, device=device)
+        self._num_seqs = len(seq_lens)
+        self._mamba: dict[int, Mamba2State] = {}
+        for blk in spec.blocks_of(Mamba2Spec):
+            self._mamba[blk.index] = Mamba2State.allocate(
+                len(seq_lens), **blk.mixer.state_kwargs(), dtype=dtype or spec.dtype, device=device)
+        self._mamba_slots = torch.arange(len(seq_lens), dtype=torch.int32, device=device)
+        self._mamba_start = torch.zeros(len(seq_lens), dtype=torch.int64, device=device)
+        self._mamba_cu: torch.Tensor | None = None
         for blk in spec.blocks_of(AttentionSpec):
             a = blk.mixer
             key = attention_group_key(a)
@@ -236,13 +260,39 @@ class PrivateKVStore:
         return dict(self._groups)
 
     def bind(self, batch: FlatBatch) -> None:
-        """Compute the slot of every token of ``batch`` in every group's cache."""
+        """Compute the slot of every token of ``batch`` in every group's cache, and
+        (Mamba) each sequence's token rows and start position.
+
+        Raises:
+            ValueError: (hybrid models) ``batch.seq_idx`` is not grouped by
+                sequence in row order or names a row >= B.
+        """
+        if self._mamba:
+            self._bind_mamba(batch)
         for key, g in list(self._groups.items()):
             s = g.block_size
             rows = g.block_table[batch.seq_idx.long()].long()
             col = (batch.positions // s).long().view(-1, 1)
             self._groups[key] = PagedGroup(g.block_table, rows.gather(1, col).view(-1) * s + batch.positions % s, s)
 
+    def _bind_mamba(self, batch: FlatBatch) -> None:
+        b = self._num_seqs
+        seq = batch.seq_idx.long()
+        t = seq.shape[0]
+        if t and (int(seq.min()) < 0 or int(seq.max()) >= b or bool((seq[1:] < seq[:-1]).any())):
+            raise ValueError(f"PrivateKVStore.bind: seq_idx must be grouped by sequence in row order with rows "
+                             f"in [0, {b}) for the Mamba state")
+        counts = torch.bincount(seq, minlength=b) if t else torch.zeros(b, dtype=torch.int64, device=seq.device)
+        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        self._mamba_cu = cu
+        self._mamba_start = start_positions(cu, batch.positions).to(torch.int64)
+
     def attention_state(self, layer_index: int) -> AttentionState | None:
         k, v = self._caches[layer_index]
         return AttentionState(k, v, self._groups[self._group_of[layer_index]])
+
+    def mamba_state(self, layer_index: int) -> MambaState | None:
+        """The layer's state slots (slot b = packed sequence b) and this batch's start positions."""
+        if self._mamba_cu is None:
+            raise RuntimeError("PrivateKVStore.mamba_state: call bind(batch) first")
+        return MambaState(self._mamba[layer_index], self._mamba_slots, self._mamba_start, self._mamba_cu)

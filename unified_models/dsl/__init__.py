@@ -9,7 +9,8 @@ those kernels in :mod:`unified_models.layers`, and the engine adapters in
 names or shapes.
 
 One module per family: :mod:`.attention` (``AttentionSpec``, ``RopeSpec``),
-:mod:`.mlp` (``MLPSpec``), :mod:`.norm` (``RMSNormSpec``), :mod:`.embedding`
+:mod:`.mlp` (``MLPSpec``), :mod:`.mamba2` (``Mamba2Spec``), :mod:`.moe`
+(``MoESpec``), :mod:`.norm` (``RMSNormSpec``), :mod:`.embedding`
 (``EmbeddingSpec``, ``LMHeadSpec``), :mod:`.model` (``ResidualBlockSpec``,
 ``ModelSpec``, the ``Mixer`` union); :mod:`.errors`.
 
@@ -28,7 +29,9 @@ from .errors import (
     UnifiedModelsError,
     UnsupportedLayerError,
 )
+from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
+from .moe import MoESpec
 from .model import Mixer, ModelSpec, ResidualBlockSpec
 from .norm import RMSNormSpec
 
@@ -36,5 +39,5 @@ __all__ = [
     "AttentionSpec", "EmbeddingSpec", "LMHeadSpec", "MLPSpec", "ModelSpec",
     "ResidualBlockSpec", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
-    "UnsupportedLayerError", "Mixer",
+    "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec",
 ]

@@ -1,7 +1,7 @@
 """The whole-model spec: embedding -> residual blocks -> final norm -> LM head.
 
 A block's ``mixer`` is one layer family's spec (one module each:
-:mod:`.attention`, :mod:`.mlp`, later ``mamba2``, ``moe``, ...). The forward of
+:mod:`.attention`, :mod:`.mlp`, :mod:`.mamba2`, :mod:`.moe`, ...). The forward of
 each family is the function :data:`unified_models.layers.LAYERS` maps its spec
 type to; adding a family = a spec module here, a layer module there, one entry
 in :data:`Mixer` and one in that table.
@@ -22,10 +22,12 @@ import torch
 from .attention import AttentionSpec
 from .embedding import EmbeddingSpec, LMHeadSpec
 from .errors import SpecError
+from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
+from .moe import MoESpec
 from .norm import RMSNormSpec
 
-Mixer = Union[AttentionSpec, MLPSpec]
+Mixer = Union[AttentionSpec, MLPSpec, Mamba2Spec, MoESpec]
 """The layer families a residual block may hold (each has a function in ``layers.LAYERS``)."""
 
 
@@ -85,6 +87,14 @@ class ModelSpec:
     @property
     def attention_blocks(self) -> tuple[ResidualBlockSpec, ...]:
         return self.blocks_of(AttentionSpec)
+
+    @property
+    def mamba_blocks(self) -> tuple[ResidualBlockSpec, ...]:
+        return self.blocks_of(Mamba2Spec)
+
+    @property
+    def moe_blocks(self) -> tuple[ResidualBlockSpec, ...]:
+        return self.blocks_of(MoESpec)
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """All parameters, HF name -> shape, in model order.

@@ -1,19 +1,18 @@
 """Layer families: each mixer spec's forward over :mod:`unified_models.ops`.
 
-One module per family (:mod:`.attention`, :mod:`.mlp`; next ``mamba2``,
-``moe``, ``dsv4_attention``) and **one table**, :data:`LAYERS`, from spec
+One module per family (:mod:`.attention`, :mod:`.mlp`, :mod:`.mamba2`,
+:mod:`.moe`; next ``dsv4_attention``) and **one table**, :data:`LAYERS`, from spec
 type to layer function; :func:`unified_models.forward.forward_hidden` looks
 each block's function up here. Every function has the signature of
 :data:`~.common.LayerFn`::
 
     fn(spec, layer_index, params, x_TD, batch, store, ctx) -> y_TD
 
-Adding a family (e.g. Mamba-2): ``dsl/mamba2.py`` with ``Mamba2Spec`` (added
-to ``dsl.model.Mixer``), ``layers/mamba2.py`` with ``mamba2_forward`` reading
-its per-request state slot through ``store.mamba_state(layer_index)`` (see
-:mod:`unified_models.state`), and one line ``Mamba2Spec: mamba2_forward``
-below. MoE is stateless like the MLP: ``MoESpec: moe_forward`` and nothing in
-the store.
+Adding a family: a spec module in ``dsl/`` (added to ``dsl.model.Mixer``),
+a layer module here, and one line in :data:`LAYERS`. Mamba-2
+(:mod:`.mamba2`) reads its per-request state slots through
+``store.mamba_state(layer_index)`` (see :mod:`unified_models.state`); MoE
+(:mod:`.moe`) is stateless like the MLP.
 
 Shapes: T tokens, D hidden.
 """
@@ -22,14 +21,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dsl import AttentionSpec, MLPSpec, SpecError
+from ..dsl import AttentionSpec, Mamba2Spec, MLPSpec, MoESpec, SpecError
 from .attention import attention_forward
 from .common import LayerContext, LayerFn, bias_getter
+from .mamba2 import mamba2_forward
 from .mlp import mlp_forward
+from .moe import moe_forward
 
 LAYERS: dict[type, LayerFn] = {
     AttentionSpec: attention_forward,
     MLPSpec: mlp_forward,
+    Mamba2Spec: mamba2_forward,
+    MoESpec: moe_forward,
 }
 """Spec type -> layer function. The only place a spec type meets its forward."""
 
@@ -51,4 +54,4 @@ def layer_function(spec: Any, layer_index: int) -> LayerFn:
 
 
 __all__ = ["LAYERS", "LayerContext", "LayerFn", "attention_forward", "bias_getter", "layer_function",
-           "mlp_forward"]
+           "mamba2_forward", "mlp_forward", "moe_forward"]

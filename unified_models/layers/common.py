@@ -22,7 +22,7 @@ Shapes: T tokens, D hidden.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -39,9 +39,13 @@ class LayerContext:
 
     Attributes:
         model: the whole model spec (``max_position_embeddings``, ``dtype``, ...).
+        cache: per-forward memo of batch-wide derived data shared by layers of
+            one family (e.g. the Mamba-2 batch metadata, built once per forward
+            for every Mamba layer); one fresh context per forward.
     """
 
     model: "ModelSpec"
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_positions(self) -> int:

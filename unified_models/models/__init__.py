@@ -12,8 +12,9 @@ from . import nemotron_h
 _FAMILIES = {"nemotron_h": nemotron_h.spec_from_hf_config}
 
 
-def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> ModelSpec:
-    """Dispatch on ``config.model_type`` to the family's declaration.
+def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> ModelSpec:
+    """Dispatch on ``config.model_type`` to the family's declaration (``kwargs``, e.g.
+    Nemotron-H's ``quant_config``, go to it).
 
     Raises:
         SpecError: the model type has no declaration here.
@@ -23,7 +24,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> Mod
         raise SpecError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
         )
-    return _FAMILIES[model_type](config, dtype=dtype)
+    return _FAMILIES[model_type](config, dtype=dtype, **kwargs)
 
 
 def architectures() -> dict[str, str]:

@@ -43,7 +43,7 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ...dsl import AttentionSpec, CheckpointError, MLPSpec, ModelSpec, SpecError
+from ...dsl import AttentionSpec, CheckpointError, Mamba2Spec, MLPSpec, ModelSpec, MoESpec, SpecError
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch, PrivateKVStore
@@ -58,8 +58,14 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
 
     Sets the sizes Megatron components read (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
-    ``ffn_hidden_size``), precision (``bf16``/``fp16``, ``params_dtype``),
-    dropouts 0 (Megatron's default is 0.1) and TP/PP/CP/EP sizes 1.
+    ``ffn_hidden_size``; for hybrid specs also the Mamba sizes
+    ``mamba_{num_heads,head_dim,num_groups,state_dim}`` and the MoE sizes
+    ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
+    ``moe_shared_expert_intermediate_size``, sigmoid scoring and the routed
+    scaling factor, where the installed Megatron has those fields), precision
+    (``bf16``/``fp16``, ``params_dtype``), dropouts 0 (Megatron's default is
+    0.1) and TP/PP/CP/EP sizes 1. A spec without attention layers describes
+    one head of ``hidden_size`` channels (Megatron requires a head count).
     ``overrides`` are passed to ``TransformerConfig`` as given (unknown
     fields fail there).
 
@@ -68,14 +74,17 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
     """
     attn = [b.mixer for b in spec.blocks if isinstance(b.mixer, AttentionSpec)]
     mlps = [b.mixer for b in spec.blocks if isinstance(b.mixer, MLPSpec)]
+    mambas = [b.mixer for b in spec.blocks if isinstance(b.mixer, Mamba2Spec)]
+    moes = [b.mixer for b in spec.blocks if isinstance(b.mixer, MoESpec)]
     heads = attn[0].num_heads if attn else 1
+    ffn = (mlps[0].intermediate_size if mlps else moes[0].intermediate_size if moes else 4 * spec.hidden_size)
     defaults: dict[str, Any] = dict(
         num_layers=len(spec.blocks),
         hidden_size=spec.hidden_size,
         num_attention_heads=heads,
         num_query_groups=attn[0].num_kv_heads if attn else heads,
         kv_channels=attn[0].head_dim if attn else max(1, spec.hidden_size // heads),
-        ffn_hidden_size=mlps[0].intermediate_size if mlps else 4 * spec.hidden_size,
+        ffn_hidden_size=ffn,
         bf16=spec.dtype == torch.bfloat16,
         fp16=spec.dtype == torch.float16,
         params_dtype=spec.dtype,
@@ -90,6 +99,19 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
         normalization="RMSNorm",
         layernorm_epsilon=spec.final_norm.eps,
     )
+    if mambas:
+        m = mambas[0]
+        defaults.update(mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, mamba_num_groups=m.n_groups,
+                        mamba_state_dim=m.ssm_state_size)
+    if moes:
+        e = moes[0]
+        defaults.update(num_moe_experts=e.n_routed_experts, moe_router_topk=e.top_k,
+                        moe_ffn_hidden_size=e.intermediate_size, moe_router_score_function="sigmoid",
+                        moe_router_topk_scaling_factor=e.routed_scaling_factor)
+        if e.shared_intermediate_size is not None:
+            defaults["moe_shared_expert_intermediate_size"] = e.shared_intermediate_size
+        if e.n_group > 1:
+            defaults.update(moe_router_num_groups=e.n_group, moe_router_group_topk=e.topk_group)
     defaults = compat.filter_dataclass_kwargs(TransformerConfig, defaults)
     defaults.update(overrides)
     check_parallel_sizes(
@@ -152,8 +174,10 @@ class UnifiedMegatronModel(MegatronModule):
         embed_names = {f"{spec.embedding.name}.weight"}
         if spec.lm_head.tied_to is None:
             embed_names.add(f"{spec.lm_head.name}.weight")
+        expert_views = self._expert_buffers(spec, device)
         for name, shape in spec.parameter_shapes().items():
-            param = torch.nn.Parameter(torch.empty(shape, dtype=spec.dtype, device=device))
+            buf = expert_views.get(name)
+            param = torch.nn.Parameter(buf if buf is not None else torch.empty(shape, dtype=spec.dtype, device=device))
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)  # TP=1: not TP-parallel
             if name in embed_names:
                 param.is_embedding_or_output_parameter = True
@@ -163,6 +187,23 @@ class UnifiedMegatronModel(MegatronModule):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _expert_buffers(spec: ModelSpec, device: torch.device) -> dict[str, torch.Tensor]:
+        """Routed experts' weights as views of one ``[E, N, K]`` buffer per layer and projection.
+
+        Each expert stays its own Parameter (HF name, own ``.grad``), but the
+        no-grad recompute hands the MoE kernel the whole stack without a copy
+        (``layers.moe.expert_weights``)."""
+        views: dict[str, torch.Tensor] = {}
+        for blk in spec.blocks_of(MoESpec):
+            m = blk.mixer
+            for proj in ("up_proj", "down_proj"):
+                shape = m.parameter_shapes()[m.expert_weight_name(0, proj)]
+                buf = torch.empty((m.n_routed_experts, *shape), dtype=spec.dtype, device=device)
+                for e in range(m.n_routed_experts):
+                    views[m.expert_weight_name(e, proj)] = buf[e]
+        return views
 
     def _register_nested(self, name: str, param: torch.nn.Parameter) -> None:
         *path, leaf = name.split(".")
@@ -178,12 +219,27 @@ class UnifiedMegatronModel(MegatronModule):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Megatron-style init: weights ``config.init_method`` (normal, std
-        ``init_method_std``), norm weights 1, biases 0."""
+        ``init_method_std``), norm weights 1, biases 0; Mamba-2 as transformers'
+        ``NemotronHMamba2Mixer`` initialises them (``A_log = log(1..H)``,
+        ``D = 1``, ``dt_bias = 1``, gated-norm weight 1); MoE correction bias 0."""
         norms = {f"{b.norm.name}.weight" for b in self.spec.blocks} | {f"{self.spec.final_norm.name}.weight"}
+        special: dict[str, Any] = {}
+        for blk in self.spec.blocks:
+            m = blk.mixer
+            if isinstance(m, Mamba2Spec):
+                norms.add(f"{m.name}.norm.weight")
+                special[f"{m.name}.A_log"] = lambda p: p.copy_(torch.log(torch.arange(
+                    1, p.shape[0] + 1, dtype=torch.float32, device=p.device)).to(p.dtype))
+                special[f"{m.name}.D"] = lambda p: p.fill_(1.0)
+                special[f"{m.name}.dt_bias"] = lambda p: p.fill_(1.0)
+            elif isinstance(m, MoESpec):
+                special[f"{m.name}.gate.e_score_correction_bias"] = lambda p: p.zero_()
         embed = f"{self.spec.embedding.name}.weight"
         embed_init = getattr(self.config, "embedding_init_method", None) or self.config.init_method
         for name, p in self.named_parameters():
-            if name in norms:
+            if name in special:
+                special[name](p)
+            elif name in norms:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()

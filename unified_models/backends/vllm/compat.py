@@ -22,6 +22,34 @@ Differences handled (file references are inside the ``vllm`` package):
   default, which satisfies both.
 * ``AttentionLayerBase.bind_kv_cache`` exists only in 0.32; 0.26 sets the
   attribute directly. Both end in ``layer.kv_cache``.
+* **Mamba state pages** (``MambaSpec``, our :mod:`.mamba_state`). Both
+  versions pack a layer's states back to back inside one page per slot, in
+  the order of ``get_state_shape()``, and require each state's byte offset to
+  be a multiple of its element size. 0.26: the runner builds the per-state
+  ``[num_blocks, *shape]`` views (``as_strided`` with the page stride,
+  ``v1/worker/gpu_model_runner.py`` ``_reshape_kv_cache_tensors``) and
+  assigns the list to ``layer.kv_cache``. 0.32: the runner hands a raw
+  ``[num_blocks, 1, 1, page_bytes]`` int8 view to ``layer.bind_kv_cache``,
+  and ``MambaBase.bind_kv_cache`` slices it into the same views (a tuple).
+  :func:`mamba_state_tensors` accepts either.
+* **Per-request state slot**: ``mamba_get_block_table_tensor``
+  (``v1/attention/backends/utils.py``, both versions, same signature). Modes:
+  0.26 ``all | align | none`` (``all`` only for models declaring
+  ``SupportsMambaPrefixCaching``, which ours does not: 0.26 falls back to
+  ``align``); 0.32 ``align | none``. ``none``: one block per request, the
+  slot is column 0; ``align``: column ``(seq_len - 1) // block_size`` of the
+  position-indexed row. :func:`mamba_state_indices` returns the column.
+* **Prefix-caching copy functions** (``align`` mode): 0.26 calls the model's
+  ``get_mamba_state_copy_func()``; 0.32 calls ``get_mamba_state_copy_funcs(
+  mamba_types)`` (defined on ``IsHybrid`` from the singular one) and copies
+  only a *prefix* of the states if fewer functions than states are given (we
+  give one per state). ``MambaCopySpec(start_addr, num_elements)`` lives in
+  ``model_executor/layers/mamba/mamba_utils.py`` in both.
+* Hybrid registration is read from source for 0.26 and exercised only on
+  0.32 (CPU) so far: the 0.26 runner's list binding, its align-mode
+  pre/post-step copies with our copy functions, and its block-size alignment
+  with our state page must be confirmed by ``tests/backends/test_vllm_hybrid.py``
+  on the H200.
 * ``vllm.envs`` caches environment variables after the first engine starts
   (``enable_envs_cache``, both versions); :func:`reset_envs_cache` undoes it so
   that the pins of :func:`~unified_models.backends.vllm.engine.make_llm` apply
@@ -169,3 +197,63 @@ def engine_kwargs_supported(name: str) -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
     return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def mamba_state_tensors(kv_cache: Any, layout) -> dict[str, torch.Tensor] | None:
+    """Name -> ``[N, *shape]`` view of each state bound to a Mamba layer, or ``None``.
+
+    Args:
+        kv_cache: ``layer.kv_cache``: 0.26 a list of per-state views; 0.32 the
+            tuple ``MambaBase.bind_kv_cache`` made; empty before binding.
+        layout: ``(name, shape, dtype)`` per state in declaration order
+            (:func:`unified_models.backends.vllm.mamba_state.state_layout`).
+
+    Raises:
+        RuntimeError: the bound tensors do not match the declared layout.
+    """
+    if kv_cache is None:
+        return None
+    if isinstance(kv_cache, torch.Tensor):
+        if kv_cache.numel() == 0:
+            return None
+        raise RuntimeError(f"unexpected Mamba state binding: one tensor of shape {tuple(kv_cache.shape)} "
+                           f"(vLLM {'.'.join(map(str, vllm_version()))}); expected one view per state")
+    states = list(kv_cache)
+    if len(states) == 1 and isinstance(states[0], (list, tuple)):  # one entry per virtual engine (older runners)
+        states = list(states[0])
+    if not states:
+        return None
+    if len(states) != len(layout):
+        raise RuntimeError(f"vLLM bound {len(states)} Mamba state tensors, the layer declared {len(layout)}")
+    out = {}
+    for t, (name, shape, dtype) in zip(states, layout):
+        if tuple(t.shape[1:]) != tuple(shape) or t.dtype != dtype:
+            raise RuntimeError(f"Mamba state {name!r}: vLLM bound {tuple(t.shape)} {t.dtype}, "
+                               f"the layer declared [N, {', '.join(map(str, shape))}] {dtype}")
+        out[name] = t
+    return out
+
+
+def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, kv_cache_spec: Any,
+                        mamba_cache_mode: str) -> torch.Tensor:
+    """The state slot (block id) of each request this step: ``[R]``.
+
+    ``block_table`` ``[R, W]`` of the Mamba group, ``seq_lens`` ``[R]``
+    (context length including this step). See the module docstring for the modes.
+    """
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+
+    if mamba_cache_mode not in ("none", "align"):
+        raise NotImplementedError(f"unified_models: mamba_cache_mode={mamba_cache_mode!r} is not supported "
+                                  "(use prefix caching 'align' mode or none)")
+    cols = mamba_get_block_table_tensor(block_table, seq_lens, kv_cache_spec, mamba_cache_mode)
+    if cols.dim() == 1:
+        return cols
+    return cols[:, 0]
+
+
+def mamba_copy_spec(start_addr: int, num_elements: int) -> Any:
+    """vLLM's ``MambaCopySpec`` (prefix caching, "align" mode)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
+
+    return MambaCopySpec(start_addr=start_addr, num_elements=num_elements)

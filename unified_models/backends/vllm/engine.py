@@ -31,6 +31,11 @@ Why each pin (integration manual sections in brackets):
   is never split (``max_num_batched_tokens`` must be >= ``max_model_len``, which the
   default guarantees). Our kernels give the same bits either way, so on GPU vLLM's
   default (on) is kept.
+* Models with Mamba-2 layers load as the hybrid architecture
+  (``plugin.model_architecture``: vLLM's ``IsHybrid`` flags, a second KV-cache
+  group for the state); prefix caching runs in vLLM's "align" mode and needs
+  chunked prefill (:func:`hybrid_engine_settings`); vLLM may raise the block
+  size so that one attention page holds one state slot.
 """
 
 from __future__ import annotations
@@ -65,14 +70,69 @@ def check_spec_supported(spec) -> None:
     """Refuse specs this vLLM backend cannot serve, before vLLM starts.
 
     Raises:
-        SpecError: the model has no attention layer (vLLM's KV-cache manager
-            needs at least one cache layer; Mamba state layers come later).
+        SpecError: the model has no attention layer. Hybrid models (Mamba-2 +
+            attention) run with two KV-cache groups; a pattern without any
+            attention layer would make vLLM treat the model as attention-free
+            (no paged KV pool to size the state pages against), which this
+            backend does not implement.
     """
     from ...dsl import SpecError
 
     if not spec.attention_blocks:
         raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no attention layer; "
-                        "the vLLM backend needs at least one (vLLM allocates its cache per attention layer)")
+                        "the vLLM backend needs at least one ('*'): attention-free (pure Mamba) models are "
+                        "not supported")
+
+
+MAMBA_DTYPE_ARGS = {"mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto", "float32")}
+"""vLLM engine args that would change Mamba state dtypes: the op contract fixes them
+(conv / pending rows in the model dtype, SSM state and dt in fp32), so only these values are accepted."""
+
+
+def hybrid_engine_settings(spec, *, gpu: bool, enable_prefix_caching: bool | None,
+                           enable_chunked_prefill: bool | None, engine_kwargs: Mapping[str, Any]
+                           ) -> tuple[bool, bool | None]:
+    """``(enable_prefix_caching, enable_chunked_prefill)`` for ``spec``; checks hybrid-only rules.
+
+    Attention-only models: prefix caching defaults to on (bitwise safe: KV
+    tiles are aligned at absolute positions).
+
+    Models with Mamba-2 layers: prefix caching runs in vLLM's "align" mode
+    (states are cached at block boundaries; the scheduler ends prefill steps
+    there and the runner copies a request's running state into each new block
+    with our whole-slot copy functions). It is bitwise equal to a cold run
+    because our state slot is complete at *any* position (SSM state at the
+    last chunk boundary + the pending rows of the current chunk + the conv
+    tail) and is only ever read at the position it was written for; the
+    tests cover a shared prefix whose second request continues with fewer
+    tokens than the conv width. "align" needs chunked prefill, so for these
+    models prefix caching defaults to the chunked-prefill setting (GPU: on;
+    CPU: off, because of the seeded-generator limitation in the module doc).
+
+    Raises:
+        ValueError: a Mamba state dtype or cache-mode setting we do not
+            implement, or prefix caching with chunked prefill explicitly off.
+    """
+    if not spec.mamba_blocks:
+        return (True if enable_prefix_caching is None else bool(enable_prefix_caching)), enable_chunked_prefill
+    for name, allowed in MAMBA_DTYPE_ARGS.items():
+        if name in engine_kwargs and engine_kwargs[name] not in allowed:
+            raise ValueError(f"make_llm: {name}={engine_kwargs[name]!r} is not supported for unified_models' "
+                             f"Mamba-2 state (the op contract fixes its dtypes; allowed: {list(allowed)})")
+    mode = engine_kwargs.get("mamba_cache_mode")
+    if mode not in (None, "none", "align"):
+        raise ValueError(f"make_llm: mamba_cache_mode={mode!r} is not supported (prefix caching of Mamba-2 state "
+                         "runs in 'align' mode; 'none' without prefix caching)")
+    if enable_prefix_caching is None:
+        enable_prefix_caching = (enable_chunked_prefill is not False) if gpu else bool(enable_chunked_prefill)
+    if enable_prefix_caching and enable_chunked_prefill is False:
+        raise ValueError(
+            f"make_llm: prefix caching for a model with Mamba-2 layers (pattern {spec.extra.get('pattern', '?')!r}) "
+            "runs in vLLM's 'align' mode, which needs chunked prefill; pass enable_chunked_prefill=True "
+            "(on the CPU without per-request seeds) or enable_prefix_caching=False")
+    if enable_prefix_caching:
+        enable_chunked_prefill = True
+    return bool(enable_prefix_caching), enable_chunked_prefill
 
 
 def validate_checkpoint(model_dir: str | os.PathLike) -> None:
@@ -109,7 +169,7 @@ def validate_checkpoint(model_dir: str | os.PathLike) -> None:
 def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
              max_num_seqs: int = 16, gpu: bool = False, enforce_eager: bool = True,
              block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int | None = None,
-             enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool = True,
+             enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
              max_logprobs: int = 20, gpu_memory_utilization: float = 0.5,
              kv_cache_space_gib: int = 1, skip_tokenizer_init: bool = False,
              validate: bool = True, **engine_kwargs: Any):
@@ -127,7 +187,9 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         enable_chunked_prefill: default False on CPU (see module doc), vLLM's
             default on GPU.
         enable_prefix_caching: reuse cached KV of shared prefixes (bitwise safe:
-            attention tiles are aligned at absolute positions).
+            attention tiles are aligned at absolute positions). Default: on for
+            attention-only models; see :func:`hybrid_engine_settings` for
+            models with Mamba-2 layers.
         max_logprobs: largest ``SamplingParams.logprobs`` allowed (-1 = whole vocab).
         gpu_memory_utilization: GPU only.
         kv_cache_space_gib: CPU only, ``VLLM_CPU_KVCACHE_SPACE``.
@@ -154,6 +216,9 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         validate_checkpoint(model_dir)
     spec = _spec(model_dir)
     check_spec_supported(spec)
+    enable_prefix_caching, enable_chunked_prefill = hybrid_engine_settings(
+        spec, gpu=gpu, enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill, engine_kwargs=engine_kwargs)
 
     for k, v in PINNED_ENV.items():
         os.environ[k] = v
@@ -164,6 +229,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     from . import plugin
 
     plugin.register()
+    architecture = plugin.model_architecture(spec)
 
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(max_model_len, max_num_seqs * 128)
@@ -174,7 +240,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         tokenizer=model_dir,
         skip_tokenizer_init=skip_tokenizer_init,
         trust_remote_code=False,
-        hf_overrides={"architectures": [spec.architecture]},
+        hf_overrides={"architectures": [architecture]},
         model_impl="vllm",
         # The spec decides the dtype (from the checkpoint config), and the trainer
         # builds from the same spec: both engines always compute in one dtype.

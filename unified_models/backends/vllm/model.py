@@ -40,28 +40,67 @@ every stateful layer's metadata from the forward context, makes one
 :class:`~unified_models.state.PagedGroup` per distinct metadata object and
 hands :class:`VllmStateStore` the table ``layer index -> group``; each layer
 asks the store for its own views. Several groups (sliding window, compressed
-KV, ...) therefore need no change here beyond their cache modules. A Mamba-2
-layer will add a ``MambaBase`` cache module per layer (its own group, vLLM's
-``MambaSpec``: one state slot per request) and a ``mamba_state(layer_index)``
-accessor returning its state tensors and the group's per-request slot indices
-(see :mod:`unified_models.state`).
+KV, ...) therefore need no change here beyond their cache modules.
+
+Mamba-2 state (hybrid models, :mod:`.mamba_state`): each Mamba layer has a
+``MambaBase`` cache module (``backbone.layers.{i}.mixer.state_cache``, vLLM
+``MambaSpec``: one state slot per request, pages in the same pool as the
+attention blocks). vLLM puts the Mamba layers in KV-cache groups of their own
+(groups hold equal numbers of layers, so a model with more Mamba than
+attention layers gets several Mamba groups, each with its own block table,
+hence its own slot per request). Each group's
+:class:`~.mamba_state.UnifiedMambaMetadata` gives the slot and the computed
+tokens of every request; ``VllmStateStore.mamba_state(layer_index)`` returns
+the layer's :class:`~unified_models.ops.Mamba2State` views with its group's
+slots, the computed tokens and ``query_start_loc`` as ``cu_seqlens_B1``
+(:class:`~unified_models.state.MambaState`; one shared object per group, so
+the layer builds its batch metadata once per group). vLLM decides "hybrid"
+from class flags (``IsHybrid``, ``HasInnerState``) and then sizes pages and block sizes
+from the class methods ``get_mamba_state_shape_from_config`` /
+``get_mamba_state_dtype_from_config``; an attention-only model must not carry
+those flags (vLLM 0.32 would then look for Mamba groups), so models with
+Mamba layers are served by the subclass :class:`UnifiedHybridForCausalLM`,
+registered under :func:`hybrid_architecture` of the family's name
+(``engine.make_llm`` picks the right one).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError
+from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError, SpecError
 from ...forward import forward_hidden, forward_logprobs
-from ...state import AttentionState, FlatBatch, PagedGroup
+from ...state import AttentionState, FlatBatch, MambaState, PagedGroup
 from . import compat
 from .attention_backend import KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata
+from .mamba_state import (UnifiedMambaCache, UnifiedMambaMetadata, mamba_cache_prefix, model_state_layout,
+                          state_copy_funcs)
+
+
+def hybrid_architecture(architecture: str) -> str:
+    """The registered name of the hybrid (Mamba) variant of a family's architecture.
+
+    ``UnifiedNemotronHForCausalLM`` -> ``UnifiedNemotronHHybridForCausalLM`` (the
+    ``ForCausalLM`` suffix keeps vLLM's runner-type inference).
+    """
+    from .plugin import hybrid_architecture as name
+
+    return name(architecture)
+
+
+def model_architecture(spec: ModelSpec) -> str:
+    """The architecture name vLLM must load ``spec`` with: hybrid iff it has Mamba layers."""
+    from .plugin import model_architecture as name
+
+    return name(spec)
 
 
 def attention_cache_prefix(block_index: int, prefix: str = "") -> str:
@@ -109,6 +148,22 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
         return None
 
 
+@dataclass(frozen=True)
+class MambaSlots:
+    """One step's slots of a Mamba KV-cache group (shared by the group's layers).
+
+    Attributes:
+        slots_B: int32 ``[B]``, state slot of each request row (-1: no token this step).
+        start_B: int64 ``[B]``, tokens already folded into each slot.
+        cu_seqlens_B1: int32 ``[B+1]``, vLLM's ``query_start_loc`` (token rows of
+            each request; rows past ``cu_seqlens_B1[B]`` are padding).
+    """
+
+    slots_B: torch.Tensor
+    start_B: torch.Tensor
+    cu_seqlens_B1: torch.Tensor
+
+
 class VllmStateStore:
     """:class:`~unified_models.state.StateStore` over vLLM's caches for one step.
 
@@ -117,11 +172,18 @@ class VllmStateStore:
         groups: layer index -> the :class:`PagedGroup` of the layer's KV-cache
             group this step (one shared object per group), or ``None`` in
             profiling/dummy runs (no cache bound: every accessor gives ``None``).
+        mamba: layer index -> the Mamba layer's state module.
+        mamba_groups: layer index -> its group's :class:`MambaSlots` this step,
+            or ``None`` in profiling/dummy runs.
     """
 
-    def __init__(self, attention: dict[int, UnifiedAttentionCache], groups: dict[int, PagedGroup] | None):
+    def __init__(self, attention: dict[int, UnifiedAttentionCache], groups: dict[int, PagedGroup] | None,
+                 mamba: dict[int, UnifiedMambaCache] | None = None,
+                 mamba_groups: dict[int, MambaSlots] | None = None):
         self._attention = attention
         self._groups = groups
+        self._mamba = mamba or {}
+        self._mamba_groups = mamba_groups
 
     def attention_state(self, layer_index: int) -> AttentionState | None:
         if self._groups is None:
@@ -130,6 +192,17 @@ class VllmStateStore:
         if views is None:
             return None
         return AttentionState(views[0], views[1], self._groups[layer_index])
+
+    def mamba_state(self, layer_index: int) -> MambaState | None:
+        """The layer's ``Mamba2State`` views with its group's slot and computed tokens
+        of each request row, or ``None`` in profiling/dummy runs."""
+        if self._mamba_groups is None:
+            return None
+        views = self._mamba[layer_index].state_views()
+        if views is None:
+            return None
+        g = self._mamba_groups[layer_index]
+        return MambaState(state=views, slots_B=g.slots_B, start_B=g.start_B, cu_seqlens_B1=g.cu_seqlens_B1)
 
 
 class _Node(nn.Module):
@@ -192,6 +265,15 @@ class UnifiedForCausalLM(nn.Module):
             param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
             _submodule(self, path).register_parameter(leaf, param)
 
+        has_mamba = bool(self.spec.mamba_blocks)
+        if has_mamba != bool(getattr(type(self), "is_hybrid", False)):
+            want = model_architecture(self.spec)
+            raise SpecError(
+                f"{self.spec.family} pattern {self.spec.extra.get('pattern', '?')!r} "
+                f"{'has' if has_mamba else 'has no'} Mamba-2 layers, but vLLM selected {type(self).__name__}; "
+                f"load it with architecture {want!r} (hf_overrides={{'architectures': [{want!r}]}}; "
+                "unified_models.backends.vllm.engine.make_llm does this)")
+
         self._attn: dict[int, UnifiedAttentionCache] = {}
         for blk in self.spec.attention_blocks:
             name = attention_cache_prefix(blk.index, prefix)
@@ -200,6 +282,15 @@ class UnifiedForCausalLM(nn.Module):
             *path, leaf = local.split(".")
             _submodule(self, path).add_module(leaf, layer)
             self._attn[blk.index] = layer
+        self._mamba: dict[int, UnifiedMambaCache] = {}
+        if has_mamba:
+            model_state_layout(self.spec, dtype)  # one state layout for all Mamba layers (vLLM sizes one page)
+        for blk in self.spec.mamba_blocks:
+            name = mamba_cache_prefix(blk.index, prefix)
+            layer = UnifiedMambaCache(blk.mixer, name, vllm_config)
+            *path, leaf = mamba_cache_prefix(blk.index).split(".")
+            _submodule(self, path).add_module(leaf, layer)
+            self._mamba[blk.index] = layer
 
         self.logprob_tap: Callable[[torch.Tensor], None] | None = None
         self.record_sample_positions = False
@@ -219,29 +310,38 @@ class UnifiedForCausalLM(nn.Module):
 
         return ops.embedding(input_ids, self.params()[self.spec.embedding.name + ".weight"])
 
-    def _metadata(self) -> dict[int, UnifiedAttentionMetadata] | None:
-        """This step's metadata of every attention layer (layer index -> its group's
+    def _cache_layer_names(self) -> dict[int, str]:
+        """Layer index -> forward-context name of every stateful layer (attention and Mamba)."""
+        names = {i: layer.layer_name for i, layer in self._attn.items()}
+        names.update({i: layer.layer_name for i, layer in self._mamba.items()})
+        return dict(sorted(names.items()))
+
+    def _metadata(self) -> dict[int, UnifiedAttentionMetadata | UnifiedMambaMetadata] | None:
+        """This step's metadata of every stateful layer (layer index -> its group's
         object), or ``None`` in profiling/dummy runs."""
-        if not self._attn:
+        names = self._cache_layer_names()
+        if not names:
             return None
-        mds = {i: compat.layer_metadata(layer.layer_name) for i, layer in sorted(self._attn.items())}
+        mds = {i: compat.layer_metadata(name) for i, name in names.items()}
         present = [i for i, md in mds.items() if md is not None]
         if not present:
             return None
         if len(present) != len(mds):
-            missing = [self._attn[i].layer_name for i in mds if mds[i] is None]
-            raise RuntimeError(f"unified_models: vLLM gave no attention metadata for {missing} this step "
-                               f"but did for {self._attn[present[0]].layer_name}")
+            missing = [names[i] for i in mds if mds[i] is None]
+            raise RuntimeError(f"unified_models: vLLM gave no metadata for {missing} this step "
+                               f"but did for {names[present[0]]}")
         return mds  # type: ignore[return-value]
 
     def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    mds: dict[int, UnifiedAttentionMetadata] | None) -> tuple[FlatBatch, VllmStateStore]:
+                    mds: dict[int, UnifiedAttentionMetadata | UnifiedMambaMetadata] | None
+                    ) -> tuple[FlatBatch, VllmStateStore]:
         t = input_ids.shape[0]
         dev = input_ids.device
         if mds is None:  # profiling / dummy run: no cache, nothing written
             batch = FlatBatch(input_ids=input_ids, positions=positions.long(),
                               seq_idx=torch.zeros(t, dtype=torch.int32, device=dev))
-            return batch, VllmStateStore(self._attn, None)
+            return batch, VllmStateStore(self._attn, None, self._mamba, None)
+        names = self._cache_layer_names()
         md = next(iter(mds.values()))  # the step's layout is common to every group
         n = min(int(md.num_actual_tokens), t)
         tok = torch.arange(t, device=dev)
@@ -252,25 +352,40 @@ class UnifiedForCausalLM(nn.Module):
         seq_idx = torch.where(real, seq_idx, torch.zeros_like(seq_idx)).to(torch.int32)
         pos = torch.where(real, positions[:t].long(), torch.zeros_like(tok))
         batch = FlatBatch(input_ids=input_ids, positions=pos, seq_idx=seq_idx)
-        by_md: dict[int, PagedGroup] = {}  # one PagedGroup per KV-cache group (= metadata object)
+        by_md: dict[int, PagedGroup | MambaSlots] = {}  # one object per KV-cache group (= metadata object)
         groups: dict[int, PagedGroup] = {}
+        mamba_groups: dict[int, MambaSlots] = {}
         for i, g_md in mds.items():
             group = by_md.get(id(g_md))
             if group is None:
                 if int(g_md.num_actual_tokens) != int(md.num_actual_tokens) or int(g_md.num_reqs) != int(md.num_reqs):
                     raise RuntimeError(
-                        f"unified_models: KV-cache groups disagree on the step layout ({self._attn[i].layer_name}: "
+                        f"unified_models: KV-cache groups disagree on the step layout ({names[i]}: "
                         f"{int(g_md.num_reqs)} requests / {int(g_md.num_actual_tokens)} tokens, expected "
                         f"{int(md.num_reqs)} / {int(md.num_actual_tokens)})")
-                slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
-                slot[:n] = g_md.slot_mapping[:n].to(torch.int64)
-                group = by_md[id(g_md)] = PagedGroup(g_md.block_table, slot, int(g_md.block_size))
-            groups[i] = group
+                if isinstance(g_md, UnifiedMambaMetadata):
+                    r = int(g_md.num_reqs)
+                    group = MambaSlots(slots_B=g_md.state_indices[:r].to(device=dev, dtype=torch.int32),
+                                       start_B=g_md.num_computed[:r].to(device=dev, dtype=torch.int64),
+                                       cu_seqlens_B1=g_md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32))
+                else:
+                    slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
+                    slot[:n] = g_md.slot_mapping[:n].to(torch.int64)
+                    group = PagedGroup(g_md.block_table, slot, int(g_md.block_size))
+                by_md[id(g_md)] = group
+            if i in self._mamba:
+                if not isinstance(group, MambaSlots):
+                    raise RuntimeError(f"unified_models: Mamba layer {names[i]} got {type(g_md).__name__} metadata")
+                mamba_groups[i] = group
+            else:
+                if not isinstance(group, PagedGroup):
+                    raise RuntimeError(f"unified_models: attention layer {names[i]} got {type(g_md).__name__} metadata")
+                groups[i] = group
         if self.logprob_tap is not None or self.record_sample_positions:
             q = qsl.cpu()
             ends = q[1:][q[1:] > q[:-1]] - 1  # requests with query length 0 are padding
             self.last_sample_positions = positions[ends.to(positions.device)].long().cpu()
-        return batch, VllmStateStore(self._attn, groups)
+        return batch, VllmStateStore(self._attn, groups, self._mamba, mamba_groups)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
@@ -357,3 +472,36 @@ class UnifiedForCausalLM(nn.Module):
                     f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
             self._initial_load_done = True
         return loaded
+
+
+class UnifiedHybridForCausalLM(UnifiedForCausalLM, IsHybrid, HasInnerState):
+    """:class:`UnifiedForCausalLM` for specs with Mamba-2 layers (registered as
+    :func:`hybrid_architecture` of the family's name).
+
+    Carries vLLM's hybrid flags (``IsHybrid``, ``HasInnerState``) and the class
+    methods vLLM calls before the model exists: the per-slot state shapes and
+    dtypes (:func:`~.mamba_state.model_state_layout`: used to raise the
+    attention block size until one attention page holds one state slot, and to
+    pad the state page to the attention page) and the prefix-caching copy
+    functions (whole slots).
+    """
+
+    @classmethod
+    def _layout(cls, vllm_config):
+        from ...models import spec_from_hf_config
+
+        dtype = vllm_config.model_config.dtype
+        spec = spec_from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
+        return model_state_layout(spec, dtype)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in cls._layout(vllm_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in cls._layout(vllm_config))
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        return state_copy_funcs()

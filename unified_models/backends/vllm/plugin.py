@@ -9,25 +9,47 @@ imports nothing heavy at import time, and the model class is registered as a
 from __future__ import annotations
 
 MODEL_CLASS = "unified_models.backends.vllm.model:UnifiedForCausalLM"
+HYBRID_MODEL_CLASS = "unified_models.backends.vllm.model:UnifiedHybridForCausalLM"
+"""Models with Mamba-2 layers: the same class plus vLLM's hybrid flags (see ``model.py``)."""
 
 _registered = False
 
 
-def architectures() -> list[str]:
-    """Every architecture name our model class serves (one per model family)."""
+def hybrid_architecture(architecture: str) -> str:
+    """``UnifiedNemotronHForCausalLM`` -> ``UnifiedNemotronHHybridForCausalLM`` (as ``model.hybrid_architecture``)."""
+    return f"{architecture.removesuffix('ForCausalLM')}HybridForCausalLM"
+
+
+def model_architecture(spec) -> str:
+    """The architecture name vLLM must load ``spec`` with: the hybrid variant iff it has Mamba-2 layers."""
+    return hybrid_architecture(spec.architecture) if spec.mamba_blocks else spec.architecture
+
+
+def model_classes() -> dict[str, str]:
+    """Architecture name -> ``"module:Class"`` of every name we register
+    (per family: the plain name and its hybrid variant)."""
     from ...models import architectures as family_archs
 
-    return sorted(set(family_archs().values()))
+    out = {}
+    for arch in sorted(set(family_archs().values())):
+        out[arch] = MODEL_CLASS
+        out[hybrid_architecture(arch)] = HYBRID_MODEL_CLASS
+    return out
+
+
+def architectures() -> list[str]:
+    """Every architecture name our model classes serve (per family: plain and hybrid)."""
+    return sorted(model_classes())
 
 
 def register() -> None:
-    """Register our model class under each family's architecture name (idempotent)."""
+    """Register our model classes under each family's architecture names (idempotent)."""
     global _registered
     if _registered:
         return
     from vllm import ModelRegistry
 
-    for arch in architectures():
+    for arch, cls in model_classes().items():
         if arch not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(arch, MODEL_CLASS)
+            ModelRegistry.register_model(arch, cls)
     _registered = True

@@ -51,7 +51,9 @@ def _select_keys(keys: list[tuple[int, int]], limit: int) -> list[tuple[int, int
 
 def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int,
             device: str = "cpu", stop_at_eos: bool = False, max_num_seqs: int | None = None,
-            full_vocab_rows: int = -1, temperature: float = 1.0) -> RolloutResult:
+            full_vocab_rows: int = -1, temperature: float = 1.0, max_num_batched_tokens: int | None = None,
+            enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
+            per_request_seeds: bool = True) -> RolloutResult:
     """Sample ``max_new_tokens`` per prompt with our model class in ``vllm.LLM``.
 
     Args:
@@ -66,12 +68,21 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
             spread evenly over the rollout.
         temperature: > 0; the rows (and reported logprobs) are ``log_softmax(logits / T)``
             from the logprob op (see ``engine.sampling_params``).
+        max_num_batched_tokens: engine token budget per step (default: every
+            prompt fits in one step). Smaller values with
+            ``enable_chunked_prefill=True`` split prompts over several steps.
+        enable_chunked_prefill, enable_prefix_caching: passed to ``engine.make_llm``
+            (``None``: its defaults).
+        per_request_seeds: sample request ``i`` with its own seed (draws
+            independent of the batch). ``False``: vLLM's global RNG (seeded with
+            ``seed``), needed on the CPU with chunked prefill, where vLLM cannot
+            rewind a seeded CPU generator after a partial prefill.
 
     Returns:
         :class:`RolloutResult`.
 
     Raises:
-        ValueError: temperature <= 0.
+        ValueError: temperature <= 0; per-request seeds with chunked prefill on the CPU.
         RuntimeError: vLLM returned a logprob that differs from the recorded row
             (the tap and the sampler disagree: a bug, never ignored).
     """
@@ -82,11 +93,25 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
     stop_ids = eos_token_ids(model_dir) if stop_at_eos else []
     # Prompts are token ids and nothing is detokenized, so vLLM needs no
     # tokenizer (the checkpoint may not have one); EOS comes from the config.
+    if per_request_seeds and device != "cuda":
+        from .engine import _spec, hybrid_engine_settings
+
+        # the chunked-prefill setting make_llm will use (hybrid prefix caching turns it on)
+        _, chunked = hybrid_engine_settings(_spec(model_dir), gpu=False, enable_prefix_caching=enable_prefix_caching,
+                                            enable_chunked_prefill=enable_chunked_prefill, engine_kwargs={})
+        if chunked:
+            raise ValueError("rollout: per-request seeds with chunked prefill do not work on the CPU (vLLM rewinds a "
+                             "seeded generator after a partial prefill, which a CPU torch.Generator cannot do); "
+                             "pass per_request_seeds=False")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(longest + max_new_tokens, sum(len(p) for p in prompt_ids))
     llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
                    max_num_seqs=max_num_seqs or n, max_logprobs=0, skip_tokenizer_init=True,
-                   max_num_batched_tokens=max(longest + max_new_tokens, sum(len(p) for p in prompt_ids)))
+                   max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+                   enable_prefix_caching=enable_prefix_caching)
     try:
-        params = [sampling_params(temperature=temperature, seed=seed + i, max_tokens=max_new_tokens,
+        params = [sampling_params(temperature=temperature, seed=(seed + i) if per_request_seeds else None,
+                                  max_tokens=max_new_tokens,
                                   ignore_eos=not stop_at_eos, stop_token_ids=stop_ids, logprobs=0,
                                   detokenize=False) for i in range(n)]
         with SampleRecorder(llm, keep_rows=full_vocab_rows != 0) as rec:

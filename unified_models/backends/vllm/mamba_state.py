@@ -1,0 +1,321 @@
+"""Mamba-2 state as vLLM's Mamba/state KV-cache group: cache modules, backend, metadata.
+
+vLLM allocates the state, one *slot* (page) per request, in the same page
+pool as the attention KV blocks, and hands the slot of every request to a
+metadata builder per step; the Mamba-2 layer function
+(:mod:`unified_models.layers.mamba2`) reads and writes the slots through the
+ops of :mod:`unified_models.ops.mamba2`, via
+``VllmStateStore.mamba_state(layer_index)``
+(:class:`~unified_models.state.MambaState`).
+
+Pieces (the same protocol as vLLM's own ``MambaMixer2`` /
+``Mamba2AttentionBackend``, integration manual section 8):
+
+* :class:`UnifiedMambaCache`: one per Mamba layer, an ``nn.Module`` +
+  vLLM ``MambaBase`` named ``backbone.layers.{i}.mixer.state_cache``. It
+  declares the layer's state tensors (:func:`state_layout`) with
+  ``get_state_shape()`` / ``get_state_dtype()``; vLLM's default
+  ``MambaBase.get_kv_cache_spec`` turns them into a ``MambaSpec``
+  (``mamba_type = CUSTOM``; Mamba layers form KV-cache groups of their own,
+  as many as needed to keep groups of equal size, each with its own block
+  table) and binds the allocated pages to
+  ``self.kv_cache`` (one ``[num_blocks, *shape]`` view per state, page
+  stride). :meth:`UnifiedMambaCache.state_views` returns them as an
+  :class:`~unified_models.ops.Mamba2State`.
+* :class:`UnifiedMambaBackend` + :class:`UnifiedMambaMetadataBuilder`: per
+  step, per group, the slot of each request (``state_indices`` = the group's
+  block-table column through vLLM's ``mamba_get_block_table_tensor``, which
+  also handles prefix caching's "align" mode) and the tokens already folded
+  into it (``num_computed = seq_len - query_len``). No batch reordering
+  (vLLM's Mamba builders put decodes first; ours keeps the runner's order,
+  which the model's logits-row mapping relies on) and no CUDA graphs yet.
+* :func:`state_copy_funcs`: for prefix caching in "align" mode vLLM copies a
+  request's running state into a new block with one copy function per state;
+  ours copy the whole slot of every state (the state is complete at any
+  position: boundary SSM state + pending chunk rows + conv tail).
+
+State layout declared to vLLM (:func:`state_layout`): the five tensors of
+``ops.Mamba2State`` for one slot, fp32 ones first so that every state's byte
+offset inside the page is aligned to its element size (both versions pack the
+states back to back in the order declared)::
+
+    ssm  [H, P, N]     fp32
+    dt   [Q-1, H]      fp32
+    conv [W-1, C]      model dtype
+    x    [Q-1, H, P]   model dtype
+    B    [Q-1, G, N]   model dtype
+
+The ``mamba_ssm_cache_dtype`` / ``mamba_cache_dtype`` settings of vLLM are not
+used: the op contract fixes these dtypes (``engine.make_llm`` refuses other values).
+
+Shapes: R requests of the step, T tokens, N state slots (vLLM blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ...dsl import Mamba2Spec, ModelSpec, SpecError
+from ...ops.mamba2 import Mamba2State
+from . import compat
+
+MAMBA_BACKEND_NAME = "UNIFIED_MODELS_MAMBA2"
+
+STATE_ORDER: tuple[str, ...] = ("ssm", "dt", "conv", "x", "B")
+"""Order of the ``Mamba2State`` tensors in vLLM's page (fp32 first: aligned offsets)."""
+
+
+def mamba_cache_prefix(block_index: int, prefix: str = "") -> str:
+    """Forward-context name of block ``block_index``'s Mamba state layer (exactly one integer)."""
+    name = f"backbone.layers.{block_index}.mixer.state_cache"
+    return f"{prefix}.{name}" if prefix else name
+
+
+def state_layout(spec: Mamba2Spec, model_dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """``(name, per-slot shape, dtype)`` of each state tensor, in :data:`STATE_ORDER`."""
+    shapes = Mamba2State.shapes(**spec.state_kwargs())
+    out = []
+    for name in STATE_ORDER:
+        shape, role = shapes[name]
+        out.append((name, tuple(int(s) for s in shape), torch.float32 if role == "fp32" else model_dtype))
+    return tuple(out)
+
+
+def model_state_layout(spec: ModelSpec, model_dtype: torch.dtype
+                       ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """The state layout shared by every Mamba layer of ``spec``.
+
+    vLLM sizes the state page once per model (``get_mamba_state_shape_from_config``),
+    so all Mamba layers must have the same state shapes.
+
+    Raises:
+        SpecError: no Mamba layer, or two Mamba layers with different state shapes.
+    """
+    blocks = spec.blocks_of(Mamba2Spec)
+    if not blocks:
+        raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no Mamba-2 layer")
+    first = state_layout(blocks[0].mixer, model_dtype)
+    for blk in blocks[1:]:
+        other = state_layout(blk.mixer, model_dtype)
+        if other != first:
+            raise SpecError(f"Mamba-2 layers {blocks[0].index} and {blk.index} have different state shapes "
+                            f"({first} vs {other}); vLLM sizes one state page per model")
+    return first
+
+
+def state_page_bytes(layout) -> int:
+    """Bytes of one slot (unpadded page) of ``layout``."""
+    total = 0
+    for _, shape, dtype in layout:
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class UnifiedMambaMetadata(AttentionMetadata):
+    """One step's state slots of a Mamba KV-cache group (shared by its layers).
+
+    Shapes: R requests (padded requests have query length 0 and slot -1).
+
+    Attributes:
+        query_start_loc: int32 ``[R+1]``, start of each request's tokens in the flat batch.
+        seq_lens: int32 ``[R]``, context length including this step's tokens.
+        state_indices: int32 ``[R]``, the state slot (vLLM block id) of each
+            request this step; -1 for requests with no token this step.
+        num_computed: int64 ``[R]``, tokens already folded into the slot
+            (= position of the request's first token of this step).
+        num_actual_tokens: real tokens of the step.
+        num_reqs: R.
+        block_size: the group's block size (``max_model_len`` without prefix
+            caching; the attention block size in "align" mode).
+        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode``.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    state_indices: torch.Tensor
+    num_computed: torch.Tensor
+    num_actual_tokens: int
+    num_reqs: int
+    block_size: int
+    mamba_cache_mode: str = "none"
+
+
+class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]):
+    """Per-step slots of one Mamba KV-cache group (one builder per group).
+
+    ``reorder_batch_threshold = None``: the batch keeps the runner's request
+    order (the model maps ``compute_logits`` rows by it). CUDA graphs:
+    ``NEVER`` for now (the engine runs eagerly).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = int(kv_cache_spec.block_size)
+        self.mamba_cache_mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none")
+        num_spec = int(getattr(kv_cache_spec, "num_speculative_blocks", 0) or 0)
+        if num_spec:
+            raise NotImplementedError("unified_models: speculative decoding with Mamba state is not supported")
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False, **kwargs: Any) -> UnifiedMambaMetadata:
+        m = common_attn_metadata
+        r = int(m.num_reqs)
+        qsl = m.query_start_loc[: r + 1]
+        seq_lens = m.seq_lens[:r]
+        query_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
+        num_computed = seq_lens.to(torch.int64) - query_lens
+        slots = compat.mamba_state_indices(m.block_table_tensor[:r], seq_lens, self.kv_cache_spec,
+                                           self.mamba_cache_mode)
+        slots = torch.where(query_lens > 0, slots.to(torch.int32), torch.full_like(slots, -1, dtype=torch.int32))
+        return UnifiedMambaMetadata(
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            state_indices=slots,
+            num_computed=num_computed,
+            num_actual_tokens=int(m.num_actual_tokens),
+            num_reqs=r,
+            block_size=self.block_size,
+            mamba_cache_mode=self.mamba_cache_mode,
+        )
+
+
+class UnifiedMambaBackend(AttentionBackend):
+    """Backend of :class:`UnifiedMambaCache` layers: metadata only, never an impl."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return MAMBA_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("unified_models Mamba-2 layers compute in the model's forward; there is no impl")
+
+    @staticmethod
+    def get_builder_cls():
+        return UnifiedMambaMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        # Abstract in vLLM 0.26 and only asked for attention specs there (the
+        # runner views a MambaSpec page per state from get_state_shape()); a
+        # blocks-first answer keeps any layout probe (block dim 0) a no-op.
+        return (num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- cache module
+
+
+class UnifiedMambaCache(nn.Module, MambaBase):
+    """The state slots of one Mamba-2 block (vLLM ``MambaBase``; no parameters, no compute).
+
+    vLLM binds the pages to ``self.kv_cache`` (0.26: a list of per-state views
+    set by the runner; 0.32: ``MambaBase.bind_kv_cache`` slices the raw page
+    into the same views); :meth:`state_views` names them.
+    """
+
+    def __init__(self, spec: Mamba2Spec, layer_name: str, vllm_config) -> None:
+        nn.Module.__init__(self)
+        self.spec = spec
+        self.layer_name = layer_name
+        self.layout = state_layout(spec, vllm_config.model_config.dtype)
+        self.kv_cache = ()  # type: ignore[assignment]
+        ctx = vllm_config.compilation_config.static_forward_context
+        if layer_name in ctx:
+            raise ValueError(f"duplicate Mamba state layer name {layer_name!r} in vLLM's forward context")
+        ctx[layer_name] = self
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape, _ in self.layout)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return tuple(dtype for _, _, dtype in self.layout)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.CUSTOM
+
+    def get_attn_backend(self) -> type[UnifiedMambaBackend]:
+        return UnifiedMambaBackend
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        page = getattr(spec, "page_size_bytes", None)
+        if page is not None and page % 4:
+            raise ValueError(f"unified_models: Mamba state page of {page} bytes is not a multiple of 4; "
+                             "the fp32 states could not be viewed at aligned offsets")
+        return spec
+
+    def state_views(self) -> Mamba2State | None:
+        """The bound pages as an :class:`~unified_models.ops.Mamba2State` (``[N, ...]`` views
+        sharing vLLM's storage), or ``None`` before binding (profiling)."""
+        views = compat.mamba_state_tensors(self.kv_cache, self.layout)
+        if views is None:
+            return None
+        return Mamba2State(**views)
+
+    def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
+        return None
+
+
+# --------------------------------------------------------------------------- prefix caching
+
+
+def _copy_whole_slot(state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int):
+    """vLLM ``MambaStateCopyFunc``: copy the whole slot ``block_ids[cur_block_idx]`` of one state.
+
+    Our slot is complete at every position (SSM state at the last chunk
+    boundary, the pending rows of the current chunk, the conv tail), so the
+    copy is always the entire per-slot tensor (contiguous inside its page).
+    """
+    if num_accepted_tokens != 1:
+        raise NotImplementedError("unified_models: speculative decoding with Mamba state is not supported")
+    src = state[block_ids[cur_block_idx]]
+    return compat.mamba_copy_spec(src.data_ptr(), src.numel())
+
+
+def state_copy_funcs() -> tuple:
+    """One copy function per state of :data:`STATE_ORDER` (vLLM ``get_mamba_state_copy_func``)."""
+    return tuple(_copy_whole_slot for _ in STATE_ORDER)

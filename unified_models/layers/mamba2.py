@@ -1,0 +1,104 @@
+"""Forward of :class:`~unified_models.dsl.Mamba2Spec`: the Mamba-2 mixer over the layer's state slots.
+
+``in_proj -> split z | xBC | dt -> causal conv1d + SiLU (conv state) -> dt
+(softplus, bias, limits) -> SSD chunked scan (boundary state + pending chunk
+rows) -> gated grouped RMSNorm -> out_proj``, every step an op of
+:mod:`unified_models.ops` (DESIGN.md rule 8: decode re-executes the chunked
+math of the current chunk, so prefill, chunked prefill, decode and training
+give the same bits).
+
+The batch description (:class:`~unified_models.ops.Mamba2Metadata`) is built
+once per forward from the Mamba group's ``slots_B`` / ``start_B`` /
+``cu_seqlens_B1`` (:class:`~unified_models.state.MambaState`) and kept in
+``ctx.cache`` for every Mamba layer of the forward.
+
+Shapes: T tokens, B sequences, D hidden, H heads, P head dim, G groups,
+N state size, F = H*P, C = F + 2GN conv channels, W conv width.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .. import ops
+from ..dsl import Mamba2Spec
+from ..state import FlatBatch, MambaState, StateStore
+from .common import LayerContext, bias_getter
+
+
+def _cu_from_seq_idx(seq_idx_T: torch.Tensor, num_seqs: int | None) -> torch.Tensor:
+    """``cu_seqlens [B+1]`` of a batch whose tokens are grouped by sequence in row order.
+
+    Raises:
+        ValueError: ``seq_idx`` is not non-decreasing or names a row >= ``num_seqs``.
+    """
+    seq = seq_idx_T.long()
+    t = seq.shape[0]
+    if t and (bool((seq[1:] < seq[:-1]).any()) or int(seq.min()) < 0):
+        raise ValueError("mamba2: FlatBatch.seq_idx must be grouped by sequence in row order (non-decreasing); "
+                         "pass MambaState.cu_seqlens_B1 for other layouts")
+    b = num_seqs if num_seqs is not None else (int(seq.max()) + 1 if t else 0)
+    if t and int(seq.max()) >= b:
+        raise ValueError(f"mamba2: seq_idx names row {int(seq.max())} but the Mamba group has {b} sequences")
+    counts = torch.bincount(seq, minlength=b) if t else torch.zeros(b, dtype=torch.int64, device=seq.device)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: MambaState | None,
+                          ctx: LayerContext) -> ops.Mamba2Metadata:
+    """The batch's :class:`~unified_models.ops.Mamba2Metadata`, built once per forward.
+
+    Keyed in ``ctx.cache`` by the chunk size and the identity of the group's
+    ``slots_B``/``start_B``/``cu_seqlens_B1`` (the entry holds them, so the
+    ids cannot be reused during the forward). ``ms is None`` (profiling run):
+    stateless, every sequence from position 0.
+    """
+    objs = (ms.slots_B, ms.start_B, ms.cu_seqlens_B1) if ms is not None else (None, None, None)
+    key = ("mamba2_metadata", spec.chunk_size, batch.seq_idx.shape[0], *(id(o) for o in objs))
+    hit = ctx.cache.get(key)
+    if hit is not None:
+        return hit[0]
+    t = batch.seq_idx.shape[0]
+    if ms is None:
+        cu = _cu_from_seq_idx(batch.seq_idx, None)
+        meta = ops.mamba2_metadata(cu, torch.zeros(cu.shape[0] - 1, dtype=torch.int64, device=cu.device),
+                                   spec.chunk_size, num_tokens=t)
+    else:
+        b = ms.slots_B.shape[0]
+        cu = ms.cu_seqlens_B1 if ms.cu_seqlens_B1 is not None else _cu_from_seq_idx(batch.seq_idx, b)
+        meta = ops.mamba2_metadata(cu, ms.start_B, spec.chunk_size, num_tokens=t, state_idx_B=ms.slots_B)
+    ctx.cache[key] = (meta, objs, batch.seq_idx)
+    return meta
+
+
+def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                   batch: FlatBatch, store: StateStore, ctx: LayerContext) -> torch.Tensor:
+    """The Mamba-2 mixer: ``[T, D] -> [T, D]``, reading and writing the layer's state slots.
+
+    ``store.mamba_state(layer_index)`` gives the layer's slots and the group's
+    ``slots_B``/``start_B``; ``None`` (profiling) runs stateless from position 0.
+    Rounding points (as vLLM's mixer and transformers' torch path): in_proj
+    output and conv output in the model dtype, dt and the scan in fp32, the
+    gated norm rounds once to the model dtype, out_proj.
+    """
+    p = spec.name
+    t = x_TD.shape[0]
+    H, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.ssm_state_size
+    F, C, W = spec.intermediate_size, spec.conv_dim, spec.conv_kernel
+    bias = bias_getter(p, params, spec.use_bias)
+    zxbcdt = ops.linear(x_TD, params[f"{p}.in_proj.weight"], bias("in_proj"))  # [T, F + C + H]
+    z_TF, xBC_TC, dt_TH = zxbcdt.split([F, C, H], dim=-1)
+    ms = store.mamba_state(layer_index)
+    meta = mamba2_batch_metadata(spec, batch, ms, ctx)
+    state = ms.state if ms is not None else None
+    conv_b = params[f"{p}.conv1d.bias"] if spec.use_conv_bias else None
+    xBC_TC = ops.causal_conv1d(xBC_TC, params[f"{p}.conv1d.weight"].view(C, W), conv_b, meta, state)
+    x_TF, B_TGN, C_TGN = xBC_TC.split([F, G * N, G * N], dim=-1)
+    dt_TH = ops.mamba2_dt(dt_TH, params[f"{p}.dt_bias"], spec.time_step_limit)
+    y_THP = ops.ssd_chunk_scan(x_TF.view(t, H, P), dt_TH, params[f"{p}.A_log"], B_TGN.view(t, G, N),
+                               C_TGN.view(t, G, N), params[f"{p}.D"], meta, state, out_dtype=torch.float32)
+    y_TF = ops.gated_rms_norm(y_THP.reshape(t, F), z_TF, params[f"{p}.norm.weight"], spec.group_size, spec.eps,
+                              out_dtype=x_TD.dtype)
+    return ops.linear(y_TF, params[f"{p}.out_proj.weight"], bias("out_proj"))
