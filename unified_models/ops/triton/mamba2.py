@@ -87,7 +87,9 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, st_ptr, out_ptr, tseq_ptr, tpos_ptr, p0
     cm = c < C
     seq = tl.load(tseq_ptr + t, mask=tm, other=-1).to(tl.int64)
     valid = seq >= 0
-    sq = tl.where(valid, seq, 0)
+    # Index clamps by multiplication, not tl.where: Triton 3.6 crashed in its layout pass
+    # (arith.select on 1-D slices, TritonGPURemoveLayoutConversions) for vLLM's strides.
+    sq = seq * valid.to(tl.int64)
     pos = tl.load(tpos_ptr + t, mask=tm, other=0).to(tl.int64)
     p0 = tl.load(p0_ptr + sq, mask=valid, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + sq, mask=valid, other=0).to(tl.int64)
@@ -95,15 +97,17 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, st_ptr, out_ptr, tseq_ptr, tpos_ptr, p0
     for j in tl.static_range(W):
         q = pos - (W - 1) + j
         fb = valid & (q >= p0)
-        rb = tl.where(fb, t - (W - 1) + j, 0)
+        rb = (t - (W - 1) + j) * fb.to(tl.int64)
         xv = tl.load(x_ptr + rb[:, None] * stride_xt + c[None, :] * stride_xc, mask=fb[:, None] & cm[None, :],
                      other=0.0).to(tl.float32)
         if HAS_STATE:
+            # Exactly one of the two masked loads is live for a row (or neither): their
+            # sum is that value (x + 0.0; a -0.0 input becomes +0.0 on every path alike).
             fs = valid & (q < p0) & (q >= 0)
-            rs = tl.where(fs, (W - 1) + q - p0, 0)
+            rs = ((W - 1) + q - p0) * fs.to(tl.int64)
             sv = tl.load(st_ptr + slot[:, None] * stride_ss + rs[:, None] * stride_sk + c[None, :] * stride_sc,
                          mask=fs[:, None] & cm[None, :], other=0.0).to(tl.float32)
-            xv = tl.where(fs[:, None], sv, xv)
+            xv = xv + sv
         wv = tl.load(w_ptr + c * stride_wc + j * stride_ww, mask=cm, other=0.0).to(tl.float32)
         if j == 0:
             acc = xv * wv[None, :]
@@ -239,8 +243,8 @@ def _ssd_cumsum_kernel(dt_ptr, pdt_ptr, alog_ptr, acum_ptr,
     q = k * Q + l
     fb = (q >= p0) & (q < p0 + L)
     fp = q < p0
-    rb = tl.where(fb, c0 + q - p0, 0)
-    rp = tl.where(fp, l, 0)
+    rb = (c0 + q - p0) * fb.to(tl.int64)
+    rp = l * fp.to(tl.int64)
     dt = tl.load(dt_ptr + h * stride_dt_h + rb * stride_dt_t, mask=fb, other=0.0).to(tl.float32)
     if HAS_STATE:
         dtp = tl.load(pdt_ptr + h * stride_pdt_h + slot * stride_pdt_s + rp * stride_pdt_r, mask=fp, other=0.0)
@@ -287,8 +291,8 @@ def _ssd_state_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, acum_ptr, s
         q = k * Q + l
         fb = (q >= p0) & (q < p0 + L)
         fp = q < p0
-        rb = tl.where(fb, c0 + q - p0, 0)
-        rp = tl.where(fp, l, 0)
+        rb = (c0 + q - p0) * fb.to(tl.int64)
+        rp = l * fp.to(tl.int64)
         # rows of the chunk: batch rows (fb), pending rows of the slot (fp), else 0
         X = tl.load(x_ptr + h * stride_xh + rb[:, None] * stride_xt + p[None, :] * stride_xp,
                     mask=fb[:, None] & pm[None, :], other=0.0).to(tl.float32)  # [Q, BP]
@@ -348,7 +352,7 @@ def _ssd_scan_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, c_ptr, acum_
         n = tl.arange(0, BLOCK_N).to(tl.int64)
         pm = p < P
         nm = n < N
-        rb = tl.where(new, c0 + q - p0, 0)
+        rb = (c0 + q - p0) * new.to(tl.int64)
         Cl = tl.load(c_ptr + g * stride_cg + rb[:, None] * stride_ct + n[None, :] * stride_cn,
                      mask=new[:, None] & nm[None, :], other=0.0).to(tl.float32)  # [BL, BN]
         acl = tl.load(acum_ptr + (u * H + h) * Q + l)
@@ -374,8 +378,8 @@ def _ssd_scan_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, c_ptr, acum_
             qs = k * Q + s
             fbs = (qs >= p0) & (qs < p0 + L)
             fps = qs < p0
-            rbs = tl.where(fbs, c0 + qs - p0, 0)
-            rps = tl.where(fps, s, 0)
+            rbs = (c0 + qs - p0) * fbs.to(tl.int64)
+            rps = s * fps.to(tl.int64)
             # source rows: batch rows (fbs), pending rows of the slot (fps), else 0
             BsT = tl.load(b_ptr + g * stride_bg + rbs[None, :] * stride_bt + n[:, None] * stride_bn,
                           mask=fbs[None, :] & nm[:, None], other=0.0).to(tl.float32)  # [BN, BL]
