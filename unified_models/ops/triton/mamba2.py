@@ -81,14 +81,16 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, st_ptr, out_ptr, tseq_ptr, tpos_ptr, p0
                  stride_ot, stride_oc,
                  W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+    # Every per-token quantity is a [BLOCK_T, 1] column and every per-channel one a
+    # [1, BLOCK_C] row (no 1-D tensors broadcast into two tile layouts): Triton 3.6's
+    # layout pass (TritonGPURemoveLayoutConversions) crashed on the 1-D form under
+    # vLLM's strides (H200). Index clamps are multiplications, not selects.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)[:, None]
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)[None, :]
     tm = t < T
     cm = c < C
     seq = tl.load(tseq_ptr + t, mask=tm, other=-1).to(tl.int64)
     valid = seq >= 0
-    # Index clamps by multiplication, not tl.where: Triton 3.6 crashed in its layout pass
-    # (arith.select on 1-D slices, TritonGPURemoveLayoutConversions) for vLLM's strides.
     sq = seq * valid.to(tl.int64)
     pos = tl.load(tpos_ptr + t, mask=tm, other=0).to(tl.int64)
     p0 = tl.load(p0_ptr + sq, mask=valid, other=0).to(tl.int64)
@@ -98,26 +100,24 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, st_ptr, out_ptr, tseq_ptr, tpos_ptr, p0
         q = pos - (W - 1) + j
         fb = valid & (q >= p0)
         rb = (t - (W - 1) + j) * fb.to(tl.int64)
-        xv = tl.load(x_ptr + rb[:, None] * stride_xt + c[None, :] * stride_xc, mask=fb[:, None] & cm[None, :],
-                     other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + rb * stride_xt + c * stride_xc, mask=fb & cm, other=0.0).to(tl.float32)
         if HAS_STATE:
             # Exactly one of the two masked loads is live for a row (or neither): their
             # sum is that value (x + 0.0; a -0.0 input becomes +0.0 on every path alike).
             fs = valid & (q < p0) & (q >= 0)
             rs = ((W - 1) + q - p0) * fs.to(tl.int64)
-            sv = tl.load(st_ptr + slot[:, None] * stride_ss + rs[:, None] * stride_sk + c[None, :] * stride_sc,
-                         mask=fs[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            sv = tl.load(st_ptr + slot * stride_ss + rs * stride_sk + c * stride_sc,
+                         mask=fs & cm, other=0.0).to(tl.float32)
             xv = xv + sv
         wv = tl.load(w_ptr + c * stride_wc + j * stride_ww, mask=cm, other=0.0).to(tl.float32)
         if j == 0:
-            acc = xv * wv[None, :]
+            acc = xv * wv
         else:
-            acc = acc + xv * wv[None, :]
+            acc = acc + xv * wv
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+        acc = acc + tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
     y = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t[:, None] * stride_ot + c[None, :] * stride_oc, round_to(y, out_ptr.dtype.element_ty),
-             mask=valid[:, None] & cm[None, :])
+    tl.store(out_ptr + t * stride_ot + c * stride_oc, round_to(y, out_ptr.dtype.element_ty), mask=valid & cm)
 
 
 def causal_conv1d_triton(x_TC, weight_CW, bias_C, meta, state) -> torch.Tensor:
