@@ -40,10 +40,14 @@ def _with_layer_type(tiny_checkpoint, d, index, layer_type):
     return d
 
 
-def test_unsupported_layer_named(tmp_path, capsys, tiny_checkpoint):
+def test_config_and_tensors_that_disagree_are_named(tmp_path, capsys, tiny_checkpoint):
+    """Layer 1 declared MoE while the file holds its MLP weights: exit 2 naming both sides."""
     d = _with_layer_type(tiny_checkpoint, tmp_path / "m", 1, "moe")
     assert main(["check", "--model", str(d)]) == 2
-    assert "layer 1 has type 'moe'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "does not match the nemotron_h spec" in err
+    assert "missing tensors" in err and "backbone.layers.1.mixer.gate.weight" in err
+    assert "unexpected tensors" in err and "backbone.layers.1.mixer.up_proj.weight" in err
 
 
 @pytest.mark.parametrize("argv", [["check", "--num-prompts", "0"], ["check", "--max-new-tokens", "x"],
