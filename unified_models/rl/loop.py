@@ -196,16 +196,9 @@ def _pack(prompts: list[list[int]], completions: list[list[int]], limit: int, de
 
     Packing never changes a bit (each row depends only on its own sequence).
     """
-    groups, cur, n = [], [], 0
-    for s, (p, c) in enumerate(zip(prompts, completions)):
-        length = len(p) + len(c)
-        if cur and n + length > limit:
-            groups.append(cur)
-            cur, n = [], 0
-        cur.append(s)
-        n += length
-    if cur:
-        groups.append(cur)
+    from ..backends.megatron.recompute import micro_batches
+
+    groups = micro_batches([len(p) + len(c) for p, c in zip(prompts, completions)], limit)
     packs, flat = [], 0
     for seqs in groups:
         ids, cu, rows, owners = [], [0], [], []

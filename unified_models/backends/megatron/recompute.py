@@ -24,7 +24,7 @@ class RecomputeResult:
     full_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
-def _micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Greedy packing of sequence indices (in order) into batches of <= max_tokens tokens."""
     batches, cur, cur_tokens = [], [], 0
     for i, n in enumerate(lengths):
@@ -75,7 +75,7 @@ def recompute_logprobs(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], 
     limit = max_tokens_per_batch or (32768 if device == "cuda" else 4096)
     out: list[torch.Tensor | None] = [None] * len(seqs)
     full: dict[tuple[int, int], torch.Tensor] = {}
-    for batch in _micro_batches([len(s) for s in seqs], limit):
+    for batch in micro_batches([len(s) for s in seqs], limit):
         ids = torch.tensor([t for i in batch for t in seqs[i]], dtype=torch.long, device=device)
         lens = torch.tensor([len(seqs[i]) for i in batch])
         cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
