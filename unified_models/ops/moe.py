@@ -256,6 +256,17 @@ def group_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.
     return order, expert_counts(flat[order], num_experts)
 
 
+def expert_rows(topk_ids_TK: torch.Tensor, num_experts: int):
+    """Yield ``(expert, rows)`` for every expert with assignments, in expert order;
+    ``rows`` are the flat assignments ``t*K + k`` of :func:`group_by_expert`'s order."""
+    order, counts = group_by_expert(topk_ids_TK, num_experts)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, order[start:start + n]
+            start += n
+
+
 def expert_counts(sorted_experts_R: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Assignments per expert from the sorted expert ids (``searchsorted``: deterministic, and
     allowed under ``torch.use_deterministic_algorithms``, unlike CUDA ``bincount``)."""
@@ -290,13 +301,7 @@ def moe_expert_outputs_torch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up: 
     y = torch.zeros(T * K, D, dtype=torch.float32, device=x_TD.device)
     if T == 0:
         return y
-    order, counts = group_by_expert(topk_ids_TK, E)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        rows = order[start:start + n]
-        start += n
+    for e, rows in expert_rows(topk_ids_TK, E):
         wu = expert_weight(up, e, x_TD.dtype).double()
         wd = expert_weight(down, e, x_TD.dtype).double()
 

@@ -117,13 +117,7 @@ class ExpertsFn(torch.autograd.Function):
         dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x.device) if nu else None
         ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x.device) if nd else None
         if nx or nw or nu or nd:
-            order, counts = _moe.group_by_expert(ids, E)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n == 0:
-                    continue
-                rows = order[start:start + n]
-                start += n
+            for e, rows in _moe.expert_rows(ids, E):
                 tok, slot = rows // K, rows % K
                 wu = _moe.expert_weight(up, e, x_in.dtype).to(dt)
                 wd = _moe.expert_weight(down, e, x_in.dtype).to(dt)
