@@ -153,9 +153,20 @@ def test_refusals_name_the_problem():
     assert spec_from_hf_config(cfg, quant_config=mixed).blocks[1].mixer.quantization == "nvfp4"
     fp8_mamba = {**mixed, "quantized_layers": {**mixed["quantized_layers"],
                                                "backbone.layers.0.mixer.in_proj": {"quant_algo": "FP8"}}}
-    with pytest.raises(SpecError, match="backbone.layers.0.mixer.in_proj with FP8"):
+    with pytest.raises(SpecError, match="layer 0: Mamba projections quantized as .*in_proj.*FP8.*both FP8 or neither"):
         spec_from_hf_config(cfg, quant_config=fp8_mamba)
-    with pytest.raises(SpecError, match="backbone.layers.0.mixer.in_proj with NVFP4"):
+    both = {**mixed, "quantized_layers": {**mixed["quantized_layers"], **{
+        f"backbone.layers.0.mixer.{p}": {"quant_algo": "FP8"} for p in ("in_proj", "out_proj")}}}
+    fp8_spec = spec_from_hf_config(cfg, quant_config=both)
+    assert (fp8_spec.blocks[0].mixer.proj_quantization, fp8_spec.blocks[0].mixer.checkpoint_format) == ("fp8", "modelopt")
+    assert fp8_spec.blocks[1].mixer.packed and fp8_spec.blocks[1].mixer.expert_input_scale  # "NVFP4" = W4A4 export
+    assert fp8_spec.parameter_dtypes()["backbone.layers.0.mixer.in_proj.weight"] == torch.float8_e4m3fn
+    assert fp8_spec.parameter_shapes()["backbone.layers.1.mixer.experts.0.up_proj.weight_scale"] == (
+        fp8_spec.blocks[1].mixer.intermediate_size, fp8_spec.blocks[1].mixer.hidden_size // 16)
+    with pytest.raises(SpecError, match="quantizes backbone.layers.1.mixer.shared_experts.up_proj with FP8"):
+        spec_from_hf_config(cfg, quant_config={**mixed, "quantized_layers": {
+            **mixed["quantized_layers"], "backbone.layers.1.mixer.shared_experts.up_proj": {"quant_algo": "FP8"}}})
+    with pytest.raises(SpecError, match="layer 0: Mamba projections quantized as .*'in_proj': 'NVFP4'"):
         spec_from_hf_config(cfg, quant_config={"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": []})
     with pytest.raises(SpecError, match="MoE experts must be NVFP4|every expert"):
         half = {**mixed, "quantized_layers": {"backbone.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4"}}}

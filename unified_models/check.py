@@ -101,16 +101,35 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     run single-threaded so the number is the same at any thread count (it may
     still differ across CPU instruction sets, e.g. AVX2 vs AVX-512 MKL paths).
 
+    A quantized (ModelOpt-format) checkpoint is compared on its dequantized
+    model (:func:`~unified_models.converters.modelopt.dequantized_spec`: every
+    weight dequantized by ModelOpt's rule, no activation/KV quantization),
+    which transformers runs from a temporary plain checkpoint; the quantizers
+    themselves are checked bit for bit against ModelOpt in ``tests/ops``.
+
     Returns:
         ``{"against", "max_abs_logit_diff", "tolerance", "within_tolerance", "tokens"}``.
     """
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
     from .backends.reference import ReferenceModel
+    from .converters.modelopt import dequantize_state_dict, dequantized_spec, write_dequantized_checkpoint
 
-    ref = ReferenceModel(spec, dtype=torch.float32)
-    ref.load_state_dict_hf(state_dict)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    quantized = spec.is_packed
+    with tempfile.TemporaryDirectory(prefix="um-peer-") as tmp:
+        if quantized:
+            plain = dequantized_spec(spec)
+            masters = dequantize_state_dict(state_dict, spec)
+            ref = ReferenceModel(plain, dtype=torch.float32)
+            ref.load_state_dict_hf({n: masters[n] for n in plain.parameter_shapes()})
+            hf_dir = write_dequantized_checkpoint(model_dir, tmp)
+        else:
+            ref = ReferenceModel(spec, dtype=torch.float32)
+            ref.load_state_dict_hf(state_dict)
+            hf_dir = model_dir
+        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     hf.eval()
     worst, tokens = 0.0, 0
     threads = torch.get_num_threads()
@@ -126,7 +145,7 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     finally:
         torch.set_num_threads(threads)
     return {
-        "against": f"transformers {type(hf).__name__} (fp32)",
+        "against": f"transformers {type(hf).__name__} (fp32)" + (" on the dequantized weights" if quantized else ""),
         "ours": "unified_models reference backend (fp32)",
         "max_abs_logit_diff": worst,
         "tolerance": tolerance,

@@ -88,15 +88,49 @@ def read_tensors(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Load and validate the canonical state dict of ``spec`` from safetensors.
 
-    Tensors are cast to ``spec.dtype``. Nothing is returned unless every check passes.
+    Tensors are cast to their stored dtype (:meth:`ModelSpec.parameter_dtypes`:
+    ``spec.dtype`` for weights, fp32 for scales and the router bias); quantized
+    codes (uint8 / float8_e4m3fn) must already have that dtype. Quantized
+    tensors are checked by :func:`unified_models.converters.modelopt.validate_quantized`
+    (zero / NaN / Inf scales name the layer and expert). Nothing is returned
+    unless every check passes.
 
     Raises:
         CheckpointError: corrupt file; missing, unexpected or mis-shaped tensors
-            (all named); NaN/Inf values.
+            (all named); a code tensor of the wrong dtype; NaN/Inf values; bad
+            quantization scales.
     """
     tensors = read_tensors(model_dir)
     validate_state_dict(tensors, spec, source=str(model_dir), check_finite=check_finite)
-    return {name: tensors[name].to(spec.dtype) for name in spec.parameter_shapes()}
+    return cast_to_stored_dtypes(tensors, spec, source=str(model_dir))
+
+
+_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def cast_to_stored_dtypes(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, source: str) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of every spec parameter in its stored dtype (floats cast; codes must match).
+
+    Raises:
+        CheckpointError: a quantized code tensor (uint8 / float8_e4m3fn) stored
+            in another dtype, or a float tensor stored as codes.
+    """
+    dtypes = spec.parameter_dtypes()
+    out = {}
+    bad = []
+    for name, want in dtypes.items():
+        t = tensors[name]
+        if (want in _CODE_DTYPES or t.dtype in _CODE_DTYPES) and t.dtype != want:
+            bad.append(f"{name}: stored {t.dtype}, expected {want}")
+            continue
+        out[name] = t if t.dtype == want else t.to(want)
+    if bad:
+        raise CheckpointError(f"checkpoint {source}: tensors of the wrong dtype: {bad}")
+    if spec.is_packed or any(d != spec.dtype for d in dtypes.values()):
+        from .modelopt import validate_quantized
+
+        validate_quantized(out, spec, source=source)
+    return out
 
 
 def tensor_table_problems(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], *,
@@ -136,6 +170,8 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
     if check_finite:
         for n in expected:
             t = tensors[n]
+            if t.dtype in _CODE_DTYPES:  # codes: checked with their scales by validate_quantized
+                continue
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"checkpoint {source}: tensor {n} holds NaN or Inf")
 

@@ -7,8 +7,14 @@ layer in a KV-cache group (:class:`unified_models.state.AttentionState`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+import torch
 
 from .errors import SpecError
+
+KVCacheDType = Literal["auto", "fp8_e4m3"]
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +35,17 @@ class AttentionSpec:
 
     ``q_proj [H*E, D]``, ``k_proj``/``v_proj [G*E, D]``, ``o_proj [D, H*E]``;
     softmax scale ``E ** -0.5`` unless ``softmax_scale`` is given.
+
+    ``kv_cache_dtype``: ``"auto"`` = the cache holds K/V in the model dtype;
+    ``"fp8_e4m3"`` = float8_e4m3fn with one static per-tensor scale each for K
+    and V (vLLM's ``kv_cache_dtype="fp8"``): written as
+    ``e4m3(clamp(fp32(k) / k_scale, -448, 448))`` (IEEE division, round to
+    nearest even), read as ``q.dtype(fp32(e4m3) * k_scale)`` (same for V);
+    see :func:`unified_models.ops.attention.write_kv_cache`. The scales are the
+    fp32 ``[]`` parameters ``<name>.k_proj.k_scale`` and ``<name>.v_proj.v_scale``
+    (ModelOpt's export names; :meth:`kv_scale_names`), required: both engines
+    must quantize with the same values, so a checkpoint without them is refused
+    instead of defaulting to 1.0 as vLLM's own layers do.
     """
 
     name: str
@@ -39,8 +56,11 @@ class AttentionSpec:
     bias: bool = False
     rope: RopeSpec | None = None
     softmax_scale: float | None = None
+    kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r}; known: {list(KV_CACHE_DTYPES)}")
         if self.rope is not None and self.rope.rotary_dim > self.head_dim:
             raise SpecError(f"{self.name}: rotary_dim={self.rope.rotary_dim} exceeds head_dim={self.head_dim}")
         if self.num_heads % self.num_kv_heads:
@@ -52,6 +72,19 @@ class AttentionSpec:
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5
+
+    @property
+    def kv_fp8(self) -> bool:
+        """True when the KV cache is FP8 (e4m3) with static per-tensor scales."""
+        return self.kv_cache_dtype == "fp8_e4m3"
+
+    def kv_scale_names(self) -> tuple[str, str]:
+        """HF names of the K and V cache scales (``<name>.k_proj.k_scale``, ``<name>.v_proj.v_scale``)."""
+        return f"{self.name}.k_proj.k_scale", f"{self.name}.v_proj.v_scale"
+
+    def parameter_dtypes(self) -> dict[str, torch.dtype]:
+        """Tensors not stored in the model dtype: the fp32 KV-cache scales (FP8 cache only)."""
+        return {n: torch.float32 for n in self.kv_scale_names()} if self.kv_fp8 else {}
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         h, g, e, d = self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size
@@ -68,4 +101,6 @@ class AttentionSpec:
                 f"{self.name}.v_proj.bias": (g * e,),
                 f"{self.name}.o_proj.bias": (d,),
             })
+        if self.kv_fp8:
+            shapes.update({n: () for n in self.kv_scale_names()})
         return shapes

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+import torch
 
 from .errors import SpecError
+
+ProjQuantization = Literal["bf16", "fp8"]
+QUANTIZED_PROJS = ("in_proj", "out_proj")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +40,14 @@ class Mamba2Spec:
     ``time_step_limit`` is the config's ``(lo, hi)`` dt clamp (default
     ``(0, inf)``, as vLLM and mamba_ssm). ``chunk_size`` Q: chunks of the
     scan are aligned at absolute positions ``[kQ, (k+1)Q)`` of each sequence.
+
+    ``proj_quantization = "fp8"``: ``in_proj`` and ``out_proj`` are FP8 W8A8 in
+    ModelOpt's format (per-tensor e4m3 weight scale, static per-tensor input
+    scale; ``ops.fp8_linear``), as the published NVFP4 hybrid checkpoints mix
+    it. Each then has ``<proj>.input_scale`` fp32 ``[]`` (calibrated), and
+    either a model-dtype master ``<proj>.weight`` quantized on every forward
+    (``checkpoint_format = "master"``) or ModelOpt's stored e4m3 ``weight``
+    plus fp32 ``weight_scale []`` (``"modelopt"``).
     """
 
     name: str
@@ -49,8 +63,16 @@ class Mamba2Spec:
     use_conv_bias: bool = True
     use_bias: bool = False
     activation: str = "silu"
+    proj_quantization: ProjQuantization = "bf16"
+    checkpoint_format: Literal["master", "modelopt"] = "master"
 
     def __post_init__(self) -> None:
+        if self.proj_quantization not in ("bf16", "fp8"):
+            raise SpecError(f"{self.name}: in/out_proj quantization {self.proj_quantization!r}; known: 'bf16', 'fp8'")
+        if self.checkpoint_format not in ("master", "modelopt"):
+            raise SpecError(f"{self.name}: checkpoint_format {self.checkpoint_format!r}; known: 'master', 'modelopt'")
+        if self.checkpoint_format == "modelopt" and self.proj_quantization != "fp8":
+            raise SpecError(f"{self.name}: checkpoint_format 'modelopt' needs proj_quantization 'fp8'")
         for field in ("hidden_size", "num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel",
                       "chunk_size"):
             v = getattr(self, field)
@@ -91,6 +113,17 @@ class Mamba2Spec:
         return dict(num_heads=self.num_heads, head_dim=self.head_dim, n_groups=self.n_groups,
                     state_size=self.ssm_state_size, conv_width=self.conv_kernel, chunk_size=self.chunk_size)
 
+    def parameter_dtypes(self) -> dict[str, torch.dtype]:
+        """Tensors not stored in the model dtype: FP8 scales (fp32) and ModelOpt-format e4m3 weights."""
+        out: dict[str, torch.dtype] = {}
+        if self.proj_quantization == "fp8":
+            for proj in QUANTIZED_PROJS:
+                out[f"{self.name}.{proj}.input_scale"] = torch.float32
+                if self.checkpoint_format == "modelopt":
+                    out[f"{self.name}.{proj}.weight"] = torch.float8_e4m3fn
+                    out[f"{self.name}.{proj}.weight_scale"] = torch.float32
+        return out
+
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         d, f, c, h, w = self.hidden_size, self.intermediate_size, self.conv_dim, self.num_heads, self.conv_kernel
         p = self.name
@@ -109,4 +142,9 @@ class Mamba2Spec:
         })
         if self.use_bias:
             shapes[f"{p}.out_proj.bias"] = (d,)
+        if self.proj_quantization == "fp8":
+            for proj in QUANTIZED_PROJS:
+                shapes[f"{p}.{proj}.input_scale"] = ()
+                if self.checkpoint_format == "modelopt":
+                    shapes[f"{p}.{proj}.weight_scale"] = ()
         return shapes

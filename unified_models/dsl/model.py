@@ -111,5 +111,32 @@ class ModelSpec:
                 shapes[name] = shape
         return shapes
 
+    def parameter_dtypes(self) -> dict[str, torch.dtype]:
+        """All parameters, HF name -> stored dtype: ``self.dtype`` unless a
+        component's ``parameter_dtypes()`` says otherwise (fp32 scales and
+        router bias, ModelOpt-format uint8 / float8_e4m3fn tensors)."""
+        out = {n: self.dtype for n in self.parameter_shapes()}
+        for blk in self.blocks:
+            for part in (blk.norm, blk.mixer):
+                declared = getattr(part, "parameter_dtypes", None)
+                if declared is not None:
+                    out.update(declared())
+        return out
+
+    def frozen_parameter_names(self) -> set[str]:
+        """Parameters that are never trained: everything a component stores in a
+        dtype of its own (router correction bias, quantization scales, ModelOpt codes)."""
+        out: set[str] = set()
+        for blk in self.blocks:
+            declared = getattr(blk.mixer, "parameter_dtypes", None)
+            if declared is not None:
+                out.update(declared())
+        return out
+
+    @property
+    def is_packed(self) -> bool:
+        """True when some weights are stored in ModelOpt's quantized format (not masters)."""
+        return any(getattr(b.mixer, "checkpoint_format", "master") == "modelopt" for b in self.blocks)
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

@@ -13,9 +13,12 @@ one stack without a copy when they are evenly spaced views of one buffer and
 no gradient is needed, else stacked (``torch.stack``: gradients reach each
 expert's parameter).
 
-NVFP4 (``spec.quantization == "nvfp4"``): tensor weights are bf16 masters,
-quantized by ModelOpt's rule on every forward inside ``ops.moe_experts``
-(straight-through gradient); ``NVFP4Weight`` stacks are used as they are.
+NVFP4 (``spec.quantization == "nvfp4"``): with ``checkpoint_format "master"``
+the expert tensors are bf16 masters, quantized by ModelOpt's rule on every
+forward inside ``ops.moe_experts`` (straight-through gradient); with
+``"modelopt"`` the stored codes and scales are stacked (views when the engine
+allocated them as one buffer, :mod:`unified_models.parameters`) into an
+``ops.NVFP4Weight`` and used as they are.
 
 Shapes: T tokens, D hidden, E experts, K top-k, I expert width.
 """
@@ -62,6 +65,14 @@ def expert_weights(spec: MoESpec, params: Mapping[str, torch.Tensor], proj: str)
     stacked = params.get(spec.stacked_expert_name(proj))
     if stacked is not None:
         return stacked
+    if spec.packed:  # ModelOpt NVFP4 as stored: codes and scales, no gradient
+        fields = {}
+        for field in spec.expert_proj_shapes(proj):
+            ts = [params[spec.expert_tensor_names(e, proj)[field]] for e in range(spec.n_routed_experts)]
+            view = _as_stack(ts)
+            fields[field] = view if view is not None else torch.stack(ts)
+        return ops.NVFP4Weight(fields["weight"], fields["weight_scale"], fields["weight_scale_2"],
+                               fields.get("input_scale"))
     ts = [params[spec.expert_weight_name(e, proj)] for e in range(spec.n_routed_experts)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
         view = _as_stack(ts)

@@ -47,6 +47,7 @@ from ...dsl import AttentionSpec, CheckpointError, Mamba2Spec, MLPSpec, ModelSpe
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch, PrivateKVStore
+from ...parameters import allocate_parameters
 from . import compat
 from .parallel import check_current_parallel_state, check_parallel_sizes
 
@@ -174,10 +175,10 @@ class UnifiedMegatronModel(MegatronModule):
         embed_names = {f"{spec.embedding.name}.weight"}
         if spec.lm_head.tied_to is None:
             embed_names.add(f"{spec.lm_head.name}.weight")
-        expert_views = self._expert_buffers(spec, device)
-        for name, shape in spec.parameter_shapes().items():
-            buf = expert_views.get(name)
-            param = torch.nn.Parameter(buf if buf is not None else torch.empty(shape, dtype=spec.dtype, device=device))
+        frozen = spec.frozen_parameter_names()
+        for name, tensor in allocate_parameters(spec, device).items():
+            # quantization scales / codes and the router's correction bias are never trained
+            param = torch.nn.Parameter(tensor, requires_grad=name not in frozen)
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)  # TP=1: not TP-parallel
             if name in embed_names:
                 param.is_embedding_or_output_parameter = True
@@ -187,23 +188,6 @@ class UnifiedMegatronModel(MegatronModule):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ construction
-
-    @staticmethod
-    def _expert_buffers(spec: ModelSpec, device: torch.device) -> dict[str, torch.Tensor]:
-        """Routed experts' weights as views of one ``[E, N, K]`` buffer per layer and projection.
-
-        Each expert stays its own Parameter (HF name, own ``.grad``), but the
-        no-grad recompute hands the MoE kernel the whole stack without a copy
-        (``layers.moe.expert_weights``)."""
-        views: dict[str, torch.Tensor] = {}
-        for blk in spec.blocks_of(MoESpec):
-            m = blk.mixer
-            for proj in ("up_proj", "down_proj"):
-                shape = m.parameter_shapes()[m.expert_weight_name(0, proj)]
-                buf = torch.empty((m.n_routed_experts, *shape), dtype=spec.dtype, device=device)
-                for e in range(m.n_routed_experts):
-                    views[m.expert_weight_name(e, proj)] = buf[e]
-        return views
 
     def _register_nested(self, name: str, param: torch.nn.Parameter) -> None:
         *path, leaf = name.split(".")
@@ -221,7 +205,17 @@ class UnifiedMegatronModel(MegatronModule):
         """Megatron-style init: weights ``config.init_method`` (normal, std
         ``init_method_std``), norm weights 1, biases 0; Mamba-2 as transformers'
         ``NemotronHMamba2Mixer`` initialises them (``A_log = log(1..H)``,
-        ``D = 1``, ``dt_bias = 1``, gated-norm weight 1); MoE correction bias 0."""
+        ``D = 1``, ``dt_bias = 1``, gated-norm weight 1); MoE correction bias 0;
+        static FP8 scales (``input_scale``, ``k_scale``, ``v_scale``) 1.0 (vLLM's
+        default KV scale; calibrate before exporting).
+
+        Raises:
+            SpecError: a ModelOpt-format (packed) spec: stored codes are not
+                initialised, build the module from ``converters.modelopt.master_spec``.
+        """
+        if self.spec.is_packed:
+            raise SpecError("a ModelOpt-format spec (stored NVFP4/FP8 codes) cannot be randomly initialised; "
+                            "build the module from unified_models.converters.modelopt.master_spec(spec)")
         norms = {f"{b.norm.name}.weight" for b in self.spec.blocks} | {f"{self.spec.final_norm.name}.weight"}
         special: dict[str, Any] = {}
         for blk in self.spec.blocks:
@@ -239,6 +233,8 @@ class UnifiedMegatronModel(MegatronModule):
         for name, p in self.named_parameters():
             if name in special:
                 special[name](p)
+            elif name.endswith(("input_scale", "k_scale", "v_scale")):
+                p.fill_(1.0)
             elif name in norms:
                 p.fill_(1.0)
             elif name.endswith(".bias"):

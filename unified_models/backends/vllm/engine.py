@@ -40,6 +40,7 @@ Why each pin (integration manual sections in brackets):
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -166,6 +167,24 @@ def validate_checkpoint(model_dir: str | os.PathLike) -> None:
     validate_state_dict(meta, spec, source=str(model_dir), check_finite=False)
 
 
+def quantization_overrides(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """``hf_overrides`` that keep vLLM's own quantization methods away from a ModelOpt checkpoint.
+
+    vLLM reads ``quantization_config`` (or ``hf_quant_config.json``) and would
+    swap in its ModelOpt linear/MoE methods (Marlin / CUTLASS kernels). Our
+    model class runs the stored NVFP4/FP8 tensors on our kernels instead, so
+    the config is moved to ``unified_models_quantization_config`` (read by
+    ``models.nemotron_h``) and vLLM sees an unquantized model.
+    """
+    from ...models.nemotron_h import QUANT_CONFIG_ATTR
+
+    d = Path(model_dir)
+    qc = json.loads((d / "config.json").read_text()).get("quantization_config")
+    if qc is None and (d / "hf_quant_config.json").is_file():
+        qc = json.loads((d / "hf_quant_config.json").read_text())
+    return {} if qc is None else {"quantization_config": None, QUANT_CONFIG_ATTR: qc}
+
+
 def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
              max_num_seqs: int = 16, gpu: bool = False, enforce_eager: bool = True,
              block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int | None = None,
@@ -240,7 +259,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         tokenizer=model_dir,
         skip_tokenizer_init=skip_tokenizer_init,
         trust_remote_code=False,
-        hf_overrides={"architectures": [architecture]},
+        hf_overrides={"architectures": [architecture], **quantization_overrides(model_dir)},
         model_impl="vllm",
         # The spec decides the dtype (from the checkpoint config), and the trainer
         # builds from the same spec: both engines always compute in one dtype.

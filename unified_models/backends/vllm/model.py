@@ -78,6 +78,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError, SpecError
 from ...forward import forward_hidden, forward_logprobs
+from ...parameters import allocate_parameters
 from ...state import AttentionState, FlatBatch, MambaState, PagedGroup
 from . import compat
 from .attention_backend import KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata
@@ -259,9 +260,10 @@ class UnifiedForCausalLM(nn.Module):
         self.prefix = prefix
 
         self._shapes = self.spec.parameter_shapes()
-        for name, shape in self._shapes.items():
+        self._dtypes = self.spec.parameter_dtypes()
+        for name, tensor in allocate_parameters(self.spec).items():  # routed experts: views of one stack
             *path, leaf = name.split(".")
-            param = nn.Parameter(torch.empty(shape, dtype=self.spec.dtype), requires_grad=False)
+            param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
             _submodule(self, path).register_parameter(leaf, param)
 
@@ -455,7 +457,12 @@ class UnifiedForCausalLM(nn.Module):
                 raise CheckpointError(
                     f"checkpoint {self._source}: tensor {name} has shape {tuple(tensor.shape)}, "
                     f"the spec expects {expected}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            want = self._dtypes[name]
+            codes = (torch.uint8, torch.float8_e4m3fn)
+            if (want in codes or tensor.dtype in codes) and tensor.dtype != want:
+                raise CheckpointError(f"checkpoint {self._source}: tensor {name} has dtype {tensor.dtype}, "
+                                      f"the spec stores {want}")
+            if tensor.dtype not in codes and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
@@ -471,6 +478,10 @@ class UnifiedForCausalLM(nn.Module):
                 raise CheckpointError(
                     f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
             self._initial_load_done = True
+        if any(d != self.spec.dtype for d in self._dtypes.values()):
+            from ...converters.modelopt import validate_quantized
+
+            validate_quantized(self.params(), self.spec, source=str(self._source))
         return loaded
 
 

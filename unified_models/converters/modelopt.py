@@ -1,0 +1,393 @@
+"""NVIDIA ModelOpt checkpoint format: validate, dequantize to masters, quantize masters, export.
+
+A ModelOpt-format Nemotron-H checkpoint (published NVFP4 hybrids; what
+:func:`export_modelopt` writes) stores, next to the model-dtype tensors:
+
+* routed experts, NVFP4 (``ops.nvfp4``): ``experts.{e}.{up,down}_proj.weight``
+  uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn ``[N, K/16]``,
+  ``weight_scale_2`` fp32 ``[]`` (+ ``input_scale`` fp32 ``[]`` for a W4A4
+  ``NVFP4`` export; our kernels are W4A16 and only validate it);
+* Mamba ``in_proj``/``out_proj``, FP8 W8A8 (``ops.fp8``): ``weight``
+  float8_e4m3fn ``[N, K]``, ``weight_scale`` fp32 ``[]``, ``input_scale`` fp32 ``[]``;
+* FP8 KV cache: ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` fp32 ``[]``;
+* ``hf_quant_config.json`` and ``config.json``'s ``quantization_config``
+  (``quant_method: modelopt``, ``quant_algo: MIXED_PRECISION`` with a
+  ``quantized_layers`` table, ``kv_cache_quant_algo``).
+
+Masters vs stored format. Rollout and the trainer's recompute use the stored
+tensors as they are (both engines hold the same codes). A trainer that trains
+keeps model-dtype masters (:func:`master_spec` / :func:`dequantize_state_dict`)
+and quantizes them on every forward by the same rule that
+:func:`quantize_state_dict` uses to write the engine's (or an exported
+checkpoint's) codes, so after a weight sync both sides hold the same codes
+again. Dequantize-then-requantize is NOT the identity (the per-tensor scales
+are recomputed from the rounded masters): training from a ModelOpt checkpoint
+must sync the masters into the engine before its first rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from ..dsl import AttentionSpec, CheckpointError, Mamba2Spec, ModelSpec, MoESpec, SpecError
+
+PRODUCER = {"name": "modelopt", "version": "0.47.0"}
+"""What :func:`export_modelopt` writes as ``producer`` (the ModelOpt release whose rules ops/ transcribe)."""
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _scalar_problems(name: str, t: torch.Tensor | None) -> list[str]:
+    if t is None:
+        return [f"{name} is missing"]
+    if t.numel() != 1:
+        return [f"{name} must be a scalar, got shape {list(t.shape)}"]
+    v = float(t.float().reshape(()))
+    if v != v:
+        return [f"{name} is NaN"]
+    if v in (float("inf"), float("-inf")):
+        return [f"{name} is {v}"]
+    if v <= 0:
+        return [f"{name} is {'zero' if v == 0 else f'negative ({v})'}"]
+    return []
+
+
+def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str) -> None:
+    """Check every quantized tensor of ``state`` against ``spec``: NVFP4 experts, FP8 Mamba projections,
+    FP8 KV scales.
+
+    Raises:
+        CheckpointError: one message listing every bad tensor: missing, zero,
+            negative, NaN or Inf scales (the NVFP4 part names the layer and the
+            expert ids, e.g. ``layer 3: bad expert ids [5]: expert 5 up_proj:
+            weight_scale_2 is zero``), NaN e4m3 codes.
+    """
+    from ..ops.nvfp4 import NVFP4Error, validate_nvfp4_experts
+
+    problems: list[str] = []
+    for blk in spec.blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and m.packed:
+            experts = {e: {proj: {f: state.get(n) for f, n in m.expert_tensor_names(e, proj).items()}
+                           for proj in ("up_proj", "down_proj")} for e in range(m.n_routed_experts)}
+            shapes = {"up_proj": (m.intermediate_size, m.hidden_size), "down_proj": (m.hidden_size, m.intermediate_size)}
+            try:
+                validate_nvfp4_experts(blk.index, experts, num_experts=m.n_routed_experts, shapes=shapes,
+                                       require_input_scale=m.expert_input_scale)
+            except NVFP4Error as e:
+                problems.append(str(e))
+        elif isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
+            for proj in ("in_proj", "out_proj"):
+                base = f"{m.name}.{proj}"
+                problems += _scalar_problems(f"{base}.input_scale", state.get(f"{base}.input_scale"))
+                if m.checkpoint_format == "modelopt":
+                    problems += _scalar_problems(f"{base}.weight_scale", state.get(f"{base}.weight_scale"))
+                    w = state.get(f"{base}.weight")
+                    if w is not None and w.dtype == torch.float8_e4m3fn:
+                        nan = int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum())
+                        if nan:
+                            problems.append(f"{base}.weight holds {nan} NaN e4m3 code(s)")
+        elif isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
+            for n in kv_scale_names(m):
+                problems += _scalar_problems(n, state.get(n))
+    if problems:
+        raise CheckpointError(f"checkpoint {source}: bad quantized tensors: " + "; ".join(problems))
+
+
+def kv_scale_names(spec: AttentionSpec) -> tuple[str, str]:
+    """HF names of an FP8-KV attention layer's ``k_scale`` and ``v_scale`` (ModelOpt's export names)."""
+    return f"{spec.name}.k_proj.k_scale", f"{spec.name}.v_proj.v_scale"
+
+
+# ----------------------------------------------------------------------------- masters <-> stored format
+
+def master_spec(spec: ModelSpec) -> ModelSpec:
+    """The same model with model-dtype master weights (what a trainer trains): every
+    ``checkpoint_format = "modelopt"`` mixer becomes ``"master"``; quantization
+    recipes (NVFP4 experts, FP8 projections, FP8 KV) are kept."""
+    blocks = []
+    for blk in spec.blocks:
+        m = blk.mixer
+        if getattr(m, "checkpoint_format", "master") == "modelopt":
+            changes = {"checkpoint_format": "master"}
+            if isinstance(m, MoESpec):
+                changes["expert_input_scale"] = False
+            m = dataclasses.replace(m, **changes)
+        blocks.append(dataclasses.replace(blk, mixer=m))
+    return spec.replace(blocks=tuple(blocks))
+
+
+def dequantized_spec(spec: ModelSpec) -> ModelSpec:
+    """The plain model-dtype model a quantized checkpoint stands for: every weight
+    dequantized, no activation or KV quantization (what transformers runs when
+    handed the dequantized weights; the peer check's common ground)."""
+    blocks = []
+    for blk in master_spec(spec).blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and m.quantization != "bf16":
+            m = dataclasses.replace(m, quantization="bf16")
+        elif isinstance(m, Mamba2Spec) and m.proj_quantization != "bf16":
+            m = dataclasses.replace(m, proj_quantization="bf16")
+        elif isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
+            m = dataclasses.replace(m, kv_cache_dtype="auto")
+        blocks.append(dataclasses.replace(blk, mixer=m))
+    return spec.replace(blocks=tuple(blocks))
+
+
+def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write the :func:`dequantized_spec` model of a ModelOpt checkpoint as a plain
+    model-dtype HF checkpoint (config without ``quantization_config``), e.g. for
+    transformers, which has no kernels for the stored codes.
+
+    Raises:
+        CheckpointError / SpecError: as :func:`~.hf_safetensors.spec_and_state_dict`.
+    """
+    from .hf_safetensors import save_state_dict, spec_and_state_dict
+
+    _, spec, state = spec_and_state_dict(model_dir)
+    plain = dequantized_spec(spec)
+    masters = dequantize_state_dict(state, spec)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    return save_state_dict({n: masters[n] for n in plain.parameter_shapes()}, out_dir, config_json=cfg).parent
+
+
+def dequantize_state_dict(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Stored (ModelOpt) tensors -> the master state dict of :func:`master_spec` (model dtype).
+
+    NVFP4 experts are dequantized by ModelOpt's rule (``ops.nvfp4_dequantize``),
+    FP8 weights as ``dtype(fp32(e4m3) * weight_scale)``; ``weight_scale``,
+    ``weight_scale_2`` and NVFP4 ``input_scale`` are dropped; FP8 ``input_scale``
+    and KV scales are kept (static, calibrated).
+    """
+    from ..ops.nvfp4 import NVFP4Weight, nvfp4_dequantize
+
+    out = dict(state)
+    for blk in spec.blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and m.packed:
+            for e in range(m.n_routed_experts):
+                for proj in ("up_proj", "down_proj"):
+                    names = m.expert_tensor_names(e, proj)
+                    q = NVFP4Weight(state[names["weight"]], state[names["weight_scale"]],
+                                    state[names["weight_scale_2"]].reshape(()))
+                    for f, n in names.items():
+                        out.pop(n, None)
+                    out[names["weight"]] = nvfp4_dequantize(q, spec.dtype)
+        elif isinstance(m, Mamba2Spec) and m.checkpoint_format == "modelopt":
+            for proj in ("in_proj", "out_proj"):
+                base = f"{m.name}.{proj}"
+                w, s = state[f"{base}.weight"], state[f"{base}.weight_scale"]
+                out[f"{base}.weight"] = (w.float() * s.float().reshape(())).to(spec.dtype)
+                out.pop(f"{base}.weight_scale")
+    return out
+
+
+def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
+                        only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Master tensors -> the stored tensors of ``spec`` (its ModelOpt-format mixers), by the shared rules.
+
+    The same functions the trainer's forward applies to its masters:
+    ``ops.nvfp4_quantize`` per expert (each expert its own ``weight_scale_2``:
+    Nemotron-H experts are not gated) and ``ops.fp8_quantize_weight`` with
+    ``ops.fp8_weight_scale``. Non-quantized tensors pass through.
+
+    Args:
+        masters: HF name -> model-dtype tensor (names of :func:`master_spec`).
+        spec: the stored-format spec.
+        only: restrict the output to the stored tensors derived from these master names.
+
+    Returns:
+        HF name -> tensor in the stored dtype of ``spec``.
+    """
+    from ..ops.nvfp4 import nvfp4_quantize
+
+    wanted = set(only) if only is not None else set(masters)
+    out: dict[str, torch.Tensor] = {}
+    derived: set[str] = set()
+    for blk in spec.blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and m.packed:
+            for e in range(m.n_routed_experts):
+                for proj in ("up_proj", "down_proj"):
+                    names = m.expert_tensor_names(e, proj)
+                    derived.add(names["weight"])
+                    if names["weight"] not in wanted:
+                        continue
+                    q = nvfp4_quantize(masters[names["weight"]])
+                    out[names["weight"]] = q.weight
+                    out[names["weight_scale"]] = q.weight_scale
+                    out[names["weight_scale_2"]] = q.weight_scale_2.reshape(())
+                    if m.expert_input_scale:
+                        raise SpecError(f"{m.name}: cannot write an NVFP4 W4A4 input_scale from masters; "
+                                        "export W4A16_NVFP4 experts (expert_input_scale=False)")
+        elif isinstance(m, Mamba2Spec) and m.checkpoint_format == "modelopt":
+            from ..ops.fp8 import fp8_quantize_weight, fp8_weight_scale
+
+            for proj in ("in_proj", "out_proj"):
+                n = f"{m.name}.{proj}.weight"
+                derived.add(n)
+                if n not in wanted:
+                    continue
+                s = fp8_weight_scale(masters[n])
+                out[n] = fp8_quantize_weight(masters[n], s)
+                out[f"{m.name}.{proj}.weight_scale"] = s
+    for n, t in masters.items():
+        if n in wanted and n not in derived:
+            out[n] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- export
+
+def quant_config_dict(spec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
+    """ModelOpt's ``quantization`` block for a spec: ``MIXED_PRECISION`` with a
+    ``quantized_layers`` table (NVFP4 experts with ``group_size`` 16, FP8 Mamba
+    in/out projections), ``kv_cache_quant_algo`` FP8 or None."""
+    layers: dict[str, dict] = {}
+    for blk in spec.blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and m.quantization == "nvfp4":
+            algo = "NVFP4" if m.expert_input_scale else "W4A16_NVFP4"
+            for e in range(m.n_routed_experts):
+                for proj in ("up_proj", "down_proj"):
+                    layers[f"{m.name}.experts.{e}.{proj}"] = {"quant_algo": algo, "group_size": 16}
+        elif isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
+            for proj in ("in_proj", "out_proj"):
+                layers[f"{m.name}.{proj}"] = {"quant_algo": "FP8"}
+    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8" if kv_cache_fp8 else None,
+            "quantized_layers": layers}
+
+
+def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], *, mamba: bool, kv: bool
+               ) -> dict[str, torch.Tensor]:
+    """ModelOpt "max" calibration on transformers' model: fp32 ``amax / 448`` of every Mamba
+    in/out projection input (``input_scale``) and of every attention k/v projection output
+    (``k_scale`` / ``v_scale``, as ModelOpt's ``k_bmm_quantizer``/``v_bmm_quantizer``; Nemotron-H
+    attention has no RoPE, so the cached K is ``k_proj``'s output)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=spec.dtype)
+    model.eval()
+    amax: dict[str, torch.Tensor] = {}
+
+    def track(name: str, t: torch.Tensor) -> None:
+        a = t.detach().abs().amax().float()
+        amax[name] = torch.maximum(amax[name], a) if name in amax else a
+
+    hooks = []
+    for blk in spec.blocks:
+        m = blk.mixer
+        mod = model.get_submodule(m.name.replace("backbone.", "model.", 1)) if not hasattr(model, "backbone") \
+            else model.get_submodule(m.name)
+        if mamba and isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
+            for proj in ("in_proj", "out_proj"):
+                hooks.append(getattr(mod, proj).register_forward_pre_hook(
+                    lambda _m, args, n=f"{m.name}.{proj}.input_scale": track(n, args[0])))
+        if kv and isinstance(m, AttentionSpec):
+            kn, vn = kv_scale_names(m)
+            hooks.append(mod.k_proj.register_forward_hook(lambda _m, _a, out, n=kn: track(n, out)))
+            hooks.append(mod.v_proj.register_forward_hook(lambda _m, _a, out, n=vn: track(n, out)))
+    try:
+        with torch.no_grad():
+            for ids in token_ids:
+                model(input_ids=torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    scales = {}
+    for n, a in amax.items():
+        if not bool(torch.isfinite(a)) or float(a) <= 0:
+            raise CheckpointError(f"calibration gave amax {float(a)} for {n}; cannot derive an FP8 scale")
+        scales[n] = (a / 448.0).reshape(())
+    return scales
+
+
+def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, experts: str | None = "nvfp4",
+                    mamba_proj: str | None = "fp8", kv_cache: str | None = "fp8",
+                    calibration_token_ids: list[list[int]] | None = None, overwrite: bool = False) -> Path:
+    """Write a bf16 Nemotron-H checkpoint in ModelOpt's quantized format (what NVIDIA publishes).
+
+    Args:
+        src_dir: HF checkpoint with model-dtype weights (no quantization_config).
+        out_dir: the new checkpoint directory (config.json, hf_quant_config.json,
+            model.safetensors, tokenizer files copied).
+        experts: ``"nvfp4"`` (W4A16_NVFP4 routed experts) or None.
+        mamba_proj: ``"fp8"`` (W8A8 Mamba in/out projections; needs calibration) or None.
+        kv_cache: ``"fp8"`` (FP8 KV cache scales; needs calibration) or None.
+        calibration_token_ids: prompts (token ids) for ModelOpt's "max"
+            calibration of the static input and KV scales, run on transformers'
+            model; required when ``mamba_proj`` or ``kv_cache`` is set.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir``. Written in a temporary directory and renamed: an error
+        leaves nothing behind.
+
+    Raises:
+        CheckpointError: source already quantized, bad source, ``out_dir``
+            exists without ``overwrite``, calibration missing or degenerate.
+        SpecError: widths not divisible by the NVFP4 block (16).
+    """
+    from .hf_safetensors import load_hf_config, read_tensors, save_state_dict, spec_and_state_dict
+
+    src, dst = Path(src_dir), Path(out_dir)
+    for what, v, ok in (("experts", experts, ("nvfp4", None)), ("mamba_proj", mamba_proj, ("fp8", None)),
+                        ("kv_cache", kv_cache, ("fp8", None))):
+        if v not in ok:
+            raise SpecError(f"export_modelopt: {what}={v!r}; choose from {ok}")
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass overwrite=True (CLI --overwrite) to replace it")
+    config, spec, masters = spec_and_state_dict(src)
+    if spec.is_packed or getattr(config, "quantization_config", None):
+        raise CheckpointError(f"{src} is already quantized; export_modelopt takes a model-dtype checkpoint")
+    if (mamba_proj or kv_cache) and not calibration_token_ids:
+        raise CheckpointError("export_modelopt: FP8 input/KV scales need calibration_token_ids (static scales, "
+                              "ModelOpt 'max' calibration)")
+    qspec_blocks = []
+    for blk in spec.blocks:
+        m = blk.mixer
+        if isinstance(m, MoESpec) and experts:
+            m = dataclasses.replace(m, quantization="nvfp4", checkpoint_format="modelopt")
+        elif isinstance(m, Mamba2Spec) and mamba_proj:
+            m = dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
+        elif isinstance(m, AttentionSpec) and kv_cache:
+            m = dataclasses.replace(m, kv_cache_dtype="fp8_e4m3")
+        qspec_blocks.append(dataclasses.replace(blk, mixer=m))
+    qspec = spec.replace(blocks=tuple(qspec_blocks))
+    scales = _calibrate(src, qspec, calibration_token_ids or [], mamba=bool(mamba_proj), kv=bool(kv_cache)) \
+        if (mamba_proj or kv_cache) else {}
+    stored = quantize_state_dict({**masters, **scales}, qspec)
+    missing = [n for n in qspec.parameter_shapes() if n not in stored]
+    if missing:
+        raise CheckpointError(f"export_modelopt: calibration did not reach {missing[:5]} (no calibration "
+                              "token reached these layers?)")
+    stored = {n: stored[n] for n in qspec.parameter_shapes()}
+    validate_quantized(stored, qspec, source=str(dst))
+    qc = quant_config_dict(qspec, kv_cache_fp8=bool(kv_cache))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                    "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
+                shutil.copy(f, tmp / f.name)
+        save_state_dict(stored, tmp, config_json=cfg)
+        (tmp / "hf_quant_config.json").write_text(json.dumps({"producer": PRODUCER, "quantization": qc}, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
