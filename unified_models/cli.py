@@ -1,4 +1,4 @@
-"""Command line: ``unified-models check | rl | convert | inspect``."""
+"""Command line: ``unified-models check | rl | convert | quantize | inspect``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+
+    q = sub.add_parser("quantize", help="export a bf16 Nemotron-H checkpoint in NVIDIA ModelOpt's quantized format "
+                                        "(NVFP4 experts, FP8 Mamba projections, FP8 KV cache)")
+    q.add_argument("src", help="HF checkpoint with model-dtype weights")
+    q.add_argument("dst", help="output directory (ModelOpt format: hf_quant_config.json, codes and scales)")
+    q.add_argument("--experts", choices=["nvfp4", "none"], default="nvfp4", help="routed experts (W4A16_NVFP4)")
+    q.add_argument("--mamba-proj", choices=["fp8", "none"], default="fp8", help="Mamba in/out_proj (FP8 W8A8)")
+    q.add_argument("--kv-cache", choices=["fp8", "none"], default="fp8", help="attention KV cache (FP8 e4m3)")
+    q.add_argument("--calibration-prompts", help="JSONL prompts for the static FP8 scales (default: bundled GSM8K)")
+    q.add_argument("--num-calibration-prompts", type=_positive(int), default=16)
+    q.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
 
     i = sub.add_parser("inspect", help="print the spec built from a checkpoint's config")
     i.add_argument("model")
@@ -155,6 +167,28 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--no-plot", dest="plot", action="store_false", help="do not write the PNG plot")
 
 
+def _quantize(args) -> int:
+    from pathlib import Path
+
+    from .check import _tokenizer_dir
+    from .converters.hf_safetensors import load_hf_config
+    from .converters.modelopt import export_modelopt
+    from .models import spec_from_hf_config
+    from .presets import default_prompts_path
+    from .prompts import load_prompt_texts, tokenize_prompts
+
+    none = lambda v: None if v == "none" else v  # noqa: E731
+    ids = None
+    if args.mamba_proj != "none" or args.kv_cache != "none":
+        spec = spec_from_hf_config(load_hf_config(args.src))
+        texts = load_prompt_texts(args.calibration_prompts or default_prompts_path(), args.num_calibration_prompts)
+        ids = tokenize_prompts(texts, _tokenizer_dir(Path(args.src), args.tokenizer), vocab_size=spec.vocab_size)
+    out = export_modelopt(args.src, args.dst, experts=none(args.experts), mamba_proj=none(args.mamba_proj),
+                          kv_cache=none(args.kv_cache), calibration_token_ids=ids, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -179,14 +213,18 @@ def main(argv: list[str] | None = None) -> int:
             out = fn(args.src, args.dst, overwrite=args.overwrite)
             print(f"wrote {out}")
             return 0
+        if args.command == "quantize":
+            return _quantize(args)
         if args.command == "inspect":
             from .converters.hf_safetensors import load_hf_config
             from .models import spec_from_hf_config
 
             spec = spec_from_hf_config(load_hf_config(args.model))
             print(f"{spec.family} ({spec.architecture}), pattern {spec.extra.get('pattern')}, dtype {spec.dtype}")
+            dtypes = spec.parameter_dtypes()
             for name, shape in spec.parameter_shapes().items():
-                print(f"  {name:60s} {tuple(shape)}")
+                extra = "" if dtypes[name] == spec.dtype else f"  {str(dtypes[name]).removeprefix('torch.')}"
+                print(f"  {name:60s} {tuple(shape)}{extra}")
             return 0
     except UnifiedModelsError as e:
         print(f"error: {e}", file=sys.stderr)

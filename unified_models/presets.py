@@ -62,11 +62,19 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
     The directory holds ``config.json``, ``model.safetensors`` and the bundled
     tokenizer. Built in a temporary directory and renamed, so an interrupted
     build leaves nothing behind. Deterministic: the same preset gives the same bytes.
+
+    A preset with a ``quantize`` block (``base``: the bf16 preset it starts
+    from; ``experts`` / ``mamba_proj`` / ``kv_cache``; ``calibration_prompts``:
+    how many bundled GSM8K prompts calibrate the static FP8 scales) is the
+    base checkpoint exported in ModelOpt's format by
+    :func:`unified_models.converters.modelopt.export_modelopt`.
     """
+    preset = load_preset(name)
+    if "quantize" in preset:
+        return _build_quantized(name, preset, out_dir)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    preset = load_preset(name)
     digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
     target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
@@ -91,3 +99,22 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _build_quantized(name: str, preset: dict, out_dir) -> Path:
+    from .converters.hf_safetensors import load_hf_config
+    from .models import spec_from_hf_config
+    from .prompts import load_prompt_texts, tokenize_prompts
+
+    q = dict(preset["quantize"])
+    base = build_preset_checkpoint(q.pop("base"))
+    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
+    target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    from .converters.modelopt import export_modelopt
+
+    n = int(q.pop("calibration_prompts", 16))
+    spec = spec_from_hf_config(load_hf_config(base))
+    ids = tokenize_prompts(load_prompt_texts(default_prompts_path(), n), base, vocab_size=spec.vocab_size)
+    return export_modelopt(base, target, calibration_token_ids=ids, overwrite=True, **q)

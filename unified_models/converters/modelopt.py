@@ -198,7 +198,9 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
     The same functions the trainer's forward applies to its masters:
     ``ops.nvfp4_quantize`` per expert (each expert its own ``weight_scale_2``:
     Nemotron-H experts are not gated) and ``ops.fp8_quantize_weight`` with
-    ``ops.fp8_weight_scale``. Non-quantized tensors pass through.
+    ``ops.fp8_weight_scale``. Non-quantized tensors pass through. The
+    calibrated ``input_scale`` of an NVFP4 W4A4 export has no master and is
+    not written.
 
     Args:
         masters: HF name -> model-dtype tensor (names of :func:`master_spec`).
@@ -226,9 +228,7 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
                     out[names["weight"]] = q.weight
                     out[names["weight_scale"]] = q.weight_scale
                     out[names["weight_scale_2"]] = q.weight_scale_2.reshape(())
-                    if m.expert_input_scale:
-                        raise SpecError(f"{m.name}: cannot write an NVFP4 W4A4 input_scale from masters; "
-                                        "export W4A16_NVFP4 experts (expert_input_scale=False)")
+                    # an NVFP4 W4A4 export's input_scale is calibrated, not derived: not written here
         elif isinstance(m, Mamba2Spec) and m.checkpoint_format == "modelopt":
             from ..ops.fp8 import fp8_quantize_weight, fp8_weight_scale
 

@@ -584,6 +584,12 @@ def _start_engines(run: _Run, console) -> int:
                        gpu=(run.device == "cuda"), max_num_seqs=s, max_logprobs=0, skip_tokenizer_init=True,
                        max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
     init_parallel_state(tp=1)
+    packed = spec.is_packed
+    if packed:  # ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
+        from ..converters.modelopt import dequantize_state_dict, master_spec
+
+        run._state_dict = {n: t for n, t in dequantize_state_dict(run._state_dict, spec).items()}
+        spec = run.spec = master_spec(spec)
     cfg = transformer_config_from_spec(spec, perform_initialization=False)
     run.model = UnifiedMegatronModel(spec, cfg, device=run.device)
     run.model.load_hf_state_dict(run._state_dict)
@@ -614,6 +620,12 @@ def _start_engines(run: _Run, console) -> int:
         if start >= o.steps:
             raise UnifiedModelsError(f"--resume {o.resume} is at step {start}; --steps {o.steps} leaves nothing to do")
         run.sync()  # the engine starts from the checkpoint's weights
+    elif packed:
+        # dequantize -> requantize is not the identity (scales are recomputed from the
+        # rounded masters): give the engine the masters' codes before the first rollout
+        rep = run.sync()
+        console.log(f"ModelOpt checkpoint: trainer holds bf16 masters; engine re-quantized from them "
+                    f"({len(rep.copied)} tensors, {rep.seconds:.1f} s)")
     run.first_step_of_process = start + 1
     return start
 

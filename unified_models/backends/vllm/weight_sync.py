@@ -9,6 +9,13 @@ KV computed with the old weights is reused. Copying reuses
 :func:`.engine.load_weights_inplace` (validation, ``weight_loader`` copies, cache
 reset).
 
+Quantized engines: when the engine holds a ModelOpt-format model (NVFP4
+experts, FP8 Mamba projections), the trainer's tensors are its bf16 masters
+(:func:`unified_models.converters.modelopt.master_spec` names); they are
+quantized by the same shared rules the trainer's forward applies
+(:func:`~unified_models.converters.modelopt.quantize_state_dict`) and the
+resulting codes and scales are copied in place.
+
 Derived tensors: a model class may define
 ``refresh_derived_tensors(changed: set[str]) -> Iterable[str]``, called after
 the copies with the names that changed; it must recompute quantized weights,
@@ -107,6 +114,15 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
     pairs = _pairs(named_tensors)
     model = engine.get_model(llm)
     params = model.params()
+    if model.spec.is_packed:
+        from ...converters.modelopt import quantize_state_dict
+
+        masters = dict(pairs)
+        pairs = list(quantize_state_dict(masters, model.spec).items())
+        stored = {n for n, _ in pairs}
+        # an NVFP4 W4A4 export's calibrated expert input_scale has no master (the W4A16
+        # kernels never read it): the engine keeps its own
+        pairs += [(n, p.detach()) for n, p in params.items() if n.endswith(".input_scale") and n not in stored]
     problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items()},
                                      {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
     if problems:
