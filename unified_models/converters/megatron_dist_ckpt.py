@@ -57,9 +57,10 @@ COMMON_KEY = "unified_models"
 ASSETS_DIR = "hf_assets"
 HF_ASSET_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
-    "spiece.model", "generation_config.json", "chat_template*",
+    "spiece.model", "generation_config.json", "chat_template*", "hf_quant_config.json",
 )
-"""Files of a Hugging Face directory carried through a Megatron checkpoint (tokenizer, generation config)."""
+"""Files of a Hugging Face directory carried through a Megatron checkpoint (tokenizer, generation config,
+ModelOpt's hf_quant_config.json)."""
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
