@@ -73,6 +73,20 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: MambaState | N
     return meta
 
 
+def _projection(spec: Mamba2Spec, params: Mapping[str, torch.Tensor], proj: str, x_TK: torch.Tensor,
+                bias) -> torch.Tensor:
+    """``in_proj`` / ``out_proj``: bf16 ``ops.linear``, or FP8 W8A8 ``ops.fp8_linear`` (ModelOpt
+    per-tensor scales) on the stored e4m3 weight (``checkpoint_format "modelopt"``) or on the
+    master quantized on this call (``"master"``, straight-through gradient)."""
+    p = f"{spec.name}.{proj}"
+    if spec.proj_quantization != "fp8":
+        return ops.linear(x_TK, params[f"{p}.weight"], bias(proj))
+    if spec.checkpoint_format == "modelopt":
+        w = ops.FP8Weight(params[f"{p}.weight"], params[f"{p}.weight_scale"], params[f"{p}.input_scale"])
+        return ops.fp8_linear(x_TK, w, None, bias(proj), out_dtype=x_TK.dtype)
+    return ops.fp8_linear(x_TK, params[f"{p}.weight"], params[f"{p}.input_scale"], bias(proj), out_dtype=x_TK.dtype)
+
+
 def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
                    batch: FlatBatch, store: StateStore, ctx: LayerContext) -> torch.Tensor:
     """The Mamba-2 mixer: ``[T, D] -> [T, D]``, reading and writing the layer's state slots.
@@ -81,14 +95,17 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
     ``slots_B``/``start_B``; ``None`` (profiling) runs stateless from position 0.
     Rounding points (as vLLM's mixer and transformers' torch path): in_proj
     output and conv output in the model dtype, dt and the scan in fp32, the
-    gated norm rounds once to the model dtype, out_proj.
+    gated norm rounds once to the model dtype, out_proj. With
+    ``proj_quantization "fp8"`` both projections are FP8 W8A8 (``ops.fp8_linear``:
+    activations quantized by the static ``input_scale``, fp32 accumulation,
+    one rounding to the model dtype).
     """
     p = spec.name
     t = x_TD.shape[0]
     H, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.ssm_state_size
     F, C, W = spec.intermediate_size, spec.conv_dim, spec.conv_kernel
     bias = bias_getter(p, params, spec.use_bias)
-    zxbcdt = ops.linear(x_TD, params[f"{p}.in_proj.weight"], bias("in_proj"))  # [T, F + C + H]
+    zxbcdt = _projection(spec, params, "in_proj", x_TD, bias)  # [T, F + C + H]
     z_TF, xBC_TC, dt_TH = zxbcdt.split([F, C, H], dim=-1)
     ms = store.mamba_state(layer_index)
     meta = mamba2_batch_metadata(spec, batch, ms, ctx)
@@ -101,4 +118,4 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
                                C_TGN.view(t, G, N), params[f"{p}.D"], meta, state, out_dtype=torch.float32)
     y_TF = ops.gated_rms_norm(y_THP.reshape(t, F), z_TF, params[f"{p}.norm.weight"], spec.group_size, spec.eps,
                               out_dtype=x_TD.dtype)
-    return ops.linear(y_TF, params[f"{p}.out_proj.weight"], bias("out_proj"))
+    return _projection(spec, params, "out_proj", y_TF, bias)

@@ -45,3 +45,8 @@ from .mamba2 import Mamba2Metadata, Mamba2State, mamba2_metadata, start_position
 
 __all__ += ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm", "Mamba2State", "Mamba2Metadata",
             "mamba2_metadata", "start_positions"]
+from .fp8 import (FP8_E4M3_MAX, FP8Error, FP8Weight, fp8_input_scale, fp8_linear, fp8_quantize, fp8_quantize_activation,
+                  fp8_quantize_into, fp8_quantize_weight, fp8_weight_scale, validate_fp8)
+
+__all__ += ["FP8_E4M3_MAX", "FP8Error", "FP8Weight", "fp8_input_scale", "fp8_linear", "fp8_quantize",
+            "fp8_quantize_activation", "fp8_quantize_into", "fp8_quantize_weight", "fp8_weight_scale", "validate_fp8"]
