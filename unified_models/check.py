@@ -117,7 +117,8 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     from .backends.reference import ReferenceModel
     from .converters.modelopt import dequantize_state_dict, dequantized_spec, write_dequantized_checkpoint
 
-    quantized = spec.is_packed
+    # an FP8 KV cache alone also has no transformers counterpart: compare without it
+    quantized = spec.is_packed or any(b.mixer.kv_fp8 for b in spec.attention_blocks)
     with tempfile.TemporaryDirectory(prefix="um-peer-") as tmp:
         if quantized:
             plain = dequantized_spec(spec)
@@ -236,8 +237,7 @@ def run_check(opts: CheckOptions) -> int:
     trainer_lp = torch.cat([x.float().cpu() for x in tr.logprobs])
     diff = compare_logprobs(rollout_lp, trainer_lp)
     keys = ro.full_row_keys
-    fv = full_vocab_max_abs_diff(torch.stack([ro.full_rows[k] for k in keys]) if keys else torch.zeros(0, 0),
-                                 torch.stack([tr.full_rows[k] for k in keys]) if keys else torch.zeros(0, 0))
+    fv = full_vocab_max_abs_diff([ro.full_rows[k] for k in keys], [tr.full_rows[k] for k in keys])
     report = CheckReport(
         model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
         seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
