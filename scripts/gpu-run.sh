@@ -15,6 +15,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, vllm, megatron.core, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 export UM_GPU_OUT=$OUT
+# presets are built once per machine in the repo copy (git-ignored, kept between device calls)
+export UNIFIED_MODELS_CACHE=${UNIFIED_MODELS_CACHE:-$PWD/.um-cache}
 stage=${1:-all}
 rc=0
 if [ "$stage" = ops ] || [ "$stage" = all ]; then
@@ -35,18 +37,20 @@ if [ "$stage" = rl ] || [ "$stage" = all ]; then
     --metrics "$OUT/rl_wide/metrics.jsonl" ${UM_RL_ARGS:-} > "$OUT/rl_wide.log" 2>&1; rc=$((rc | $?))
   tail -22 "$OUT/rl_wide.log"
 fi
-nano_checkpoint() {  # build (once, cached under ~/.cache/unified_models) and time the Nano-widths preset
-  python3 -c "import time; t=time.perf_counter(); from unified_models.presets import build_preset_checkpoint as b; \
-p=b('nemotron_3_nano_reduced'); print('checkpoint', p, f'ready in {time.perf_counter()-t:.1f} s')" 2>&1 | tail -1 | tee -a "$OUT/nano_checkpoint.log"
+nano_checkpoint() {  # build (once, cached under $UNIFIED_MODELS_CACHE) and time the Nano-widths presets
+  for preset in "$@"; do
+    python3 -c "import time; t=time.perf_counter(); from unified_models.presets import build_preset_checkpoint as b; \
+p=b('$preset'); print('checkpoint', p, f'ready in {time.perf_counter()-t:.1f} s')" 2>&1 | tail -1 | tee -a "$OUT/nano_checkpoint.log"
+  done
 }
 if [ "$stage" = hybrid ] || [ "$stage" = hybrid-peer ] || [ "$stage" = hybrid-check ]; then
-  nano_checkpoint
+  nano_checkpoint nemotron_3_nano_reduced nemotron_3_nano_reduced_nvfp4
   sel=(); [ "$stage" = hybrid-peer ] && sel=(-k peer); [ "$stage" = hybrid-check ] && sel=(-k check)
   python3 -m pytest -q -m gpu tests/gpu/test_hybrid_gpu.py -s -p no:cacheprovider ${sel[@]+"${sel[@]}"} 2>&1 | tee "$OUT/$stage.log" \
     | grep -vE "INFO|WARNING|warn|Loading|it/s\]" | tail -60; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = hybrid-bench ]; then
-  nano_checkpoint
+  nano_checkpoint nemotron_3_nano_reduced
   python3 benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced --workloads 256x128/512 64x256/2048 \
     --engine-timeout-s 280 --json "$OUT/rollout_throughput.json" > "$OUT/hybrid_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING" "$OUT/hybrid_bench.log" | tail -20

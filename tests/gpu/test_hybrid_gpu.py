@@ -63,7 +63,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the H200)")
 
-TINY, NANO = "nemotron_h_hybrid_tiny", "nemotron_3_nano_reduced"
+TINY, NANO, NANO_NVFP4 = "nemotron_h_hybrid_tiny", "nemotron_3_nano_reduced", "nemotron_3_nano_reduced_nvfp4"
 NATIVE_ARCH = "NemotronHForCausalLM"
 
 PEER_NEW_TOKENS = 48
@@ -360,19 +360,6 @@ def _reuse_peer(monkeypatch) -> None:
     monkeypatch.setattr(chk, "peer_check", peer)
 
 
-def _chunked_full_vocab(monkeypatch, rows: int = 1024) -> None:
-    """Same value as ``full_vocab_max_abs_diff`` (max over row chunks of the max), in bounded memory."""
-    import unified_models.check as chk
-    from unified_models.consistency.metrics import full_vocab_max_abs_diff as orig
-
-    def chunked(a, b):
-        if a.shape != b.shape or a.numel() == 0 or a.shape[0] <= rows:
-            return orig(a, b)
-        return max(orig(a[i:i + rows], b[i:i + rows]) for i in range(0, a.shape[0], rows))
-
-    monkeypatch.setattr(chk, "full_vocab_max_abs_diff", chunked)
-
-
 class _EngineSpy:
     """Records what ``rollout``'s engine really ran: settings, schedule, prefix-cache hits."""
 
@@ -433,15 +420,14 @@ def _assert_check_report(r: dict, status: int) -> None:
     assert r["passed"] and status == 0
 
 
-def _run_nano_check(tmp_path, monkeypatch, name: str, **opts) -> tuple[dict, int, _EngineSpy]:
+def _run_nano_check(tmp_path, monkeypatch, name: str, preset: str = NANO, **opts) -> tuple[dict, int, _EngineSpy]:
     from unified_models.check import CheckOptions, run_check
 
-    _checkpoint(NANO)
+    _checkpoint(preset)
     _reuse_peer(monkeypatch)
-    _chunked_full_vocab(monkeypatch)
     spy = _EngineSpy(monkeypatch)
     report = _out_dir(tmp_path) / f"{name}.json"
-    status = run_check(CheckOptions(preset=NANO, num_prompts=CHECK_PROMPTS, max_new_tokens=CHECK_NEW_TOKENS, seed=0,
+    status = run_check(CheckOptions(preset=preset, num_prompts=CHECK_PROMPTS, max_new_tokens=CHECK_NEW_TOKENS, seed=0,
                                     device=DEVICE, peer_tolerance=CHECK_PEER_TOL, json_out=str(report), **opts))
     r = json.loads(report.read_text())
     extra = {"engine": spy.settings, "schedule": spy.schedule()}
@@ -453,14 +439,16 @@ def _run_nano_check(tmp_path, monkeypatch, name: str, **opts) -> tuple[dict, int
 
 
 @needs_cuda
-def test_check_nano_reduced_diff_zero(tmp_path, monkeypatch):
-    r, status, spy = _run_nano_check(tmp_path, monkeypatch, "check_nano_reduced")
+@pytest.mark.parametrize("preset", [NANO, NANO_NVFP4])
+def test_check_nano_reduced_diff_zero(preset, tmp_path, monkeypatch):
+    """bf16, and the ModelOpt export (NVFP4 experts, FP8 Mamba projections, FP8 KV cache)."""
+    r, status, spy = _run_nano_check(tmp_path, monkeypatch, f"check_{preset}", preset)
     _assert_check_report(r, status)
     assert "unified_models" in spy.settings["model_class"]
 
 
 @needs_cuda
-def test_check_nano_reduced_prefix_caching_chunked_prefill_diff_zero(tmp_path, monkeypatch):
+def test_check_nano_reduced_nvfp4_prefix_caching_chunked_prefill_diff_zero(tmp_path, monkeypatch):
     import unified_models.backends.vllm.rollout as rollout_mod
 
     orig = rollout_mod.rollout
@@ -471,7 +459,7 @@ def test_check_nano_reduced_prefix_caching_chunked_prefill_diff_zero(tmp_path, m
         return orig(*a, **kw)
 
     monkeypatch.setattr(rollout_mod, "rollout", forced)
-    r, status, spy = _run_nano_check(tmp_path, monkeypatch, "check_nano_reduced_prefix_chunked",
+    r, status, spy = _run_nano_check(tmp_path, monkeypatch, "check_nano_reduced_nvfp4_prefix_chunked", NANO_NVFP4,
                                      max_num_seqs=FORCED_MAX_SEQS)
     _assert_check_report(r, status)
     s, sched = spy.settings, spy.schedule()
