@@ -183,10 +183,18 @@ def attention_group_key(spec: AttentionSpec) -> Hashable:
     """The KV-cache group of an attention layer: layers with equal keys share one.
 
     Mirrors vLLM's grouping by equal cache spec. Every :class:`AttentionSpec`
-    today is full attention (one ``FullAttentionSpec``), hence one group;
+    today is full attention (one ``FullAttentionSpec``), hence one group per
+    cache dtype (a model-dtype and an FP8 cache have different specs);
     sliding-window or compressed caches will return their own keys.
     """
-    return "full_attention"
+    return "full_attention" if not spec.kv_fp8 else ("full_attention", spec.kv_cache_dtype)
+
+
+def attention_cache_dtype(spec: AttentionSpec, model_dtype: torch.dtype) -> torch.dtype:
+    """Element type of the layer's K/V cache: float8_e4m3fn for an FP8 cache, else ``model_dtype``."""
+    from .ops.attention import KV_FP8_DTYPE
+
+    return KV_FP8_DTYPE if spec.kv_fp8 else model_dtype
 
 
 class PrivateKVStore:
@@ -210,7 +218,8 @@ class PrivateKVStore:
         seq_lens: length of each packed sequence (row ``b`` of every block table).
         block_size: S of every group not in ``group_block_sizes``.
         group_block_sizes: group key -> S of that group.
-        device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``).
+        device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``; FP8-KV
+            layers always get float8_e4m3fn caches, written and read with their scales).
     """
 
     def __init__(self, spec: ModelSpec, seq_lens: list[int], *, block_size: int = 64,
@@ -240,9 +249,10 @@ class PrivateKVStore:
                 table = self._consecutive_table(nblocks, max(nblocks) if nblocks else 1)
                 self._groups[key] = PagedGroup(table.to(device), empty, s)
             shape = (sum(nblocks), s, a.num_kv_heads, a.head_dim)
+            cache_dtype = attention_cache_dtype(a, dtype or spec.dtype)
             self._caches[blk.index] = (
-                torch.zeros(shape, dtype=dtype or spec.dtype, device=device),
-                torch.zeros(shape, dtype=dtype or spec.dtype, device=device),
+                torch.zeros(shape, dtype=cache_dtype, device=device),
+                torch.zeros(shape, dtype=cache_dtype, device=device),
             )
 
     @staticmethod

@@ -24,6 +24,11 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
 
     In profiling runs (``store.attention_state`` gives ``None``) the attention
     output is zeros and no cache is touched.
+
+    FP8 KV cache (``spec.kv_cache_dtype == "fp8_e4m3"``): the store hands
+    float8_e4m3fn cache views and the layer passes its ``k_proj.k_scale`` /
+    ``v_proj.v_scale`` parameters to the write and the read (one rule for
+    vLLM's cache and the trainer's private one).
     """
     t = x_TD.shape[0]
     p = spec.name
@@ -39,7 +44,25 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
     if state is None:  # profiling / dummy run: no cache bound yet
         o_THE = torch.zeros_like(q_THE)
     else:
-        ops.write_kv_cache(k_TGE, v_TGE, state.k_cache, state.v_cache, state.slot_mapping)
+        k_scale, v_scale = kv_scales(spec, params)
+        ops.write_kv_cache(k_TGE, v_TGE, state.k_cache, state.v_cache, state.slot_mapping, k_scale, v_scale)
         o_THE = ops.paged_attention(q_THE, state.k_cache, state.v_cache, state.block_table, batch.seq_idx,
-                                    batch.positions, spec.scale)
+                                    batch.positions, spec.scale, k_scale, v_scale)
     return ops.linear(o_THE.reshape(t, spec.num_heads * spec.head_dim), params[f"{p}.o_proj.weight"], bias("o_proj"))
+
+
+def kv_scales(spec: AttentionSpec, params: Mapping[str, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """``(k_scale, v_scale)`` fp32 ``[]`` parameters of an FP8-KV layer, ``(None, None)`` otherwise.
+
+    Raises:
+        KeyError: an FP8-KV layer whose parameters lack a scale (names it).
+    """
+    if not spec.kv_fp8:
+        return None, None
+    names = spec.kv_scale_names()
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise KeyError(f"{spec.name}: FP8 KV cache (kv_cache_dtype='fp8_e4m3') needs the scale parameters "
+                       f"{missing}")
+    return params[names[0]], params[names[1]]

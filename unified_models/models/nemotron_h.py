@@ -267,6 +267,8 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None,
 
     quant = layer_quantization(config, quant_config)
     packed = _quant_inner(config, quant_config) is not None
+    kv_algo = _kv_algo(config, quant_config)
+    kv_cache_dtype = _kv_cache_dtype(kv_algo)
     blocks = []
     for i, t in enumerate(layer_types):
         prefix = f"backbone.layers.{i}"
@@ -279,7 +281,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None,
                 name=f"{prefix}.mixer", hidden_size=d, num_heads=heads, num_kv_heads=kv_heads,
                 # transformers' NemotronHAttention (and vLLM's) build q/k/v/o without
                 # bias whatever ``attention_bias`` says, so checkpoints never hold one.
-                head_dim=head_dim, bias=False, rope=None,
+                head_dim=head_dim, bias=False, rope=None, kv_cache_dtype=kv_cache_dtype,
             )
         else:  # "mlp"
             mixer = MLPSpec(
@@ -289,8 +291,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None,
         blocks.append(ResidualBlockSpec(index=i, norm=RMSNormSpec(name=f"{prefix}.norm", hidden_size=d, eps=eps), mixer=mixer))
 
     extra: dict[str, Any] = {"pattern": layer_pattern(config)}
-    kv_algo = _kv_algo(config, quant_config)
-    if kv_algo:  # recorded for the KV-cache side (FP8 KV is issue 7 item 5); not applied here
+    if kv_algo:  # applied above: every attention layer's kv_cache_dtype
         extra["kv_cache_quant_algo"] = kv_algo
     # transformers' NemotronHForCausalLM declares no tied weights (``_tied_weights_keys
     # = {}``) and always saves ``lm_head.weight``, whatever ``tie_word_embeddings``
@@ -314,6 +315,17 @@ def _kv_algo(config: Any, quant_config: Mapping | None) -> str | None:
     inner = _quant_inner(config, quant_config) or {}
     kv = inner.get("kv_cache_quant_algo")
     return str(kv).upper() if kv else None
+
+
+def _kv_cache_dtype(kv_algo: str | None) -> str:
+    """``AttentionSpec.kv_cache_dtype`` for a ModelOpt ``kv_cache_quant_algo``: FP8 -> ``"fp8_e4m3"``
+    (per-tensor ``k_scale``/``v_scale``, vLLM's ``kv_cache_dtype="fp8"``), none -> ``"auto"``."""
+    if kv_algo is None:
+        return "auto"
+    if kv_algo == "FP8":
+        return "fp8_e4m3"
+    raise SpecError(f"NemotronH ModelOpt kv_cache_quant_algo={kv_algo!r} is not supported; supported: FP8 "
+                    "(e4m3 KV cache with per-tensor k_scale/v_scale) or none")
 
 
 def _time_step_limit(config: Any) -> tuple[float, float]:

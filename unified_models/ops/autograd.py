@@ -20,8 +20,8 @@ logprobs                    analytic (softmax form, temperature included)
 gather_token_logprobs       analytic (scatter)
 ==========================  ===============================================
 
-Roundings of the forward (bf16 outputs, the KV-cache dtype) pass gradients
-straight through; gradients are computed in fp32 and cast to each input's
+Roundings of the forward (bf16 outputs, the KV-cache dtype, the FP8 KV-cache
+quantization) pass gradients straight through (KV scales get none); gradients are computed in fp32 and cast to each input's
 dtype. Backwards are correct, not batch-invariant.
 
 **Weight-version guard.** Every backward that uses a weight (embedding,
@@ -137,39 +137,45 @@ def apply_rope(x_THE: torch.Tensor, positions_T: torch.Tensor, cos_PR: torch.Ten
 
 
 def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping_T: torch.Tensor) -> None:
+                   slot_mapping_T: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """:func:`ops.attention.write_kv_cache` (in place), remembering differentiable writes.
 
     When ``k_TGE``/``v_TGE`` require grad (grad mode on), the write is also
     recorded on ``k_cache`` so a later :func:`paged_attention` over this cache
     sends gradients back to ``k_TGE``/``v_TGE``. The cache itself never joins
-    the graph. Raises as the op; ``ValueError`` if ``k_cache`` was taped with
-    another ``v_cache``.
+    the graph. ``k_scale``/``v_scale``: fp32 ``[]`` scales of an FP8 cache
+    (constants: no gradient). Raises as the op; ``ValueError`` if ``k_cache``
+    was taped with another ``v_cache``.
     """
     grad = needs_grad(k_TGE, v_TGE)
     if not grad and getattr(k_cache, "_um_kv_tape", None) is None:
-        return _ops.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+        return _ops.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale, v_scale)
     with torch.no_grad():
-        _ops.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+        _ops.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale, v_scale)
     record_write(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, grad)
 
 
 def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE`` and the
     K/V written into this cache by differentiable :func:`write_kv_cache` calls.
 
     Values are the kernel's. Gradients come from a plain-torch causal attention
     recomputed per sequence in the backward; K/V slots no differentiable write
-    covers (earlier chunks) are constants. Shapes and errors as the op.
+    covers (earlier chunks) are constants. An FP8 cache (``k_scale``/``v_scale``)
+    is differentiated at the dequantized values, straight through the
+    quantization. Shapes and errors as the op.
     """
     tape = getattr(k_cache, "_um_kv_tape", None)
     grad_kv = tape is not None and tape.differentiable
     if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv):
-        return _ops.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale)
+        return _ops.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                                    k_scale, v_scale)
     return paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                tape_of(k_cache, v_cache))
+                                tape_of(k_cache, v_cache), k_scale, v_scale)
 
 
 def logprobs(logits_TV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

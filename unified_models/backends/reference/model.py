@@ -10,7 +10,9 @@ step-by-step recurrence, ``gated_rms_norm_reference``; ``moe_route_reference``,
 ``moe_experts_reference``, ``moe_shared_expert_reference``) and round their
 outputs to ``dtype``: plain torch, differentiable. NVFP4 experts compute with
 the dequantized weights (ModelOpt's rule) and pass gradients straight through
-to the masters.
+to the masters. Attention layers with an FP8 KV cache see K and V through the
+cache's write-then-read rule (``ops.attention.kv_fp8_roundtrip`` with the
+layer's ``k_scale``/``v_scale``), gradients straight through.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from ...dsl import AttentionSpec, Mamba2Spec, MLPSpec, ModelSpec, MoESpec, SpecError
+from ...ops.attention import kv_fp8_roundtrip
 from ...ops.mamba2 import causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference, ssd_reference
 from ...ops.moe import moe_experts_reference, moe_route_reference, moe_shared_expert_reference
 from ...ops.nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -76,6 +79,10 @@ class ReferenceModel(nn.Module):
             pos = torch.arange(t, device=x_TD.device)
             q = apply_rope_reference(q, pos, a.rope.rotary_dim, a.rope.theta).to(self.dtype)
             k = apply_rope_reference(k, pos, a.rope.rotary_dim, a.rope.theta).to(self.dtype)
+        if a.kv_fp8:  # the FP8 KV cache's write-then-read rule, straight-through to k and v
+            ks, vs = (self.p(n).detach().float() for n in a.kv_scale_names())
+            k = k + (kv_fp8_roundtrip(k.detach(), ks, k.dtype) - k).detach()
+            v = v + (kv_fp8_roundtrip(v.detach(), vs, v.dtype) - v).detach()
         rep = a.num_heads // a.num_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.einsum("the,she->hts", q, k) * a.scale

@@ -12,6 +12,12 @@ vLLM's ``CommonAttentionMetadata`` fields. ``get_impl_cls`` is never called for 
 layer that implements ``AttentionLayerBase`` itself (integration manual, section 3,
 route A), so it raises.
 
+FP8 KV cache: a spec layer with ``kv_cache_dtype="fp8_e4m3"`` runs with vLLM's
+``kv_cache_dtype`` ``"fp8"``/``"fp8_e4m3"`` (:func:`vllm_kv_cache_dtypes`); vLLM
+allocates such pages as uint8 (both versions), which the model views as
+float8_e4m3fn (:func:`.compat.split_kv_cache`) and writes/reads with the
+layer's ``k_scale``/``v_scale`` through the same ops as the trainer.
+
 Version differences (0.26 needs ``get_kv_cache_shape``) go through
 :mod:`.compat`.
 """
@@ -42,6 +48,21 @@ The CPU attention op walks KV in 16-position tiles inside a block
 (``ops.attention.KV_TILE_CPU``); the Triton kernel looks up each position's
 block on its own, so it accepts any block size. 16 satisfies both; the
 engine default (64) is a multiple of every tile in use."""
+
+
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+"""vLLM ``kv_cache_dtype`` values meaning our FP8 cache (e4m3, per-tensor scales; ``"fp8"`` is an alias)."""
+
+
+def vllm_kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[str, ...]:
+    """The vLLM ``kv_cache_dtype`` values that agree with a spec's ``AttentionSpec.kv_cache_dtype``
+    (the first is what ``engine.make_llm`` passes).
+
+    ``"fp8_e4m3"`` -> ``("fp8_e4m3", "fp8")``; ``"auto"`` -> ``("auto", <model dtype name>)``.
+    """
+    if kv_cache_dtype == "fp8_e4m3":
+        return ("fp8_e4m3", "fp8")
+    return ("auto", str(model_dtype).removeprefix("torch."))
 
 
 @dataclass
@@ -115,7 +136,7 @@ class UnifiedAttentionBackend(AttentionBackend):
     """Backend of :class:`~unified_models.backends.vllm.model.UnifiedAttentionCache` layers."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16", "float32"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16", "float32", *FP8_KV_CACHE_DTYPES]
     forward_includes_kv_cache_update: bool = True
 
     @staticmethod

@@ -50,6 +50,13 @@ Differences handled (file references are inside the ``vllm`` package):
   pre/post-step copies with our copy functions, and its block-size alignment
   with our state page must be confirmed by ``tests/backends/test_vllm_hybrid.py``
   on the H200.
+* **FP8 KV cache** (``kv_cache_dtype="fp8"``/``"fp8_e4m3"``): both versions
+  allocate the pages as ``torch.uint8`` (``STR_DTYPE_TO_TORCH_DTYPE``), so our
+  cache spec declares uint8 too and :func:`split_kv_cache` views the bound
+  tensor as float8_e4m3fn (same element size, any strides). 0.32's
+  ``AttentionSpec`` also carries ``kv_quant_mode`` (``FP8_PER_TENSOR`` for
+  this cache; only used to merge specs), absent in 0.26:
+  :func:`attention_spec_kwargs` sets it where it exists.
 * ``vllm.envs`` caches environment variables after the first engine starts
   (``enable_envs_cache``, both versions); :func:`reset_envs_cache` undoes it so
   that the pins of :func:`~unified_models.backends.vllm.engine.make_llm` apply
@@ -85,6 +92,21 @@ def kv_cache_shape_026(num_blocks: int, block_size: int, num_kv_heads: int, head
     return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
 
+def attention_spec_kwargs(fp8: bool) -> dict[str, Any]:
+    """Extra ``FullAttentionSpec`` fields of an FP8 KV cache in this version (``kv_quant_mode`` in 0.32)."""
+    if not fp8:
+        return {}
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if "kv_quant_mode" not in {f.name for f in dataclasses.fields(FullAttentionSpec)}:
+        return {}
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    return {"kv_quant_mode": KVQuantMode.FP8_PER_TENSOR}
+
+
 def split_kv_cache(kv: torch.Tensor | None, num_kv_heads: int, head_dim: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """K and V ``[N, S, G, E]`` views of the tensor vLLM bound to a layer.
@@ -92,6 +114,7 @@ def split_kv_cache(kv: torch.Tensor | None, num_kv_heads: int, head_dim: int
     Args:
         kv: ``layer.kv_cache``: 0.26 ``[N, 2, S, G, E]``; 0.32 ``[N, G, S, 2E]``
             (any strides); ``None``/empty before the cache is bound (profiling).
+            uint8 (an FP8 cache as vLLM allocates it) is viewed as float8_e4m3fn.
         num_kv_heads: G.
         head_dim: E.
 
@@ -106,6 +129,8 @@ def split_kv_cache(kv: torch.Tensor | None, num_kv_heads: int, head_dim: int
         kv = kv[0] if kv else None
     if kv is None or kv.numel() == 0:
         return None
+    if kv.dtype == torch.uint8:  # FP8 pages (vLLM allocates uint8 for kv_cache_dtype="fp8")
+        kv = kv.view(torch.float8_e4m3fn)
     if kv.dim() == 5 and kv.shape[1] == 2 and kv.shape[3] == num_kv_heads and kv.shape[4] == head_dim:
         return kv[:, 0], kv[:, 1]  # vLLM 0.26: our get_kv_cache_shape
     if kv.dim() == 4 and kv.shape[1] == num_kv_heads and kv.shape[3] == 2 * head_dim:

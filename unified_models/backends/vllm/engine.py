@@ -31,6 +31,11 @@ Why each pin (integration manual sections in brackets):
   is never split (``max_num_batched_tokens`` must be >= ``max_model_len``, which the
   default guarantees). Our kernels give the same bits either way, so on GPU vLLM's
   default (on) is kept.
+* ``kv_cache_dtype`` follows the spec (:func:`kv_cache_dtype_setting`): ``"fp8_e4m3"``
+  when the checkpoint's ModelOpt config has ``kv_cache_quant_algo`` FP8 (the
+  attention layers then write/read e4m3 pages with the checkpoint's
+  ``k_scale``/``v_scale``, as the trainer does), else ``"auto"``; a
+  conflicting user value is refused.
 * Models with Mamba-2 layers load as the hybrid architecture
   (``plugin.model_architecture``: vLLM's ``IsHybrid`` flags, a second KV-cache
   group for the state); prefix caching runs in vLLM's "align" mode and needs
@@ -83,6 +88,31 @@ def check_spec_supported(spec) -> None:
         raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no attention layer; "
                         "the vLLM backend needs at least one ('*'): attention-free (pure Mamba) models are "
                         "not supported")
+
+
+def kv_cache_dtype_setting(spec, requested: str | None) -> str:
+    """vLLM's ``kv_cache_dtype`` for ``spec``: ``"fp8_e4m3"`` when its attention layers declare
+    an FP8 KV cache, else ``"auto"``; a ``requested`` value must agree.
+
+    Raises:
+        SpecError: attention layers declare different KV-cache dtypes.
+        ValueError: ``requested`` conflicts with the spec (e.g. ``"auto"`` for a
+            checkpoint with ModelOpt ``kv_cache_quant_algo`` FP8, or ``"fp8"``
+            for one without): both engines must use the checkpoint's cache.
+    """
+    from ...dsl import SpecError
+    from .attention_backend import vllm_kv_cache_dtypes
+
+    declared = sorted({blk.mixer.kv_cache_dtype for blk in spec.attention_blocks})
+    if len(declared) > 1:
+        raise SpecError(f"{spec.family}: attention layers declare different KV-cache dtypes {declared}; vLLM runs "
+                        "one kv_cache_dtype per engine")
+    allowed = vllm_kv_cache_dtypes(declared[0] if declared else "auto", spec.dtype)
+    if requested is not None and requested not in allowed:
+        raise ValueError(f"make_llm: kv_cache_dtype={requested!r} conflicts with the checkpoint, whose attention "
+                         f"layers declare kv_cache_dtype={declared[0] if declared else 'auto'!r}; allowed: "
+                         f"{list(allowed)} (both engines must quantize the KV cache the same way)")
+    return requested or allowed[0]
 
 
 MAMBA_DTYPE_ARGS = {"mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto", "float32")}
@@ -218,8 +248,9 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
 
     Raises:
         CheckpointError / SpecError: bad checkpoint or config (``validate=True``).
-        ValueError: a block size that is not a multiple of 16, or an engine
-            kwarg that would undo a pin.
+        ValueError: a block size that is not a multiple of 16, an engine
+            kwarg that would undo a pin, or a ``kv_cache_dtype`` that conflicts
+            with the spec's (:func:`kv_cache_dtype_setting`).
     """
     from .attention_backend import KV_BLOCK_MULTIPLE
 
@@ -235,6 +266,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         validate_checkpoint(model_dir)
     spec = _spec(model_dir)
     check_spec_supported(spec)
+    kv_cache_dtype = kv_cache_dtype_setting(spec, engine_kwargs.pop("kv_cache_dtype", None))
     enable_prefix_caching, enable_chunked_prefill = hybrid_engine_settings(
         spec, gpu=gpu, enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill, engine_kwargs=engine_kwargs)
@@ -275,6 +307,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         max_logprobs=max_logprobs,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if enable_chunked_prefill is not None:
         kwargs["enable_chunked_prefill"] = enable_chunked_prefill

@@ -81,7 +81,8 @@ from ...forward import forward_hidden, forward_logprobs
 from ...parameters import allocate_parameters
 from ...state import AttentionState, FlatBatch, MambaState, PagedGroup
 from . import compat
-from .attention_backend import KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata
+from .attention_backend import (KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata,
+                                vllm_kv_cache_dtypes)
 from .mamba_state import (UnifiedMambaCache, UnifiedMambaMetadata, mamba_cache_prefix, model_state_layout,
                           state_copy_funcs)
 
@@ -115,6 +116,16 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
 
     Holds no parameters and computes nothing: vLLM binds the cache tensor to
     ``self.kv_cache`` and the model's forward reads it through :func:`kv_views`.
+
+    FP8 KV cache (``spec.kv_cache_dtype == "fp8_e4m3"``): the engine must run
+    with ``kv_cache_dtype`` ``"fp8_e4m3"``/``"fp8"`` (``engine.make_llm`` sets
+    it); the pages are declared uint8 as vLLM's own layers declare them and
+    viewed as float8_e4m3fn. The scales are the model's ``k_proj.k_scale`` /
+    ``v_proj.v_scale`` parameters (loaded by name like every other tensor).
+
+    Raises:
+        SpecError: vLLM's ``cache_config.cache_dtype`` disagrees with the spec
+            (names the layer and both settings).
     """
 
     def __init__(self, spec: AttentionSpec, layer_name: str, vllm_config) -> None:
@@ -122,6 +133,13 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
         self.spec = spec
         self.layer_name = layer_name
         self.dtype = vllm_config.model_config.dtype
+        self.kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        allowed = vllm_kv_cache_dtypes(spec.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype not in allowed:
+            raise SpecError(
+                f"{spec.name}: the checkpoint declares kv_cache_dtype={spec.kv_cache_dtype!r} but vLLM runs with "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}; both engines must use the spec's cache "
+                f"(allowed: {list(allowed)}; unified_models.backends.vllm.engine.make_llm sets it)")
         self.kv_cache: torch.Tensor = torch.tensor([])
         ctx = vllm_config.compilation_config.static_forward_context
         if layer_name in ctx:
@@ -138,8 +156,10 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
                 f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
                 "(the attention op's KV tile)"
             )
+        fp8 = self.spec.kv_fp8
         return FullAttentionSpec(block_size=block_size, num_kv_heads=self.spec.num_kv_heads,
-                                 head_size=self.spec.head_dim, dtype=self.dtype)
+                                 head_size=self.spec.head_dim, dtype=torch.uint8 if fp8 else self.dtype,
+                                 **compat.attention_spec_kwargs(fp8))
 
     def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache, or ``None``."""

@@ -19,8 +19,12 @@ backward, and the cache write is an in-place copy that carries no graph. So:
   the backward, one sequence at a time, so no attention graph is kept
   between forward and backward (only q, the taped K/V and index vectors).
 
-The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``)
-and passes gradients straight through it. Shapes: T query tokens, H/G
+The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``;
+for an FP8 cache the write-and-read round trip
+``q.dtype(fp32(e4m3(clamp(k / k_scale))) * k_scale)`` of
+:func:`~unified_models.ops.attention.kv_fp8_roundtrip`, so the backward
+differentiates at the values the kernel read) and passes gradients straight
+through it (STE); the scales get no gradient. Shapes: T query tokens, H/G
 query/kv heads, E head dim, N blocks, S block size, Kt keys over all sequences.
 """
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention import kv_fp8_dequantize, kv_fp8_roundtrip
 from . import kernels as _ops
 from .functions import acc
 
@@ -89,11 +94,25 @@ class _Plan:
     ``index [Kt]``: row of each key in ``[cache snapshot rows | write 0 rows | write 1 rows | ...]``.
     """
 
-    def __init__(self, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes: list[_Write]):
+    def __init__(self, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes: list[_Write],
+                 k_scale=None, v_scale=None, read_dtype=None):
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
         self.block_table, self.seq_idx, self.positions = block_table_BN, seq_idx_T, positions_T
         self.writes = writes
         self.cache_dtype = k_cache.dtype
+        self.k_scale, self.v_scale, self.read_dtype = k_scale, v_scale, read_dtype
+
+    def read_const(self, codes: torch.Tensor, which: int) -> torch.Tensor:
+        """Cache contents (earlier chunks) as the kernel reads them."""
+        if self.k_scale is None:
+            return codes
+        return kv_fp8_dequantize(codes, (self.k_scale, self.v_scale)[which], self.read_dtype)
+
+    def read_written(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """A taped K/V row as the kernel reads it back after the write."""
+        if self.k_scale is None:
+            return x.to(self.cache_dtype)
+        return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
 
     def build(self) -> None:
         kc, vc = self.k_cache, self.v_cache
@@ -150,7 +169,7 @@ class PagedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THE, plan: _Plan, *kv):
         out = _ops.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
-                                    plan.positions, plan.scale)
+                                    plan.positions, plan.scale, plan.k_scale, plan.v_scale)
         plan.build()
         ctx.plan = plan
         ctx.save_for_backward(q_THE, *kv)
@@ -160,9 +179,8 @@ class PagedAttentionFn(torch.autograd.Function):
     def backward(ctx, g_THE):
         q_in, *kv = ctx.saved_tensors
         plan = ctx.plan
-        cd = plan.cache_dtype
-        srcs_k = [acc(plan.k_const)] + [acc(t.to(cd)) for t in kv[0::2]]
-        srcs_v = [acc(plan.v_const)] + [acc(t.to(cd)) for t in kv[1::2]]
+        srcs_k = [acc(plan.read_const(plan.k_const, 0))] + [acc(plan.read_written(t, 0)) for t in kv[0::2]]
+        srcs_v = [acc(plan.read_const(plan.v_const, 1))] + [acc(plan.read_written(t, 1)) for t in kv[1::2]]
         k_all, v_all = torch.cat(srcs_k)[plan.index], torch.cat(srcs_v)[plan.index]
         q, g = acc(q_in), acc(g_THE)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
@@ -190,8 +208,11 @@ class PagedAttentionFn(torch.autograd.Function):
 
 
 def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                         tape: KVTape | None) -> torch.Tensor:
-    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q and the taped K/V."""
+                         tape: KVTape | None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q and the taped K/V
+    (FP8 caches: straight through the quantization; the scales are constants)."""
     writes = list(tape.writes) if tape is not None else []
-    plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes)
+    plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes,
+                 None if k_scale is None else k_scale.detach(), None if v_scale is None else v_scale.detach(),
+                 q_THE.dtype)
     return PagedAttentionFn.apply(q_THE, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))

@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import KV_FP8_DTYPE, check_kv_scales
 from ._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, next_pow2, round_to
+from .moe import _e4m3_to_f32
 
 if INTERPRET:
     # Short tiles so that small test sequences still span several tiles.
@@ -41,11 +43,35 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, G, E, S,
+def f32_to_e4m3_bits(x):
+    """fp32 -> float8_e4m3fn bit patterns (int32 0..255): saturate to +-448, round to
+    nearest even (subnormals included), keep the sign (also of zero); NaN -> 0x7F | sign.
+
+    Integer arithmetic on the fp32 bits plus one exact power-of-two scaling and
+    a 2^23 round-to-integer for the subnormal range, so no hardware fp8
+    conversion or unary minus (which drops -0.0 on the GPU) is involved.
+    """
+    u = x.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    is_nan = a > 0x7F800000
+    a = tl.minimum(a, 0x43E00000)  # |x| <= 448 (the bits of non-negative floats are ordered like their values)
+    # normal range (|x| >= 2^-6): drop 20 mantissa bits, ties to even; exponent bias 127 -> 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal range: |x| / 2^-9 rounded to an integer 0..8 (8 = the smallest normal, code 0x08)
+    f = a.to(tl.float32, bitcast=True) * 512.0
+    sub = ((f + 8388608.0) - 8388608.0).to(tl.int32)
+    mag = tl.where(a >= 0x3C800000, normal, sub)
+    mag = tl.where(is_nan, 0x7F, mag)
+    return mag | sign
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, G, E, S,
                      stride_kt, stride_kg, stride_ke, stride_vt, stride_vg, stride_ve,
                      stride_kcb, stride_kcs, stride_kcg, stride_kce,
                      stride_vcb, stride_vcs, stride_vcg, stride_vce,
-                     BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr):
+                     BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -60,13 +86,19 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, G, E, S,
     v = tl.load(v_ptr + t * stride_vt + g[:, None] * stride_vg + e[None, :] * stride_ve, mask=mask, other=0.0)
     kc = kc_ptr + blk * stride_kcb + off * stride_kcs + g[:, None] * stride_kcg + e[None, :] * stride_kce
     vc = vc_ptr + blk * stride_vcb + off * stride_vcs + g[:, None] * stride_vcg + e[None, :] * stride_vce
-    tl.store(kc, round_to(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=store_mask)
-    tl.store(vc, round_to(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=store_mask)
+    if FP8:  # caches are uint8 views of float8_e4m3fn
+        ks = tl.load(ks_ptr)
+        vs = tl.load(vs_ptr)
+        tl.store(kc, f32_to_e4m3_bits(tl.math.div_rn(k.to(tl.float32), ks)).to(tl.uint8), mask=store_mask)
+        tl.store(vc, f32_to_e4m3_bits(tl.math.div_rn(v.to(tl.float32), vs)).to(tl.uint8), mask=store_mask)
+    else:
+        tl.store(kc, round_to(k.to(tl.float32), kc_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(vc, round_to(v.to(tl.float32), vc_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr, ks_ptr, vs_ptr,
         qk_scale, E, S,
         stride_qt, stride_qh, stride_qe,
         stride_kcb, stride_kcs, stride_kcg, stride_kce,
@@ -74,7 +106,7 @@ def _paged_attention_kernel(
         stride_btb, stride_btn,
         stride_ot, stride_oh, stride_oe,
         Q_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-        BLOCK_KV: tl.constexpr, FP32_DOT: tl.constexpr):
+        BLOCK_KV: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     seq = tl.load(seq_ptr + t).to(tl.int64)
@@ -89,6 +121,9 @@ def _paged_attention_kernel(
                 mask=mask_h[:, None] & mask_e[None, :], other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
+    if FP8:
+        ks = tl.load(ks_ptr)
+        vs = tl.load(vs_ptr)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -106,6 +141,8 @@ def _paged_attention_kernel(
         # memory (possibly NaN) never reaches the math.
         kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
                      + e[:, None] * stride_kce, mask=mask_e[:, None] & valid[None, :], other=0.0)
+        if FP8:  # read rule: q.dtype(fp32(e4m3) * k_scale)
+            kt = round_to(_e4m3_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
         if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
             s = interpreter_dot(q, kt).to(tl.float32)
         elif FP32_DOT:
@@ -120,6 +157,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
                     + e[None, :] * stride_vce, mask=valid[:, None] & mask_e[None, :], other=0.0)
+        if FP8:
+            v = round_to(_e4m3_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
         if _INTERP:
             pv = interpreter_dot(pr, v).to(tl.float32)
         elif FP32_DOT:
@@ -138,13 +177,26 @@ def _paged_attention_kernel(
 def _check_cache(name: str, cache: torch.Tensor, G: int, E: int) -> None:
     if cache.dim() != 4 or cache.shape[2] != G or cache.shape[3] != E:
         raise ValueError(f"{name} must be a 4-D [num_blocks, S, {G}, {E}] view, got {tuple(cache.shape)}")
-    if cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} dtype must be bf16/fp16/fp32, got {cache.dtype}")
+    if cache.dtype not in FLOAT_DTYPES and cache.dtype != KV_FP8_DTYPE:
+        raise ValueError(f"{name} dtype must be bf16/fp16/fp32/float8_e4m3fn, got {cache.dtype}")
+
+
+def _kernel_views(k_cache, v_cache, scales):
+    """``(k, v, k_scale, v_scale, fp8)`` kernel arguments: uint8 bit views and the
+    scales for an FP8 cache, the caches themselves (and unused scale pointers) otherwise."""
+    if scales is None:
+        return k_cache, v_cache, k_cache, v_cache, False
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), scales[0], scales[1], True
 
 
 def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
-    """Copy each token's K and V into its cache slot (in place; exact copy cast to the cache dtype).
+                          v_cache: torch.Tensor, slot_mapping_T: torch.Tensor,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write each token's K and V into its cache slot (in place).
+
+    Model-dtype caches get an exact copy cast to the cache dtype; float8_e4m3fn
+    caches get ``e4m3(clamp(div_rn(fp32(k), k_scale), -448, 448))`` (RNE,
+    :func:`f32_to_e4m3_bits`), the same for V.
 
     Args:
         k_TGE: ``[T, G, E]`` keys (bf16/fp16/fp32, any strides).
@@ -153,9 +205,11 @@ def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: tor
         v_cache: same shape as ``k_cache`` (strides may differ).
         slot_mapping_T: int32/int64 ``[T]``; slot = block * S + offset; a
             negative slot marks a padding token and is skipped.
+        k_scale, v_scale: fp32 ``[]`` scales of an FP8 cache (else None).
 
     Raises:
-        ValueError: wrong ranks/shapes/dtypes or devices.
+        ValueError: wrong ranks/shapes/dtypes or devices; missing, superfluous
+            or bad scales (``ops.attention.check_kv_scales``).
     """
     if k_TGE.dim() != 3 or v_TGE.shape != k_TGE.shape:
         raise ValueError(f"write_kv_cache_triton: k {tuple(k_TGE.shape)} and v {tuple(v_TGE.shape)} "
@@ -172,18 +226,21 @@ def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: tor
         raise ValueError(f"write_kv_cache_triton: slot_mapping must be int32/int64 [{T}], got "
                          f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")
     check_device("write_kv_cache_triton", k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T)
+    scales = check_kv_scales("write_kv_cache_triton", k_cache, v_cache, k_scale, v_scale)
     if T == 0:
         return
     S = k_cache.shape[1]
+    kc, vc, ks, vs, fp8 = _kernel_views(k_cache, v_cache, scales)
     _write_kv_kernel[(T,)](
-        k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, G, E, S,
-        *k_TGE.stride(), *v_TGE.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_G=next_pow2(G), BLOCK_E=next_pow2(E), num_warps=4)
+        k_TGE, v_TGE, kc, vc, slot_mapping_T, ks, vs, G, E, S,
+        *k_TGE.stride(), *v_TGE.stride(), *kc.stride(), *vc.stride(),
+        BLOCK_G=next_pow2(G), BLOCK_E=next_pow2(E), FP8=fp8, num_warps=4)
 
 
 def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
-                           positions_T: torch.Tensor, scale: float) -> torch.Tensor:
+                           positions_T: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention (GQA), batch-invariant per token.
 
     Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
@@ -201,13 +258,15 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         positions_T: int32/int64 ``[T]``, position of the token in its own
             sequence; a negative position marks a padding token (zero output).
         scale: softmax scale (e.g. ``E ** -0.5``).
+        k_scale, v_scale: fp32 ``[]`` scales of a float8_e4m3fn cache (else
+            None): K/V tiles are read as ``q.dtype(fp32(e4m3) * scale)``.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype`` (rounded once from fp32).
 
     Raises:
         ValueError: wrong ranks/shapes/dtypes, ``H`` not a multiple of ``G``,
-            devices differ.
+            devices differ; missing, superfluous or bad scales.
 
     Numerics: scores and the online softmax are fp32 (exp2 with the scale
     folded in); on GPU the dot operands are ``q``'s dtype (K/V tiles and the
@@ -240,16 +299,18 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             raise ValueError(f"paged_attention_triton: {name} must be int32/int64 [{T}], got "
                              f"{tuple(idx.shape)} {idx.dtype}")
     check_device("paged_attention_triton", q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
+    scales = check_kv_scales("paged_attention_triton", k_cache, v_cache, k_scale, v_scale)
     out = torch.empty((T, H, E), dtype=q_THE.dtype, device=q_THE.device)
     if T == 0:
         return out
     S = k_cache.shape[1]
     q_per_kv = H // G
     fp32_dot = INTERPRET or q_THE.dtype == torch.float32
+    kc, vc, ks, vs, fp8 = _kernel_views(k_cache, v_cache, scales)
     _paged_attention_kernel[(T, G)](
-        q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, out,
+        q_THE, kc, vc, block_table_BN, seq_idx_T, positions_T, out, ks, vs,
         float(scale) * _LOG2E, E, S,
-        *q_THE.stride(), *k_cache.stride(), *v_cache.stride(), *block_table_BN.stride(), *out.stride(),
+        *q_THE.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *out.stride(),
         Q_PER_KV=q_per_kv, BLOCK_H=max(MIN_BLOCK_H, next_pow2(q_per_kv)), BLOCK_E=max(16, next_pow2(E)),
-        BLOCK_KV=BLOCK_KV, FP32_DOT=fp32_dot, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_KV=BLOCK_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
