@@ -123,28 +123,31 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
         if quantized:
             plain = dequantized_spec(spec)
             masters = dequantize_state_dict(state_dict, spec)
-            ref = ReferenceModel(plain, dtype=torch.float32)
+            ref = ReferenceModel(plain, dtype=torch.float32, device=dev)
             ref.load_state_dict_hf({n: masters[n] for n in plain.parameter_shapes()})
             hf_dir = write_dequantized_checkpoint(model_dir, tmp)
         else:
-            ref = ReferenceModel(spec, dtype=torch.float32)
+            ref = ReferenceModel(spec, dtype=torch.float32, device=dev)
             ref.load_state_dict_hf(state_dict)
             hf_dir = model_dir
-        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(dev)
     hf.eval()
     worst, tokens = 0.0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # true fp32 on both sides
     try:
         with torch.no_grad():
             for ids in prompt_ids:
-                x = torch.tensor(ids)
+                x = torch.tensor(ids, device=dev)
                 theirs = hf(x[None]).logits[0].float()
                 ours = ref.logits(x)
                 worst = max(worst, float((theirs - ours).abs().max()))
                 tokens += len(ids)
     finally:
         torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return {
         "against": f"transformers {type(hf).__name__} (fp32)" + (" on the dequantized weights" if quantized else ""),
         "ours": "unified_models reference backend (fp32)",

@@ -16,13 +16,14 @@ import torch
 from .dsl import ModelSpec, MoESpec
 
 
-def expert_stack_views(spec: ModelSpec, device: torch.device | str,
+def expert_stack_views(spec: ModelSpec, device: torch.device | str | None,
                        dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
     """HF name -> ``buf[e]`` view for every routed expert tensor (one ``[E, ...]`` buffer per field).
 
     Args:
         spec: the model spec.
-        device: where the buffers live.
+        device: where the buffers live (None: torch's current default device, e.g.
+            the one vLLM sets while it builds the model).
         dtypes: stored dtype per name (default :meth:`ModelSpec.parameter_dtypes`).
 
     Returns:
@@ -41,7 +42,7 @@ def expert_stack_views(spec: ModelSpec, device: torch.device | str,
     return views
 
 
-def allocate_parameters(spec: ModelSpec, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def allocate_parameters(spec: ModelSpec, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of ``spec`` (HF name -> uninitialised tensor of its stored dtype), in model order.
 
     Routed experts are views of stacked buffers (:func:`expert_stack_views`).
