@@ -119,6 +119,9 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
 
     # an FP8 KV cache alone also has no transformers counterpart: compare without it
     quantized = spec.is_packed or any(b.mixer.kv_fp8 for b in spec.attention_blocks)
+    # On a CUDA host both fp32 forwards run on the GPU (TF32 off): a 3B-parameter model
+    # single-threaded on the CPU takes minutes. On CPU hosts nothing changes.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory(prefix="um-peer-") as tmp:
         if quantized:
             plain = dequantized_spec(spec)
