@@ -448,14 +448,17 @@ def test_check_nano_reduced_diff_zero(preset, tmp_path, monkeypatch):
 
 
 @needs_cuda
-def test_check_nano_reduced_nvfp4_prefix_caching_chunked_prefill_diff_zero(tmp_path, monkeypatch):
+def test_check_nano_reduced_nvfp4_chunked_prefill_diff_zero(tmp_path, monkeypatch):
     import unified_models.backends.vllm.rollout as rollout_mod
 
     orig = rollout_mod.rollout
 
     def forced(*a, **kw):
+        # vLLM's align-mode prefix caching needs block_size (6784 here: one attention page
+        # holds one Mamba state slot) <= max_num_batched_tokens, so a 256-token budget runs
+        # without it; prefix caching at these widths runs in the default check above
         kw.update(max_num_batched_tokens=FORCED_BATCHED_TOKENS, enable_chunked_prefill=True,
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=False)
         return orig(*a, **kw)
 
     monkeypatch.setattr(rollout_mod, "rollout", forced)
@@ -463,7 +466,7 @@ def test_check_nano_reduced_nvfp4_prefix_caching_chunked_prefill_diff_zero(tmp_p
                                      max_num_seqs=FORCED_MAX_SEQS)
     _assert_check_report(r, status)
     s, sched = spy.settings, spy.schedule()
-    assert s["enable_prefix_caching"] is True and s["mamba_cache_mode"] == "align", s
+    assert s["enable_prefix_caching"] is False, s
     assert s["enable_chunked_prefill"] is True, s
     assert s["max_num_batched_tokens"] == FORCED_BATCHED_TOKENS and s["max_num_seqs"] == FORCED_MAX_SEQS, s
     assert sched["max_tokens_per_step"] <= FORCED_BATCHED_TOKENS, sched

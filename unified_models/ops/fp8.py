@@ -202,7 +202,9 @@ def fp8_weight_scale(w: torch.Tensor) -> torch.Tensor:
         raise ValueError("fp8_weight_scale: empty weight")
     amax = w.detach().abs().amax().float()
     amax = torch.where(amax == 0, torch.full_like(amax, FP8_E4M3_MAX), amax)
-    return amax / FP8_E4M3_MAX
+    # tensor / tensor: IEEE division on every device (CUDA computes tensor / python-scalar
+    # as tensor * (1 / scalar), which can differ by one ulp: the codes would depend on the device)
+    return amax / torch.full_like(amax, FP8_E4M3_MAX)
 
 
 def fp8_quantize_weight(w: torch.Tensor, weight_scale: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -246,7 +248,8 @@ def fp8_input_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """
     a = _scale(amax, amax.device if isinstance(amax, torch.Tensor) else "cpu", "amax")
     a = torch.where((a == 0) | torch.isnan(a), torch.full_like(a, FP8_E4M3_MAX), a)
-    return a.clamp(min=_FP32_TINY, max=_FP32_MAX) / FP8_E4M3_MAX
+    a = a.clamp(min=_FP32_TINY, max=_FP32_MAX)
+    return a / torch.full_like(a, FP8_E4M3_MAX)  # IEEE division on every device (see fp8_weight_scale)
 
 
 def fp8_quantize(w: torch.Tensor, input_scale: torch.Tensor | float) -> FP8Weight:

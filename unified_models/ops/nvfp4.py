@@ -39,8 +39,12 @@ each member. Nemotron-H experts are not gated, so each expert's ``up_proj`` and
 
 Everything here is elementwise or an amax (order-free) in plain torch, so it
 is independent of the batch (weights only) and of reduction order; CPU and
-CUDA both use IEEE fp32 division and round-to-nearest-even casts (checked
-against ModelOpt on CPU; not yet checked bit for bit on the H200).
+CUDA both use IEEE fp32 division (every division is tensor / tensor: torch on
+CUDA turns ``tensor / python_scalar`` into a multiplication by the reciprocal,
+which gave other codes than the CPU's on the H200) and
+round-to-nearest-even casts. Checked against ModelOpt on CPU bit for bit;
+ModelOpt on CUDA divides ``amax`` by the Python constant ``6 * 448`` and so can
+differ from this rule (and from itself on CPU) by one ulp of ``weight_scale_2``.
 """
 
 from __future__ import annotations
@@ -184,7 +188,7 @@ def nvfp4_scale_2(*weights: torch.Tensor) -> torch.Tensor:
     if not weights:
         raise ValueError("nvfp4_scale_2: no weights")
     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-    return amax / (E2M1_MAX * E4M3_MAX)
+    return amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)  # IEEE division on every device (see below)
 
 
 def nvfp4_block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
@@ -235,7 +239,11 @@ def nvfp4_quantize(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None) 
     w = w.detach()
     if weight_scale_2 is None:
         amax = w.abs().amax(dim=(1, 2)) if w.dim() == 3 else w.abs().amax()
-        weight_scale_2 = amax.float() / (E2M1_MAX * E4M3_MAX)
+        amax = amax.float()
+        # tensor / tensor: IEEE division on CPU and CUDA alike. torch on CUDA computes
+        # tensor / python-scalar as tensor * (1 / scalar): one ulp off at times, and then
+        # other codes (seen on the H200); ModelOpt itself inherits that on CUDA.
+        weight_scale_2 = amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     s2 = torch.as_tensor(weight_scale_2).to(device=w.device, dtype=torch.float32)
     if w.dim() == 3 and s2.dim() == 0:
         s2 = s2.expand(w.shape[0]).clone()

@@ -283,7 +283,10 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     architecture = plugin.model_architecture(spec)
 
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(max_model_len, max_num_seqs * 128)
+        # on GPU at least 8192: a hybrid's attention block grows until one page holds a Mamba
+        # state slot (6784 tokens at the Nano-30B widths with an FP8 KV cache), and vLLM's
+        # prefix caching (align mode) needs block_size <= max_num_batched_tokens
+        max_num_batched_tokens = max(max_model_len, max_num_seqs * 128, 8192 if gpu else 0)
     if enable_chunked_prefill is None and not gpu:
         enable_chunked_prefill = False
     kwargs: dict[str, Any] = dict(

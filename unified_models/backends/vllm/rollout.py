@@ -69,7 +69,9 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         temperature: > 0; the rows (and reported logprobs) are ``log_softmax(logits / T)``
             from the logprob op (see ``engine.sampling_params``).
         max_num_batched_tokens: engine token budget per step (default: every
-            prompt fits in one step). Smaller values with
+            prompt fits in one step; on CUDA at least 8192, so a hybrid's attention
+            block, raised until one page holds a Mamba state slot, fits the
+            budget that vLLM's align-mode prefix caching requires). Smaller values with
             ``enable_chunked_prefill=True`` split prompts over several steps.
         enable_chunked_prefill, enable_prefix_caching: passed to ``engine.make_llm``
             (``None``: its defaults).
@@ -104,7 +106,9 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
                              "seeded generator after a partial prefill, which a CPU torch.Generator cannot do); "
                              "pass per_request_seeds=False")
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(longest + max_new_tokens, sum(len(p) for p in prompt_ids))
+        # on GPU at least 8192 (see engine.make_llm: a hybrid's block can exceed the prompts)
+        max_num_batched_tokens = max(longest + max_new_tokens, sum(len(p) for p in prompt_ids),
+                                     8192 if device == "cuda" else 0)
     llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
                    max_num_seqs=max_num_seqs or n, max_logprobs=0, skip_tokenizer_init=True,
                    max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
