@@ -46,18 +46,9 @@ PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 # ----------------------------------------------------------------------------- validation
 
 def _scalar_problems(name: str, t: torch.Tensor | None) -> list[str]:
-    if t is None:
-        return [f"{name} is missing"]
-    if t.numel() != 1:
-        return [f"{name} must be a scalar, got shape {list(t.shape)}"]
-    v = float(t.float().reshape(()))
-    if v != v:
-        return [f"{name} is NaN"]
-    if v in (float("inf"), float("-inf")):
-        return [f"{name} is {v}"]
-    if v <= 0:
-        return [f"{name} is {'zero' if v == 0 else f'negative ({v})'}"]
-    return []
+    from ..ops.scales import scalar_scale_problems
+
+    return scalar_scale_problems(name, t, required=True)
 
 
 def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str) -> None:

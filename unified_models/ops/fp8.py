@@ -94,6 +94,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .scales import scalar_scale_problems
+
 from ._dispatch import map_row_tiles, use_triton
 from .linear import round_f64
 
@@ -498,22 +500,7 @@ def fp8_problems(weight: torch.Tensor | None, weight_scale: torch.Tensor | None,
                 first = [int(i) for i in nan.nonzero()[0]]
                 out.append(f"weight has {int(nan.sum())} NaN element(s) (first at {first})")
     for name, t in (("weight_scale", weight_scale), ("input_scale", input_scale)):
-        if t is None:
-            continue
-        if t.dtype != torch.float32:
-            out.append(f"{name} has dtype {t.dtype}, expected torch.float32")
-        if t.numel() != 1 or t.dim() > 1:
-            out.append(f"{name} must be a scalar ([] or [1]), got shape {list(t.shape)}")
-            continue
-        v = float(t.float().reshape(()))
-        if v != v:
-            out.append(f"{name} is NaN")
-        elif v in (float("inf"), float("-inf")):
-            out.append(f"{name} is {v}")
-        elif v == 0:
-            out.append(f"{name} is zero")
-        elif v < 0:
-            out.append(f"{name} is negative ({v})")
+        out += scalar_scale_problems(name, t, allow_1d=True)
     return out
 
 

@@ -54,6 +54,8 @@ from typing import Mapping
 
 import torch
 
+from .scales import scalar_scale_problems
+
 BLOCK = 16
 """Elements of K per ``weight_scale`` entry."""
 
@@ -340,22 +342,7 @@ def nvfp4_problems(weight: torch.Tensor | None, weight_scale: torch.Tensor | Non
     elif weight is not None and weight.dim() != 2:
         out.append(f"weight must be 2-D [N, K/2], got {list(weight.shape)}")
     for name, t in (("weight_scale_2", weight_scale_2), ("input_scale", input_scale)):
-        if t is None:
-            continue
-        if t.dtype != torch.float32:
-            out.append(f"{name} has dtype {t.dtype}, expected torch.float32")
-        if t.numel() != 1:
-            out.append(f"{name} must be a scalar, got shape {list(t.shape)}")
-            continue
-        v = float(t.float().reshape(()))
-        if v != v:
-            out.append(f"{name} is NaN")
-        elif v in (float("inf"), float("-inf")):
-            out.append(f"{name} is {v}")
-        elif v == 0:
-            out.append(f"{name} is zero")
-        elif v < 0:
-            out.append(f"{name} is negative ({v})")
+        out += scalar_scale_problems(name, t, allow_1d=True)
     return out
 
 

@@ -110,3 +110,17 @@ def round_f64_to(x, dtype: tl.constexpr):
         bits = tl.where(inexact & even & finite, bits + step, bits)
         r = bits.to(tl.float32, bitcast=True)
     return round_to(r, dtype)
+
+
+@triton.jit
+def e4m3_bits_to_f32(b):
+    """Shared by the NVFP4 block scales, the FP8 linear and the FP8 KV cache: float8_e4m3fn bit patterns (int32 0..255) -> fp32, exactly (0x7F/0xFF -> NaN)."""
+    e = (b >> 3) & 15
+    m = b & 7
+    bits = ((e + 120) << 23) | (m << 20)
+    bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, bits)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, bits.to(tl.float32, bitcast=True))
+    # The sign as a bit: Triton lowers unary minus to ``0 - v`` on GPU, which
+    # turns 0x80 (-0.0) into +0.0.
+    vb = v.to(tl.int32, bitcast=True)
+    return tl.where(b >= 128, vb | -2147483648, vb).to(tl.float32, bitcast=True)

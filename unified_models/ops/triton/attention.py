@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from ..attention import KV_FP8_DTYPE, check_kv_scales
-from ._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, next_pow2, round_to
-from .moe import _e4m3_to_f32
+from ._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, e4m3_bits_to_f32, next_pow2, round_to
 
 if INTERPRET:
     # Short tiles so that small test sequences still span several tiles.
@@ -142,7 +141,7 @@ def _paged_attention_kernel(
         kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
                      + e[:, None] * stride_kce, mask=mask_e[:, None] & valid[None, :], other=0.0)
         if FP8:  # read rule: q.dtype(fp32(e4m3) * k_scale)
-            kt = round_to(_e4m3_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
+            kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
         if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
             s = interpreter_dot(q, kt).to(tl.float32)
         elif FP32_DOT:
@@ -158,7 +157,7 @@ def _paged_attention_kernel(
         v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
                     + e[None, :] * stride_vce, mask=valid[:, None] & mask_e[None, :], other=0.0)
         if FP8:
-            v = round_to(_e4m3_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
+            v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
         if _INTERP:
             pv = interpreter_dot(pr, v).to(tl.float32)
         elif FP32_DOT:

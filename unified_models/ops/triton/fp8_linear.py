@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
-from .moe import _e4m3_to_f32
+from ._common import _INTERP, INTERPRET, check_device, e4m3_bits_to_f32, interpreter_dot, round_f64_to, round_to
 
 if INTERPRET:
     # Few, big programs (the interpreter pays per program). [64, 64, 256] fp64 products per
@@ -136,7 +135,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, K,
         for k0 in range(0, K, BLOCK_K):
             a = tl.load(x_ptrs, mask=mask_m & ((k0 + kr) < K), other=0).to(tl.int32)
             b = tl.load(w_ptrs, mask=((k0 + kc) < K) & mask_n, other=0).to(tl.int32)
-            acc64 += interpreter_dot(_e4m3_to_f32(a), _e4m3_to_f32(b))
+            acc64 += interpreter_dot(e4m3_bits_to_f32(a), e4m3_bits_to_f32(b))
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
         y64 = acc64 * s.to(tl.float64)

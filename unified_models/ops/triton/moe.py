@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..moe import expert_counts
 from ..nvfp4 import NVFP4Weight
-from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
+from ._common import _INTERP, INTERPRET, check_device, e4m3_bits_to_f32, interpreter_dot, round_f64_to, round_to
 
 if INTERPRET:
     # Few, big programs (the interpreter pays per program); BLOCK_M stays small
@@ -68,20 +68,6 @@ def gemm_tiles(n: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _e4m3_to_f32(b):
-    """float8_e4m3fn bit patterns (int32 0..255) -> fp32, exactly (0x7F/0xFF -> NaN)."""
-    e = (b >> 3) & 15
-    m = b & 7
-    bits = ((e + 120) << 23) | (m << 20)
-    bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, bits)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, bits.to(tl.float32, bitcast=True))
-    # The sign as a bit: Triton lowers unary minus to ``0 - v`` on GPU, which
-    # turns 0x80 (-0.0) into +0.0.
-    vb = v.to(tl.int32, bitcast=True)
-    return tl.where(b >= 128, vb | -2147483648, vb).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e2m1_to_f32(c):
     """E2M1 codes (int32 0..15) -> fp32 {0, ±0.5, ..., ±6}; code 8 -> +0 (ModelOpt's table)."""
     mi = c & 7
@@ -102,7 +88,7 @@ def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_kn, stride_we, stride_wn, 
         code = (byte >> ((k2 % 2) * 4)) & 15
         sb = tl.load(ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn + (k2 // 16) * stride_sk,
                      mask=mask_kn, other=0).to(tl.int32)
-        blk = _e4m3_to_f32(sb) * ws2
+        blk = e4m3_bits_to_f32(sb) * ws2
         w = round_to(_e2m1_to_f32(code) * blk, dtype)
     else:
         w = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
