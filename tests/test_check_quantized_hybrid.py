@@ -70,3 +70,24 @@ def test_check_on_the_quantized_hybrid_is_diff_zero(quantized_hybrid, tmp_path):
                      "--json", str(small)]) == 0
         shas.append(json.loads(small.read_text())["rollout_sha256"])
     assert shas[0] != shas[1]
+
+
+def test_quantized_preset_equals_the_cli_export(quantized_hybrid, tmp_path):
+    """The preset ``nemotron_h_hybrid_tiny_nvfp4`` is the bf16 preset through the same export (16
+    calibration prompts instead of 8: the static FP8 scales may differ, the NVFP4 codes may not)."""
+    from safetensors.torch import load_file
+
+    from unified_models.presets import build_preset_checkpoint
+
+    _, cli = quantized_hybrid
+    preset = build_preset_checkpoint("nemotron_h_hybrid_tiny_nvfp4", out_dir=tmp_path / "p")
+    assert json.loads((preset / "hf_quant_config.json").read_text()) == json.loads(
+        (cli / "hf_quant_config.json").read_text())
+    a, b = load_file(str(preset / "model.safetensors")), load_file(str(cli / "model.safetensors"))
+    assert set(a) == set(b)
+    experts = [n for n in a if ".experts." in n]
+    assert experts and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in experts
+                           if a[n].dtype in (torch.uint8, torch.float8_e4m3fn))
+    assert all(torch.equal(a[n], b[n]) for n in experts if a[n].dtype == torch.float32)
+    # a second call reuses the directory
+    assert build_preset_checkpoint("nemotron_h_hybrid_tiny_nvfp4", out_dir=tmp_path / "p") == preset
