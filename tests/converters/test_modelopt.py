@@ -158,3 +158,27 @@ def test_hf_nvfp4_megatron_round_trip_is_bitwise(nvfp4_dir, tmp_path):
         (nvfp4_dir / "hf_quant_config.json").read_text())
     assert json.loads((back / "config.json").read_text())["quantization_config"] == json.loads(
         (nvfp4_dir / "config.json").read_text())["quantization_config"]
+
+
+def test_trainer_holds_the_stored_codes_frozen_and_refuses_bad_scales(nvfp4_dir):
+    """The Megatron module loads a ModelOpt checkpoint as stored (codes and scales frozen, bit for bit)
+    and validates scales like the checkpoint loader does."""
+    from unified_models.backends.megatron import (UnifiedMegatronModel, init_parallel_state,
+                                                  transformer_config_from_spec)
+    from unified_models.dsl import SpecError
+
+    _, spec, stored = spec_and_state_dict(nvfp4_dir)
+    init_parallel_state()
+    with pytest.raises(SpecError, match="cannot be randomly initialised.*master_spec"):
+        UnifiedMegatronModel(spec, device="cpu")
+    m = UnifiedMegatronModel(spec, transformer_config_from_spec(spec, perform_initialization=False), device="cpu")
+    m.load_hf_state_dict(stored)
+    params = dict(m.named_parameters())
+    n = "backbone.layers.3.mixer.experts.4.down_proj.weight"
+    assert params[n].dtype == torch.uint8 and torch.equal(params[n], stored[n]) and not params[n].requires_grad
+    assert not params["backbone.layers.3.mixer.gate.e_score_correction_bias"].requires_grad
+    assert params["backbone.layers.3.mixer.gate.weight"].requires_grad
+    bad = dict(stored)
+    bad["backbone.layers.6.mixer.experts.3.up_proj.weight_scale_2"] = torch.tensor(0.0)
+    with pytest.raises(CheckpointError, match=r"layer 6: bad expert ids \[3\].*weight_scale_2 is zero"):
+        m.load_hf_state_dict(bad)

@@ -266,11 +266,16 @@ class UnifiedMegatronModel(MegatronModule):
         """Copy a canonical ``{HF name: tensor}`` state dict into the parameters (in place).
 
         Raises:
-            CheckpointError: missing, unexpected or mis-shaped tensors (all named), NaN/Inf.
+            CheckpointError: missing, unexpected or mis-shaped tensors (all named), NaN/Inf,
+                bad quantization scales (missing, zero, negative, NaN, Inf; named).
         """
         from ...converters.hf_safetensors import validate_state_dict
 
         validate_state_dict(dict(state_dict), self.spec, source="state_dict")
+        if self.spec.frozen_parameter_names():  # quantization scales / codes: zero, NaN, Inf are errors
+            from ...converters.modelopt import validate_quantized
+
+            validate_quantized(state_dict, self.spec, source="state_dict")
         for name, p in self.named_parameters():
             p.copy_(state_dict[name].to(device=p.device, dtype=p.dtype))
 
