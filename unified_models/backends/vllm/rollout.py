@@ -85,6 +85,7 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
 
     Raises:
         ValueError: temperature <= 0; per-request seeds with chunked prefill on the CPU.
+        CheckpointError: the model produced a NaN logprob (an overflowing weight or scale).
         RuntimeError: vLLM returned a logprob that differs from the recorded row
             (the tap and the sampler disagree: a bug, never ignored).
     """
@@ -130,6 +131,13 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
             rows = rec.rows_for(out.request_id) if full_vocab_rows != 0 else {}
             for j, (t, lp) in enumerate(zip(toks, lps)):
                 pos = len(prompt_ids[i]) + j - 1
+                if lp != lp:
+                    from ...dsl import CheckpointError
+
+                    raise CheckpointError(
+                        f"{model_dir}: the model's logprob is NaN at prompt {i} token {j}: a weight or "
+                        "quantization scale makes the forward overflow (e.g. a huge weight_scale_2); "
+                        "check the checkpoint")
                 if rows:
                     row = rows.get(pos)
                     if row is None:
