@@ -91,3 +91,27 @@ def test_quantized_preset_equals_the_cli_export(quantized_hybrid, tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in experts if a[n].dtype == torch.float32)
     # a second call reuses the directory
     assert build_preset_checkpoint("nemotron_h_hybrid_tiny_nvfp4", out_dir=tmp_path / "p") == preset
+
+
+def test_an_overflowing_scale_is_a_clear_error_not_a_pass(quantized_hybrid, tmp_path, capsys):
+    """A finite but absurd scale passes the load checks; the NaN logits it causes must fail the peer
+    (never count as a perfect match) and stop the rollout with a clear error (exit 2)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from unified_models.check import peer_check
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+    _, out = quantized_hybrid
+    bad = tmp_path / "huge"
+    shutil.copytree(out, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["backbone.layers.3.mixer.experts.5.up_proj.weight_scale_2"] = torch.tensor(1e30)
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    _, spec, sd = spec_and_state_dict(bad)
+    peer = peer_check(spec, sd, bad, [list(range(1, 40))], 1e-4)
+    assert peer["max_abs_logit_diff"] == float("inf") and not peer["within_tolerance"]
+    capsys.readouterr()
+    assert main(["check", "--model", str(bad), "--num-prompts", "2", "--max-new-tokens", "8"]) == 2
+    assert "logprob is NaN at prompt" in capsys.readouterr().err
