@@ -87,56 +87,11 @@ def random_prompts(workload: dict, seed: int, vocab_size: int) -> list[list[int]
 
 
 # --------------------------------------------------------------------------- worker (one engine per process)
-def _model_class(llm) -> str:
-    """``module.Class`` of the model the engine really runs (CUDA-graph / compile wrappers stripped)."""
-    from unified_models.backends.vllm import compat
-
-    m = compat.model_runner(llm).get_model()
-    for _ in range(4):
-        if type(m).__name__.endswith("ForCausalLM"):
-            break
-        inner = getattr(m, "unwrap", None)
-        if callable(inner):
-            m = inner()
-        elif hasattr(m, "runnable"):
-            m = m.runnable
-        else:
-            break
-    return f"{type(m).__module__}.{type(m).__name__}"
-
-
 def _engine_settings(llm) -> dict:
-    """What the engine actually ran with (each field best effort across vLLM versions)."""
-    cfg = llm.llm_engine.vllm_config
+    """What the engine actually ran with (``unified_models.backends.vllm.engine.engine_settings``)."""
+    from unified_models.backends.vllm.engine import engine_settings
 
-    def get(obj, *names):
-        for n in names:
-            if hasattr(obj, n):
-                v = getattr(obj, n)
-                return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
-        return None
-
-    out = {
-        "model_class": None,
-        "enforce_eager": get(cfg.model_config, "enforce_eager"),
-        "dtype": get(cfg.model_config, "dtype"),
-        "max_model_len": get(cfg.model_config, "max_model_len"),
-        "compilation_mode": get(cfg.compilation_config, "mode", "level"),
-        "cudagraph_mode": get(cfg.compilation_config, "cudagraph_mode"),
-        "enable_prefix_caching": get(cfg.cache_config, "enable_prefix_caching"),
-        "mamba_cache_mode": get(cfg.cache_config, "mamba_cache_mode"),
-        "mamba_ssm_cache_dtype": get(cfg.cache_config, "mamba_ssm_cache_dtype"),
-        "block_size": get(cfg.cache_config, "block_size"),
-        "num_gpu_blocks": get(cfg.cache_config, "num_gpu_blocks"),
-        "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
-        "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),
-        "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
-    }
-    try:
-        out["model_class"] = _model_class(llm)
-    except Exception as e:  # the settings are informative; the class check below needs it
-        out["model_class"] = f"unknown ({type(e).__name__}: {e})"
-    return out
+    return engine_settings(llm)
 
 
 def _start_engine(which: str, plan: dict):

@@ -102,38 +102,9 @@ def _checkpoint(preset: str) -> Path:
 # ------------------------------------------------------------------------- helpers
 def engine_settings(llm) -> dict:
     """The class the engine runs and the settings vLLM resolved (best effort per field)."""
-    from unified_models.backends.vllm import compat
+    from unified_models.backends.vllm.engine import engine_settings as settings
 
-    cfg = llm.llm_engine.vllm_config
-
-    def get(obj, *names):
-        for n in names:
-            if hasattr(obj, n):
-                v = getattr(obj, n)
-                return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
-        return None
-
-    m = compat.model_runner(llm).get_model()
-    for _ in range(4):
-        if type(m).__name__.endswith("ForCausalLM"):
-            break
-        inner = getattr(m, "unwrap", None)
-        m = inner() if callable(inner) else getattr(m, "runnable", m)
-    return {
-        "model_class": f"{type(m).__module__}.{type(m).__name__}",
-        "enforce_eager": get(cfg.model_config, "enforce_eager"),
-        "dtype": get(cfg.model_config, "dtype"),
-        "max_model_len": get(cfg.model_config, "max_model_len"),
-        "logprobs_mode": get(cfg.model_config, "logprobs_mode"),
-        "cudagraph_mode": get(cfg.compilation_config, "cudagraph_mode"),
-        "enable_prefix_caching": get(cfg.cache_config, "enable_prefix_caching"),
-        "mamba_cache_mode": get(cfg.cache_config, "mamba_cache_mode"),
-        "mamba_ssm_cache_dtype": get(cfg.cache_config, "mamba_ssm_cache_dtype"),
-        "block_size": get(cfg.cache_config, "block_size"),
-        "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
-        "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),
-        "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
-    }
+    return settings(llm)
 
 
 def _stats(x) -> dict:

@@ -531,3 +531,55 @@ def generate_token_ids(llm, prompts: Iterable[list[int]], sampling_params, *, us
 
     return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling_params,
                         use_tqdm=use_tqdm)
+
+
+def engine_model_class(llm) -> str:
+    """``module.Class`` of the model an engine really runs (CUDA-graph / compile wrappers stripped)."""
+    m = compat.model_runner(llm).get_model()
+    for _ in range(4):
+        if type(m).__name__.endswith("ForCausalLM"):
+            break
+        inner = getattr(m, "unwrap", None)
+        if callable(inner):
+            m = inner()
+        elif hasattr(m, "runnable"):
+            m = m.runnable
+        else:
+            break
+    return f"{type(m).__module__}.{type(m).__name__}"
+
+
+def engine_settings(llm) -> dict:
+    """The model class and the settings vLLM resolved for ``llm`` (for reports; each field best
+    effort across vLLM versions, None where a version lacks it)."""
+    cfg = llm.llm_engine.vllm_config
+
+    def get(obj, *names):
+        for n in names:
+            if hasattr(obj, n):
+                v = getattr(obj, n)
+                return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+        return None
+
+    out = {
+        "model_class": None,
+        "enforce_eager": get(cfg.model_config, "enforce_eager"),
+        "dtype": get(cfg.model_config, "dtype"),
+        "max_model_len": get(cfg.model_config, "max_model_len"),
+        "logprobs_mode": get(cfg.model_config, "logprobs_mode"),
+        "compilation_mode": get(cfg.compilation_config, "mode", "level"),
+        "cudagraph_mode": get(cfg.compilation_config, "cudagraph_mode"),
+        "enable_prefix_caching": get(cfg.cache_config, "enable_prefix_caching"),
+        "mamba_cache_mode": get(cfg.cache_config, "mamba_cache_mode"),
+        "mamba_ssm_cache_dtype": get(cfg.cache_config, "mamba_ssm_cache_dtype"),
+        "block_size": get(cfg.cache_config, "block_size"),
+        "num_gpu_blocks": get(cfg.cache_config, "num_gpu_blocks"),
+        "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
+        "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),
+        "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
+    }
+    try:
+        out["model_class"] = engine_model_class(llm)
+    except Exception as e:  # noqa: BLE001 - informative field; callers that need the class check it
+        out["model_class"] = f"unknown ({type(e).__name__}: {e})"
+    return out
