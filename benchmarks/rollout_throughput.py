@@ -164,6 +164,35 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
     }
 
 
+def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> dict:
+    """One more (shortened) run of ``w`` under the torch profiler: top CUDA kernels by total time.
+
+    Output tokens are capped at ``plan["profile_max_tokens"]``; the table (top 25 kernels
+    by self CUDA time) goes to ``out_dir/profile_<engine>_<workload>.txt``.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
+    out_len = min(w["output_len"], plan["profile_max_tokens"])
+    params = _sampling_params(which, plan, len(prompts), out_len)
+    _sync(plan["device"])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(plan["device"])
+        wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+              or getattr(e, "self_device_time_total", 0) > 0]
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    name = f"profile_{which}_{w['name'].replace('/', '-')}.txt"
+    (out_dir / name).write_text(f"{which} {w['name']} (output capped at {out_len}): wall {wall:.3f} s, "
+                                f"GPU kernel time {total_us / 1e6:.3f} s\n{table}\n")
+    return {"file": name, "wall_s": round(wall, 3), "gpu_kernel_s": round(total_us / 1e6, 3), "output_len": out_len}
+
+
 def worker(which: str, plan_path: str, result_path: str) -> None:
     """Child process: start one engine, run every workload, write ``result_path`` after each step."""
     plan = json.loads(Path(plan_path).read_text())
@@ -211,6 +240,12 @@ def worker(which: str, plan_path: str, result_path: str) -> None:
             except Exception as e:
                 res["workloads"][w["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 sys.stderr.write(traceback.format_exc())
+            if plan.get("profile") and "tok_s" in res["workloads"][w["name"]]:
+                try:
+                    res["workloads"][w["name"]]["profile"] = _profile_workload(
+                        llm, which, plan, w, Path(plan["profile_dir"]))
+                except Exception as e:
+                    res["workloads"][w["name"]]["profile"] = {"error": f"{type(e).__name__}: {e}"}
             save()
             r = res["workloads"][w["name"]]
             print(f"[{which}] {w['name']}: " + (f"{r['tok_s']:.1f} tok/s ({r['seconds']} s)" if "tok_s" in r
@@ -320,6 +355,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
     ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one more run per workload under the torch profiler; the top "
+                         "kernels go to <log dir>/profile_<engine>_<workload>.txt")
+    ap.add_argument("--profile-max-tokens", type=int, default=64, help="output tokens of the profiled run")
     ap.add_argument("--json", dest="json_out", default=str(DEFAULT_JSON))
     ap.add_argument("--log-dir", default=None, help="engine logs (default: the JSON's directory)")
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
@@ -371,6 +410,7 @@ def main(argv=None) -> int:
     json_out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else json_out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
+    plan.update(profile=args.profile, profile_max_tokens=args.profile_max_tokens, profile_dir=str(log_dir))
     n_params = sum(torch.Size(s).numel() for s in spec.parameter_shapes().values())
     print(f"model {model_dir} (pattern {spec.extra.get('pattern')}, {n_params / 1e9:.3f}B params, "
           f"checkpoint ready in {checkpoint_s:.1f} s), device {device}", flush=True)
