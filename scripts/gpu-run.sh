@@ -2,6 +2,11 @@
 # On the H200 (after `.gpu/install.sh a|b|c`): install the project and run one
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
+#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench   (issue 8; not part of `all`)
+# perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py (~3 min).
+# graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
+#   graphs off, graph replay == eager (~6 min). dense-bench: benchmarks/rollout_throughput.py on
+#   nemotron_h_dense_bench, the three issue-8 workloads, ours vs native, with --profile (~9 min).
 # rl: UM_RL_STEPS (default 100) and extra flags in UM_RL_ARGS (e.g. "--lr 1e-6").
 # hybrid: tests/gpu/test_hybrid_gpu.py = hybrid-peer (peer vs vLLM's native NemotronHForCausalLM,
 #   ~4-5 min) + hybrid-check (`check` on nemotron_3_nano_reduced, 64 x 256, default and with prefix
@@ -54,6 +59,22 @@ if [ "$stage" = hybrid-bench ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced --workloads 256x128/512 64x256/2048 \
     --engine-timeout-s 280 --json "$OUT/rollout_throughput.json" > "$OUT/hybrid_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING" "$OUT/hybrid_bench.log" | tail -20
+fi
+if [ "$stage" = perf-ops ]; then
+  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_ops_gpu.py tests/gpu/test_hybrid_ops_gpu.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/perf_ops.log" | grep -vE "DEBUG" | tail -30; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 benchmarks/gemm_configs.py --json "$OUT/gemm_configs.json" 2>&1 | tee "$OUT/gemm_configs.log" | tail -25
+fi
+if [ "$stage" = graphs ]; then
+  python3 -m pytest -q -m gpu tests/gpu/test_check_gpu.py -s -p no:cacheprovider 2>&1 | tee "$OUT/graphs.log" \
+    | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -60; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = dense-bench ]; then
+  nano_checkpoint nemotron_h_dense_bench
+  python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
+    --repeats 1 --warmup-requests 8 --profile --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
+    > "$OUT/dense_bench.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench.log" | tail -20
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \

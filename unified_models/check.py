@@ -51,6 +51,7 @@ class CheckOptions:
     peer_tolerance: float = 1e-4
     peer_prompts: int = 2
     full_vocab_rows: int = -1
+    cuda_graphs: bool | None = None
     json_out: str | None = None
 
 
@@ -70,6 +71,7 @@ class CheckReport:
     rollout_sha256: str = ""
     options: dict = field(default_factory=dict)
     timings_s: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -195,6 +197,10 @@ def run_check(opts: CheckOptions) -> int:
         from .converters.hf_safetensors import spec_and_state_dict
 
         _, spec, state_dict = spec_and_state_dict(model_dir)
+    if opts.cuda_graphs:  # refuse before any work (None/False need no check)
+        from .backends.vllm.engine import cuda_graph_settings
+
+        cuda_graph_settings(spec, gpu=device == "cuda", cuda_graphs=True)
     if opts.max_new_tokens >= spec.max_position_embeddings:
         raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
                                  f"max_position_embeddings is {spec.max_position_embeddings}")
@@ -227,7 +233,7 @@ def run_check(opts: CheckOptions) -> int:
         ro = rollout(model_dir, prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
                      temperature=opts.temperature,
                      device=device, stop_at_eos=opts.stop_at_eos, max_num_seqs=opts.max_num_seqs,
-                     full_vocab_rows=opts.full_vocab_rows)
+                     full_vocab_rows=opts.full_vocab_rows, cuda_graphs=opts.cuda_graphs)
     timings["rollout"] = time.perf_counter() - t0
     n_gen = sum(len(c) for c in ro.completions)
     console.log(f"rollout: {n_gen} tokens in {timings['rollout']:.1f} s")
@@ -249,7 +255,7 @@ def run_check(opts: CheckOptions) -> int:
         model=str(model_dir), device=device, num_prompts=len(prompt_ids), max_new_tokens=opts.max_new_tokens,
         seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
         peer=peer, rollout_sha256=rollout_digest(ro.completions, rollout_lp), options={k: v for k, v in vars(opts).items() if k != "json_out"},
-        timings_s={k: round(v, 2) for k, v in timings.items()},
+        timings_s={k: round(v, 2) for k, v in timings.items()}, engine=ro.engine,
     )
     print_report(report, out)
     if opts.json_out:
@@ -273,5 +279,8 @@ def print_report(r: CheckReport, console: Console) -> None:
     t.add_row(f"full_vocab_max_abs_diff ({r.full_vocab_rows} rows)", repr(r.full_vocab_max_abs_diff))
     t.add_row("peer max_abs_logit_diff", f"{r.peer['max_abs_logit_diff']:.3g} (tol {r.peer['tolerance']:g})")
     t.add_row("rollout sha256 (tokens + logprob bits)", r.rollout_sha256[:16])
+    if r.engine:
+        mode = str(r.engine.get("cudagraph_mode")).rsplit(".", 1)[-1]
+        t.add_row("rollout CUDA graphs", f"on ({mode})" if r.engine.get("cuda_graphs") else "off (eager)")
     t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else "[red]FAIL[/red]")
     console.print(t)

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--peer-prompts", type=_positive(int), default=2, help="prompts used for the peer check")
     c.add_argument("--full-vocab-rows", type=_at_least(-1), default=-1,
                    help="how many sampled positions compare whole logprob rows (-1 = all)")
+    c.add_argument("--cuda-graphs", type=_on_off, default=None, metavar="{on,off}",
+                   help="rollout decode steps in CUDA graphs (default: on for cuda with attention-only models; "
+                        "hybrid models and the CPU run eagerly); the report says which ran")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
 
     _add_rl_parser(sub)
@@ -187,6 +190,13 @@ def _quantize(args) -> int:
                           kv_cache=none(args.kv_cache), calibration_token_ids=ids, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
+
+
+def _on_off(text: str) -> bool:
+    """``on`` -> True, ``off`` -> False (argparse type)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off', got {text!r}")
+    return text == "on"
 
 
 def main(argv: list[str] | None = None) -> int:

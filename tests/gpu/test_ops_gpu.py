@@ -5,8 +5,11 @@ The interpreter is trivially batch-invariant; the GPU is where the contract
 a row/token computed alone, in prefixes ``x[:m]`` (the cuBLAS failure mode),
 in random bigger batches, permutations and with padding; attention in one
 prefill == chunked prefill == token-by-token decode, for several cache block
-sizes and random block tables; CUDA-graph replay == eager. Plus kernel vs fp64
-oracle within dtype tolerance.
+sizes and random block tables; CUDA-graph replay == eager. Attention over
+~3000-position contexts (several query tiles and KV splits) at the 8B and Nano
+widths: prefill == chunked prefill == token-by-token decode, a sequence alone ==
+in a batch of 8, a decode step replayed from a CUDA graph (batch 1, 8, 64) ==
+eager. Plus kernel vs fp64 oracle within dtype tolerance.
 """
 
 from __future__ import annotations
@@ -323,6 +326,201 @@ def test_attention_cuda_graph_equals_eager(attn_seqs, gen):
     g.replay()
     torch.cuda.synchronize()
     assert_bitwise(static_out, eager, "attention graph replay vs eager")
+
+
+# --------------------------------------------------------------------------- attention: query tiles and KV splits
+#
+# The read path runs query tiles (consecutive tokens of one sequence x the q heads of one kv head)
+# over KV splits of SPLIT_KV = 1024 absolute positions, merged in a second kernel. Contexts of
+# ~3000 positions cross two split edges; every property is bitwise, at the 8B widths (32 q / 8 kv
+# heads) and the Nano widths (32 q / 2 kv heads), head dim 128, bf16.
+
+LONG = 3000
+WIDTHS = {"8b": (32, 8), "nano": (32, 2)}
+
+
+def _seqs(lengths, Hq, Gk, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return [dict(q=torch.randn(n, Hq, E, generator=gen, device=DEV).to(torch.bfloat16),
+                 k=(torch.randn(n, Gk, E, generator=gen, device=DEV) * 2).to(torch.bfloat16),
+                 v=torch.randn(n, Gk, E, generator=gen, device=DEV).to(torch.bfloat16)) for n in lengths]
+
+
+class FlatPaged:
+    """A bf16 paged cache for ``seqs`` (random block permutation, block size S, K/V strided views of
+    one NaN-filled allocation, stale block-table entries) and steps given as flat token lists."""
+
+    def __init__(self, seqs, S, gen):
+        from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
+
+        self.write, self.attend = write_kv_cache_triton, paged_attention_triton
+        self.seqs, self.S, self.gen = seqs, S, gen
+        self.lens = [s["q"].shape[0] for s in seqs]
+        self.offsets = torch.tensor([0] + self.lens).cumsum(0).to(DEV)
+        self.q, self.k, self.v = (torch.cat([s[n] for s in seqs]) for n in "qkv")
+        self.Hq, self.Gk = self.q.shape[1], self.k.shape[1]
+        need = [-(-n // S) for n in self.lens]
+        nb = sum(need) + 5
+        self.buf = torch.full((nb, 2, S, self.Gk, E), float("nan"), dtype=torch.bfloat16, device=DEV)
+        self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
+        bt = torch.randint(0, nb, (len(seqs), max(need) + 3), generator=gen, dtype=torch.int32)
+        perm = torch.randperm(nb, generator=gen)
+        used = 0
+        for b, n in enumerate(need):
+            bt[b, :n] = perm[used:used + n].int()
+            used += n
+        self.bt = bt.to(DEV)
+        self.out = torch.full_like(self.q, float("nan"))
+
+    def step(self, seq, pos):
+        """``seq``/``pos``: int64 [T] (on any device), ``pos < 0`` = padding token."""
+        seq, pos = seq.to(DEV), pos.to(DEV)
+        real = pos >= 0
+        flat = self.offsets[seq] + pos.clamp(min=0)
+        n = seq.shape[0]
+        junk = lambda *s: (torch.randn(*s, generator=self.gen) * 100).to(DEV, torch.bfloat16)  # noqa: E731
+        q = torch.where(real[:, None, None], self.q[flat], junk(n, self.Hq, E))
+        k = torch.where(real[:, None, None], self.k[flat], junk(n, self.Gk, E))
+        v = torch.where(real[:, None, None], self.v[flat], junk(n, self.Gk, E))
+        slots = torch.where(real, self.bt[seq, pos.clamp(min=0) // self.S].long() * self.S + pos % self.S, -1)
+        self.write(k, v, self.k_cache, self.v_cache, slots)
+        o = self.attend(q, self.k_cache, self.v_cache, self.bt, seq.int(), pos, SCALE)
+        self.out[flat[real]] = o[real]
+        assert bool((o[~real] == 0).all()), "padding tokens must give zeros"
+        return o
+
+    def run(self, chunks, n_pad=0):
+        """One step of ``chunks`` = [(seq, start, end)] in this order, then ``n_pad`` padding tokens."""
+        seq = torch.cat([torch.full((e - s,), b) for b, s, e in chunks] + [torch.zeros(n_pad, dtype=torch.int64)])
+        pos = torch.cat([torch.arange(s, e) for _, s, e in chunks] + [torch.full((n_pad,), -1)])
+        return self.step(seq, pos)
+
+    def token(self, b):
+        return self.out[int(self.offsets[b]):int(self.offsets[b + 1])]
+
+
+def test_attention_constants_are_model_constants():
+    from unified_models.ops.triton import attention as tri
+
+    assert tri.SPLIT_KV == 1024 and tri.BLOCK_KV == 64 and tri.SPLIT_KV % tri.BLOCK_KV == 0
+    assert tri.tile_shape(32, 8) == (4, 64, 16) and tri.tile_shape(32, 2) == (16, 64, 4)
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+def test_attention_long_context_prefill_chunked_decode(width, gen):
+    """One ~3000-token sequence: prefill in one call == chunked prefill cut at 1, 63, 64, 1000,
+    1025 (one cut at a time, and all at once) == decode token by token from position 0."""
+    Hq, Gk = WIDTHS[width]
+    seqs = _seqs([LONG], Hq, Gk, seed=11)
+    base = FlatPaged(seqs, 16, gen)
+    base.run([(0, 0, LONG)], n_pad=5)
+    assert bool(torch.isfinite(base.out).all())
+    cut_sets = [(c,) for c in (1, 63, 64, 1000, 1025)] + [(1, 63, 64, 1000, 1025)]
+    for cuts in cut_sets:
+        r = FlatPaged(seqs, 32, gen)
+        bounds = [0, *cuts, LONG]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            r.run([(0, a, b)], n_pad=int(torch.randint(0, 4, (1,), generator=gen)))
+        assert_bitwise(r.out, base.out, f"{width}: chunked at {cuts} vs prefill")
+    d = FlatPaged(seqs, 16, gen)
+    for p in range(LONG):
+        d.step(torch.tensor([0]), torch.tensor([p]))
+    assert_bitwise(d.out, base.out, f"{width}: token-by-token decode vs prefill")
+    from unified_models.ops.attention import dense_causal_attention_reference
+
+    s = seqs[0]
+    exact = dense_causal_attention_reference(s["q"].double(), s["k"].double(), s["v"].double(), SCALE)
+    torch.testing.assert_close(base.out.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+def test_attention_long_context_batch_composition(width, gen):
+    """The same ~3000-token sequence alone == with 7 other sequences of other lengths (before and
+    after it, padding between), in prefill and in decode steps at positions around the split edges."""
+    Hq, Gk = WIDTHS[width]
+    others = [17, 500, 1023, 1025, 2048, 2999, 3500]
+    seqs = _seqs([LONG] + others, Hq, Gk, seed=12)
+    alone = FlatPaged(seqs, 16, gen)
+    alone.run([(0, 0, LONG)])
+    for trial in range(2):
+        mixed = FlatPaged(seqs, 16 * (trial + 1), gen)
+        order = torch.randperm(len(seqs), generator=gen).tolist()
+        seq = torch.cat([torch.full((seqs[b]["q"].shape[0],), b) for b in order])
+        pos = torch.cat([torch.arange(seqs[b]["q"].shape[0]) for b in order])
+        for _ in range(9):  # padding tokens at random places
+            i = int(torch.randint(0, seq.shape[0] + 1, (1,), generator=gen))
+            seq = torch.cat([seq[:i], torch.zeros(1, dtype=torch.int64), seq[i:]])
+            pos = torch.cat([pos[:i], torch.full((1,), -1), pos[i:]])
+        mixed.step(seq, pos)
+        assert_bitwise(mixed.token(0), alone.token(0), f"{width}: prefill alone vs in a batch of 8 ({trial})")
+        # decode steps: sequence 0 at a few positions, with the others at random positions
+        for p in (0, 1023, 1024, 2047, 2048, LONG - 1):
+            want = alone.out[p:p + 1]
+            for n_others in (0, 7):
+                bs = [0] + torch.randperm(len(others), generator=gen)[:n_others].add(1).tolist()
+                ps = [p] + [int(torch.randint(0, seqs[b]["q"].shape[0], (1,), generator=gen)) for b in bs[1:]]
+                perm = torch.randperm(len(bs), generator=gen).tolist()
+                s_t = torch.tensor([bs[i] for i in perm] + [0])
+                p_t = torch.tensor([ps[i] for i in perm] + [-1])
+                o = mixed.attend(mixed.q[mixed.offsets[s_t.to(DEV)] + p_t.to(DEV).clamp(min=0)], mixed.k_cache,
+                                 mixed.v_cache, mixed.bt, s_t.to(DEV).int(), p_t.to(DEV), SCALE)
+                where = perm.index(0)
+                assert_bitwise(o[where:where + 1], want, f"{width}: decode p={p} with {n_others} others")
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_attention_cuda_graph_decode_step_long(width, batch, gen):
+    """A decode step captured in a CUDA graph (static q/seq_idx/positions buffers, no host sync in
+    the capture) and replayed with new contents (positions across 1-3 splits, padding) == eager."""
+    from unified_models.ops.triton.attention import paged_attention_triton
+
+    Hq, Gk = WIDTHS[width]
+    S, n_seq = 16, 64
+    lens = torch.randint(1, LONG + 1, (n_seq,), generator=gen)
+    lens[:4] = torch.tensor([LONG, 1024, 1025, 2049])
+    need = (lens + S - 1) // S
+    nb = int(need.sum()) + 3
+    g_dev = torch.Generator(device=DEV).manual_seed(5)
+    buf = torch.randn((nb, 2, S, Gk, E), generator=g_dev, device=DEV).to(torch.bfloat16)
+    k_cache, v_cache = buf[:, 0], buf[:, 1]
+    bt = torch.randint(0, nb, (n_seq, int(need.max()) + 2), generator=gen, dtype=torch.int32)
+    perm = torch.randperm(nb, generator=gen)
+    used = 0
+    for b in range(n_seq):
+        n = int(need[b])
+        bt[b, :n] = perm[used:used + n].int()
+        used += n
+    bt = bt.to(DEV)
+
+    def inputs():
+        seq = torch.randperm(n_seq, generator=gen)[:batch]
+        pos = torch.stack([torch.randint(0, int(lens[b]), (1,), generator=gen)[0] for b in seq])
+        if batch > 1:
+            pos[-1] = -1  # a padding token
+        q = torch.randn(batch, Hq, E, generator=gen).to(DEV, torch.bfloat16)
+        return q, seq.to(DEV, torch.int32), pos.to(DEV)
+
+    q_s, seq_s, pos_s = inputs()
+    paged_attention_triton(q_s, k_cache, v_cache, bt, seq_s, pos_s, SCALE)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_s = paged_attention_triton(q_s, k_cache, v_cache, bt, seq_s, pos_s, SCALE)
+    for trial in range(4):
+        q, seq, pos = inputs()
+        if trial == 0:  # the longest contexts (3 splits) in the batch
+            seq[: min(batch, 4)] = torch.arange(min(batch, 4), device=DEV, dtype=torch.int32)
+            pos[: min(batch, 4)] = lens[:min(batch, 4)].to(DEV) - 1
+        q_s.copy_(q)
+        seq_s.copy_(seq)
+        pos_s.copy_(pos)
+        g.replay()
+        torch.cuda.synchronize()
+        eager = paged_attention_triton(q.clone(), k_cache, v_cache, bt, seq.clone(), pos.clone(), SCALE)
+        assert_bitwise(out_s, eager, f"{width} batch {batch}: graph replay {trial} vs eager")
+        real = pos >= 0
+        assert bool(torch.isfinite(out_s[real]).all()) and bool((out_s[~real] == 0).all())
 
 
 # --------------------------------------------------------------------------- rope

@@ -9,6 +9,11 @@ Properties (DESIGN.md rule 3), all bitwise:
   permutations of the physical blocks, K/V caches that are strided views of
   one allocation, and stale (NaN) memory in every unused slot;
 and, within dtype tolerance, the output equals the fp64 dense causal oracle.
+The Triton read path's query tiles and KV splits (small under the interpreter,
+so these sequences cross several): a token's bits are the same whether its tile
+is full, partial or a single token, its sequence one run or split into several
+runs among other sequences, its tokens chunked by the workspace cap; the tile
+schedule follows its rule; the launch-size memo never changes a result.
 """
 
 from __future__ import annotations
@@ -223,3 +228,252 @@ def test_triton_errors(device):
 @pytest.mark.parametrize("H,G", [(4, 2)])
 def test_torch_prefill_chunked_decode_block_sizes(H, G, gen, inv):
     _check_schedules(_torch_impl(), "cpu", gen, inv, H, G, torch.bfloat16, LENGTHS, BF16_TOL)
+
+
+# ----------------------------------------------------------------------------- query tiles and KV splits
+#
+# The Triton read path runs query tiles (up to BLOCK_T consecutive tokens of one sequence x the q heads
+# of one kv head) over KV splits of SPLIT_KV positions (32 under the interpreter, so these small
+# sequences cross several), merged in a second kernel. A token's bits must not depend on its tile's
+# other rows, on how many splits the batch has, on the chunking of the tokens, or on the schedule memo.
+
+
+def _tri():
+    from unified_models.ops.triton import attention as tri
+
+    return tri
+
+
+class FlatRun:
+    """A paged cache (bf16, or FP8 with scales) and steps given as explicit flat token lists."""
+
+    def __init__(self, seqs, S, G, device, gen, scales=None):
+        tri = _tri()
+        self.seqs, self.S, self.device, self.gen = seqs, S, device, gen
+        self.scales = None if scales is None else tuple(s.to(device) for s in scales)
+        need = [-(-s["q"].shape[0] // S) for s in seqs]
+        nb = sum(need) + 2
+        shape = (nb, 2, S, G, E)
+        if scales is None:
+            self.buf = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+        else:  # stale NaN codes everywhere
+            self.buf = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+        self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
+        perm = torch.randperm(nb, generator=gen)
+        self.block_table = torch.randint(0, nb, (len(seqs), max(need) + 1), generator=gen, dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(need):
+            self.block_table[b, :n] = perm[used:used + n].int()
+            used += n
+        self.block_table = self.block_table.to(device)
+        self.out = [torch.full_like(s["q"], float("nan")) for s in seqs]
+        self.write, self.attend = tri.write_kv_cache_triton, tri.paged_attention_triton
+
+    def inputs(self, toks):
+        H, G = self.seqs[0]["q"].shape[1], self.seqs[0]["k"].shape[1]
+        dt = self.seqs[0]["q"].dtype
+        junk = lambda *shape: (torch.randn(*shape, generator=self.gen) * 100).to(dt)  # noqa: E731
+        q = torch.stack([self.seqs[b]["q"][p] if b >= 0 else junk(H, E) for b, p in toks]).to(self.device)
+        k = torch.stack([self.seqs[b]["k"][p] if b >= 0 else junk(G, E) for b, p in toks]).to(self.device)
+        v = torch.stack([self.seqs[b]["v"][p] if b >= 0 else junk(G, E) for b, p in toks]).to(self.device)
+        slots = torch.tensor([int(self.block_table[b, p // self.S]) * self.S + p % self.S if b >= 0 else -1
+                              for b, p in toks], dtype=torch.int64, device=self.device)
+        seq = torch.tensor([max(b, 0) for b, _ in toks], dtype=torch.int32, device=self.device)
+        pos = torch.tensor([p for _, p in toks], dtype=torch.int64, device=self.device)
+        return q, k, v, slots, seq, pos
+
+    def step(self, toks):
+        """``toks``: [(seq, pos)] in flat order, ``(-1, -1)`` for a padding token."""
+        q, k, v, slots, seq, pos = self.inputs(toks)
+        sc = self.scales or ()
+        self.write(k, v, self.k_cache, self.v_cache, slots, *sc)
+        o = self.attend(q, self.k_cache, self.v_cache, self.block_table, seq, pos, SCALE, *sc).cpu()
+        pad = torch.tensor([b < 0 for b, _ in toks])
+        assert (o[pad] == 0).all(), "padding tokens must give zeros"
+        for i, (b, p) in enumerate(toks):
+            if b >= 0:
+                self.out[b][p] = o[i]
+        return o
+
+
+def _with_padding(toks, n_pad, gen):
+    """``toks`` with ``n_pad`` padding tokens inserted at random places (order kept)."""
+    for _ in range(n_pad):
+        i = int(torch.randint(0, len(toks) + 1, (1,), generator=gen))
+        toks = toks[:i] + [(-1, -1)] + toks[i:]
+    return toks
+
+
+def _run_tiles(run, name, gen, cuts=(1, 7, 31, 33, 64), prefix=44):
+    lens = [s["q"].shape[0] for s in run.seqs]
+    if name == "prefill":  # sequences in order, each one run
+        run.step([(b, p) for b, n in enumerate(lens) for p in range(n)] + [(-1, -1)] * 3)
+    elif name == "mixed":  # random sequence order, sequence 0 in two runs with others between, padding
+        a = int(torch.randint(2, lens[0] - 1, (1,), generator=gen))
+        parts = [[(0, p) for p in range(a)], [(0, p) for p in range(a, lens[0])]]
+        parts += [[(b, p) for p in range(n)] for b, n in enumerate(lens) if b > 0]
+        order = [0] + [i + 2 for i in torch.randperm(len(parts) - 2, generator=gen).tolist()] + [1]
+        run.step(_with_padding([t for i in order for t in parts[i]], 4, gen))
+    elif name == "permuted":  # every token on its own (random flat order)
+        toks = [(b, p) for b, n in enumerate(lens) for p in range(n)] + [(-1, -1)] * 2
+        run.step([toks[i] for i in torch.randperm(len(toks), generator=gen).tolist()])
+    elif name == "chunked":  # sequence 0 cut at ``cuts``, the others at random points
+        bounds = [sorted({0, lens[0], *[c for c in cuts if c < lens[0]]})]
+        for n in lens[1:]:
+            bounds.append(sorted({0, n, *torch.randint(1, max(n, 2), (2,), generator=gen).tolist()}))
+            bounds[-1] = [c for c in bounds[-1] if c <= n]
+        for i in range(max(len(bd) for bd in bounds) - 1):
+            chunks = [[(b, p) for p in range(bd[i], bd[i + 1])] for b, bd in enumerate(bounds) if i + 1 < len(bd)]
+            chunks = [chunks[j] for j in torch.randperm(len(chunks), generator=gen).tolist()]
+            run.step(_with_padding([t for c in chunks for t in c], 1, gen))
+    else:  # decode: a prefix of each sequence (none of the last), then token by token, all per step
+        run.step([(b, p) for b, n in enumerate(lens[:-1]) for p in range(min(prefix, n))])
+        for p in range(min(prefix, lens[-1])):
+            run.step([(len(lens) - 1, p)])
+        for p in range(prefix, max(lens)):
+            run.step(_with_padding([(b, p) for b, n in enumerate(lens) if p < n], 1, gen))
+
+
+TILE_CASES = [(1, 2), (4, 2), (16, 1)]  # (q heads per kv head, kv heads)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("q_per_kv,G", TILE_CASES)
+def test_triton_query_tiles_and_kv_splits_bitwise(q_per_kv, G, kv, device, gen, inv):
+    """prefill == mixed batch (sequence 0 in two runs, other sequences before/after, padding)
+    == every token alone == chunked prefill at arbitrary points == decode token by token,
+    bitwise, for sequences spanning several query tiles and 3 KV splits; and the fp64 oracle."""
+    tri = _tri()
+    H = q_per_kv * G
+    assert tri.SPLIT_KV == 32 and tri.BLOCK_KV == 16  # the interpreter's constants (splits at 32, 64)
+    lens = [70, 41, 5]
+    seqs = _sequences(lens, H, G, torch.bfloat16, gen)
+    scales = None
+    if kv == "fp8":
+        scales = (torch.tensor(max(float(s["k"].float().abs().max()) for s in seqs) / 448 * 0.7),
+                  torch.tensor(max(float(s["v"].float().abs().max()) for s in seqs) / 448))
+    S = 16 if kv == "bf16" else 8
+    runs = {}
+    for name in ("prefill", "mixed", "permuted", "chunked", "decode"):
+        run = FlatRun(seqs, S, G, device, gen, scales)
+        _run_tiles(run, name, gen)
+        runs[name] = run
+    base = runs["prefill"]
+    for name, run in runs.items():
+        for b in range(len(seqs)):
+            inv.assert_bitwise(run.out[b], base.out[b], f"seq {b} {name} vs prefill ({kv}, {q_per_kv} q/kv)")
+    for b, s in enumerate(seqs):
+        toks = [(b, p) for p in range(lens[b])]
+        _, _, _, _, seq, pos = base.inputs(toks)
+        ref = paged_attention_reference(s["q"].double(), base.k_cache.cpu(), base.v_cache.cpu(),
+                                        base.block_table.cpu(), seq.cpu(), pos.cpu(), SCALE,
+                                        *(scales or ()), **({"kv_dtype": torch.bfloat16} if scales else {}))
+        torch.testing.assert_close(base.out[b].double(), ref, **BF16_TOL)
+
+
+def test_triton_token_chunking_and_wide_block_tables(device, gen, inv, monkeypatch):
+    """The workspace cap splits the tokens into chunks (tiles cut at chunk edges) and a wider
+    block table adds splits past every token: neither changes a bit."""
+    tri = _tri()
+    H, G = 8, 2
+    seqs = _sequences([70, 23], H, G, torch.bfloat16, gen)
+    run = FlatRun(seqs, 16, G, device, gen)
+    toks = _with_padding([(b, p) for b, n in enumerate([70, 23]) for p in range(n)], 3, gen)
+    full = run.step(toks)
+    q, _, _, _, seq, pos = run.inputs(toks)
+    n_split = tri.num_splits(run.block_table, 16)
+    per_token = H * n_split * (E + 2) * 4
+    for tc in (1, 5, 32, 33):
+        monkeypatch.setattr(tri, "WORKSPACE_BYTES", per_token * tc)
+        got = run.attend(q, run.k_cache, run.v_cache, run.block_table, seq, pos, SCALE).cpu()
+        inv.assert_bitwise(got, full, f"tokens in chunks of {tc}")
+    monkeypatch.undo()
+    wide = torch.cat([run.block_table, torch.full((2, 9), 10 ** 6, dtype=torch.int32, device=device)], dim=1)
+    assert tri.num_splits(wide, 16) > n_split
+    got = run.attend(q, run.k_cache, run.v_cache, wide, seq, pos, SCALE).cpu()
+    inv.assert_bitwise(got, full, "wider block table (more splits)")
+
+
+def _schedule_transcription(seq, pos, block_t, chunk):
+    """Tile starts per chunk by the rule, written out in Python."""
+    out = []
+    for a in range(0, len(seq), chunk):
+        starts, run0 = [], 0
+        for i in range(a, min(len(seq), a + chunk)):
+            brk = i == a or seq[i] != seq[i - 1] or pos[i] != pos[i - 1] + 1 or pos[i - 1] < 0 or pos[i] < 0
+            run0 = i if brk else run0
+            if pos[i] >= 0 and (i - run0) % block_t == 0:
+                starts.append(i - a)
+        out.append(starts)
+    return out
+
+
+@pytest.mark.parametrize("block_t,chunk", [(2, 1000), (8, 1000), (32, 1000), (4, 7), (8, 64)])
+def test_triton_tile_schedule(block_t, chunk, device, gen):
+    tri = _tri()
+    seq, pos = [], []
+    for _ in range(40):  # runs of random sequences, lengths and starts, padding between
+        b, n, p0 = (int(x) for x in torch.randint(0, 4, (1,), generator=gen).tolist()
+                    + torch.randint(1, 40, (1,), generator=gen).tolist()
+                    + torch.randint(0, 100, (1,), generator=gen).tolist())
+        seq += [b] * n
+        pos += list(range(p0, p0 + n))
+        if int(torch.randint(0, 3, (1,), generator=gen)) == 0:
+            seq.append(0)
+            pos.append(-1)
+    T = len(seq)
+    n_chunks = -(-T // chunk)
+    sched = torch.full((n_chunks, chunk + 1), -7, dtype=torch.int32, device=device)
+    tri._tile_schedule_kernel[(n_chunks,)](torch.tensor(seq, dtype=torch.int32, device=device),
+                                           torch.tensor(pos, device=device), sched, T, chunk, sched.stride(0),
+                                           BLOCK_T=block_t, SB=tri.SCHED_BLOCK)
+    want = _schedule_transcription(seq, pos, block_t, chunk)
+    for c, starts in enumerate(want):
+        assert int(sched[c, 0]) == len(starts)
+        assert sched[c, 1:1 + len(starts)].tolist() == starts
+
+
+def test_triton_schedule_memo_is_never_stale(device, gen, inv):
+    """The grid-size memo: one host read per (seq_idx, positions) pair, reused while they are
+    unchanged; rebuilt after an in-place change; and even a stale hint (inference tensors have
+    no version counter) gives the right tiles, because the programs walk the device tile list."""
+    tri = _tri()
+    H, G = 8, 2
+    seqs = _sequences([40, 12], H, G, torch.bfloat16, gen)
+    run = FlatRun(seqs, 16, G, device, gen)
+    contiguous = [(b, p) for b, n in enumerate([40, 12]) for p in range(n)]
+    run.step(contiguous)  # fills the cache
+    shuffled = [contiguous[i] for i in torch.randperm(len(contiguous), generator=gen).tolist()]
+
+    def fresh(toks):  # new tensors: never a memo hit
+        q, _, _, _, seq, pos = run.inputs(toks)
+        return q, run.attend(q, run.k_cache, run.v_cache, run.block_table, seq, pos, SCALE)
+
+    q_a, want_a = fresh(contiguous)
+    _, want_b = fresh(shuffled)
+    _, _, _, _, seq, pos = run.inputs(contiguous)
+    _, _, _, _, seq_b, pos_b = run.inputs(shuffled)
+    q_b = q_a[torch.tensor([contiguous.index(t) for t in shuffled], device=device)]
+
+    def attend(q):
+        return run.attend(q, run.k_cache, run.v_cache, run.block_table, seq, pos, SCALE)
+
+    reads = tri.SCHEDULE_STATS["host_reads"]
+    inv.assert_bitwise(attend(q_a), want_a, "first call")
+    inv.assert_bitwise(attend(q_a), want_a, "memo hit")
+    assert tri.SCHEDULE_STATS["host_reads"] == reads + 1, "one host read per batch, not per call"
+    seq.copy_(seq_b)  # same tensor objects, new contents (more tiles)
+    pos.copy_(pos_b)
+    inv.assert_bitwise(attend(q_b), want_b, "after an in-place change")
+    assert tri.SCHEDULE_STATS["host_reads"] == reads + 2, "an in-place change must invalidate the memo"
+    with torch.inference_mode():  # no version counter: the memo cannot see the change
+        seq_i = torch.tensor([b for b, _ in contiguous], dtype=torch.int32, device=device)
+        pos_i = torch.tensor([p for _, p in contiguous], device=device)
+        inv.assert_bitwise(run.attend(q_a, run.k_cache, run.v_cache, run.block_table, seq_i, pos_i, SCALE),
+                           want_a, "inference tensors")
+        hint = tri.SCHEDULE_STATS["host_reads"]
+        seq_i.copy_(seq_b)  # many more tiles than the memoized launch size
+        pos_i.copy_(pos_b)
+        inv.assert_bitwise(run.attend(q_b, run.k_cache, run.v_cache, run.block_table, seq_i, pos_i, SCALE),
+                           want_b, "stale hint (more tiles than programs)")
+        assert tri.SCHEDULE_STATS["host_reads"] == hint, "expected a memo hit (stale launch size)"

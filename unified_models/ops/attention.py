@@ -4,9 +4,11 @@ One kernel for prefill, decode and training (DESIGN.md rule 3): a token at
 position ``p`` of its sequence reads positions ``0..p`` through the block
 table, in KV tiles aligned at absolute position 0, in increasing order, with an
 fp32 online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022).
-Tiles past a token's own position are either not visited (Triton) or fully
-masked, which leaves the online-softmax state bit-for-bit unchanged
-(``alpha = exp(0) = 1``, ``p = 0``), so neighbours never change a token's bits.
+Tiles past a token's own position are fully masked for it, which leaves the
+online-softmax state bit-for-bit unchanged (``alpha = 1``, ``p = 0``), so
+neighbours never change a token's bits. The Triton path (``triton/attention.py``)
+also runs the KV range in splits of fixed absolute positions (``SPLIT_KV``),
+each from a fresh state, merged in increasing order by a second kernel.
 
 Cache layout: ``k_cache``/``v_cache`` are ``[N, S, G, E]`` views with any strides
 (N blocks, S positions per block, G kv heads, E head dim); slot = block*S + offset.

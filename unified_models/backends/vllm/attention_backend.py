@@ -24,8 +24,9 @@ Version differences (0.26 needs ``get_kv_cache_shape``) go through
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
@@ -63,6 +64,30 @@ def vllm_kv_cache_dtypes(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple
     if kv_cache_dtype == "fp8_e4m3":
         return ("fp8_e4m3", "fp8")
     return ("auto", str(model_dtype).removeprefix("torch."))
+
+
+_STEP_LISTENERS: dict[int, Callable[[CommonAttentionMetadata], None]] = {}
+
+
+def register_step_listener(vllm_config, listener: Callable[[CommonAttentionMetadata], None]) -> None:
+    """Call ``listener(common_attn_metadata)`` whenever one of our metadata builders
+    of this engine (``vllm_config``) builds a step, before the model's forward.
+
+    The model needs per-step host bookkeeping (which ``compute_logits`` call samples,
+    the positions of the sampling rows) that its ``forward`` cannot do under CUDA
+    graphs: a replayed graph runs no Python. Builders run every step, graph or not.
+    The listener is held through a weak reference (a bound method of the model).
+    """
+    ref = weakref.WeakMethod(listener) if hasattr(listener, "__self__") else (lambda: listener)
+    _STEP_LISTENERS[id(vllm_config)] = ref  # type: ignore[assignment]
+
+
+def notify_step(vllm_config, common_attn_metadata: CommonAttentionMetadata) -> None:
+    """Run the listener registered for ``vllm_config`` (if any, and still alive)."""
+    ref = _STEP_LISTENERS.get(id(vllm_config))
+    fn = ref() if ref is not None else None  # type: ignore[operator]
+    if fn is not None:
+        fn(common_attn_metadata)
 
 
 @dataclass
@@ -105,20 +130,31 @@ class UnifiedAttentionMetadataBuilder(AttentionMetadataBuilder[UnifiedAttentionM
     """Pass-through builder (one per KV-cache group).
 
     No batch reordering (``reorder_batch_threshold = None``), so the rows of the
-    batch are in the runner's ``input_batch`` order. CUDA graphs: ``NEVER`` for now
-    (the engine runs eagerly; see ``engine.make_llm``).
+    batch are in the runner's ``input_batch`` order.
+
+    CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``, i.e. vLLM may capture and replay
+    whole decode steps (``cudagraph_mode=FULL_DECODE_ONLY``, which
+    ``engine.make_llm`` sets). The metadata holds only vLLM's persistent
+    buffers (query_start_loc, seq_lens, block table, slot mapping: same data
+    pointers at every replay), the model derives everything else from them on
+    the device (``UnifiedForCausalLM._flat_batch``), and our kernels take their
+    grid from tensor shapes only; padded requests (query length 0, slot -1)
+    write nothing. Each token's bits are those of the eager kernels (the same
+    kernels, launched from a graph).
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = int(kv_cache_spec.block_size)
+        self.vllm_config = vllm_config
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> UnifiedAttentionMetadata:
         m = common_attn_metadata
+        notify_step(self.vllm_config, m)
         return UnifiedAttentionMetadata(
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,

@@ -23,8 +23,14 @@ Why each pin (integration manual sections in brackets):
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (CPU): 1 GiB of KV cache; start in seconds [7].
 * ``dtype`` = the spec's dtype (the checkpoint config's; bf16 by default), so
   the trainer, built from the same spec, computes in the same dtype; ``block_size`` multiple of 16, ``model_impl="vllm"`` (no
-  silent Transformers fallback), ``enforce_eager=True`` by default (our builder
-  declares no CUDA-graph support yet).
+  silent Transformers fallback).
+* CUDA graphs (:func:`cuda_graph_settings`): on GPU, attention-only models run
+  ``cudagraph_mode="FULL_DECODE_ONLY"`` with compilation mode NONE: vLLM captures
+  whole decode steps of our (uncompiled) forward and replays them; prefill and
+  mixed steps run eagerly. No torch.compile: Inductor would re-fuse our elementwise
+  torch ops and could change their bits. Graph replay runs the same kernels as
+  eager, so the bits are the same (``tests/gpu``). Hybrid models (Mamba-2 state
+  group) and the CPU run eagerly.
 * Chunked prefill is off by default on CPU: V1 rewinds a seeded request's
   ``torch.Generator`` after a partial prefill, which the CPU generator does not
   support ("CPU Generator does not use offset") [4, error 1]. With it off a prompt
@@ -216,7 +222,7 @@ def quantization_overrides(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
-             max_num_seqs: int = 16, gpu: bool = False, enforce_eager: bool = True,
+             max_num_seqs: int = 16, gpu: bool = False, cuda_graphs: bool | None = None,
              block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int | None = None,
              enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
              max_logprobs: int = 20, gpu_memory_utilization: float = 0.5,
@@ -230,7 +236,8 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
             what makes sampling independent of the batch).
         max_model_len, max_num_seqs: scheduler limits.
         gpu: False = CPU build of vLLM (sets ``VLLM_CPU_KVCACHE_SPACE``).
-        enforce_eager: must stay True until the builder declares CUDA-graph support.
+        cuda_graphs: capture decode steps in CUDA graphs (:func:`cuda_graph_settings`);
+            ``None`` = on where supported (GPU, no Mamba-2 layers).
         block_size: KV-cache block size, a multiple of 16.
         max_num_batched_tokens: default ``max(max_model_len, max_num_seqs * 128)``.
         enable_chunked_prefill: default False on CPU (see module doc), vLLM's
@@ -249,15 +256,16 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     Raises:
         CheckpointError / SpecError: bad checkpoint or config (``validate=True``).
         ValueError: a block size that is not a multiple of 16, an engine
-            kwarg that would undo a pin, or a ``kv_cache_dtype`` that conflicts
-            with the spec's (:func:`kv_cache_dtype_setting`).
+            kwarg that would undo a pin, a ``kv_cache_dtype`` that conflicts
+            with the spec's (:func:`kv_cache_dtype_setting`), or
+            ``cuda_graphs=True`` where they are not supported.
     """
     from .attention_backend import KV_BLOCK_MULTIPLE
 
     if block_size % KV_BLOCK_MULTIPLE:
         raise ValueError(f"block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE}")
     pinned_args = {"logprobs_mode", "hf_overrides", "dtype", "model_impl", "tensor_parallel_size",
-                   "pipeline_parallel_size"}
+                   "pipeline_parallel_size", "enforce_eager", "compilation_config"}
     clash = sorted(pinned_args & set(engine_kwargs))
     if clash:
         raise ValueError(f"make_llm pins {clash}; do not pass them")
@@ -266,6 +274,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         validate_checkpoint(model_dir)
     spec = _spec(model_dir)
     check_spec_supported(spec)
+    graph_kwargs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=cuda_graphs)
     kv_cache_dtype = kv_cache_dtype_setting(spec, engine_kwargs.pop("kv_cache_dtype", None))
     enable_prefix_caching, enable_chunked_prefill = hybrid_engine_settings(
         spec, gpu=gpu, enable_prefix_caching=enable_prefix_caching,
@@ -304,7 +313,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
-        enforce_eager=enforce_eager,
+        **graph_kwargs,
         enable_prefix_caching=enable_prefix_caching,
         logprobs_mode="raw_logits",
         max_logprobs=max_logprobs,
@@ -323,6 +332,48 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     llm = LLM(**kwargs)
     get_model(llm).row_temperatures = RowTemperatures(get_runner(llm))
     return llm
+
+
+def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[str, Any]:
+    """The ``vllm.LLM`` kwargs for CUDA graphs: ``enforce_eager`` and ``compilation_config``.
+
+    With graphs: ``enforce_eager=False``, ``compilation_config={"mode": 0 (NONE),
+    "cudagraph_mode": "FULL_DECODE_ONLY"}``: decode steps (every request one token) are
+    captured whole for vLLM's capture sizes and replayed; other steps run eagerly.
+    Without: ``enforce_eager=True``.
+
+    Args:
+        spec: the model.
+        gpu: CUDA engine (vllm-cpu has no CUDA graphs).
+        cuda_graphs: True / False, or None = on where supported.
+
+    Raises:
+        SpecError (a ValueError): ``cuda_graphs=True`` on the CPU or for a model with
+            Mamba-2 layers (their per-step state slots are not persistent buffers a
+            graph could replay).
+    """
+    from ...dsl import SpecError
+
+    supported, why = True, ""
+    if not gpu:
+        supported, why = False, "the CPU build of vLLM has no CUDA graphs"
+    elif spec.mamba_blocks:
+        supported, why = False, ("models with Mamba-2 layers run eagerly (their state-slot metadata is "
+                                 "rebuilt each step, not kept in persistent buffers a graph replays)")
+    if cuda_graphs and not supported:
+        raise SpecError(f"CUDA graphs were asked for (cuda_graphs=True / --cuda-graphs on) but {why}")
+    if cuda_graphs is None:
+        cuda_graphs = supported
+    if not cuda_graphs:
+        return {"enforce_eager": True}
+    return {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+def cuda_graphs_ran(llm) -> bool:
+    """True when ``llm`` captured CUDA graphs (not eager and a cudagraph mode other than NONE)."""
+    st = engine_settings(llm)
+    mode = str(st.get("cudagraph_mode") or "NONE").rsplit(".", 1)[-1]
+    return not st.get("enforce_eager") and mode not in ("NONE", "0")
 
 
 TEMPERATURE_ARG = "unified_models_temperature"

@@ -72,6 +72,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ...dsl import Mamba2Spec, ModelSpec, SpecError
 from ...ops.mamba2 import Mamba2State
 from . import compat
+from .attention_backend import notify_step
 
 MAMBA_BACKEND_NAME = "UNIFIED_MODELS_MAMBA2"
 
@@ -166,7 +167,9 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
 
     ``reorder_batch_threshold = None``: the batch keeps the runner's request
     order (the model maps ``compute_logits`` rows by it). CUDA graphs:
-    ``NEVER`` for now (the engine runs eagerly).
+    ``NEVER``: the slots and computed-token counts are fresh tensors each step,
+    not persistent buffers a replayed graph could read, so ``engine.make_llm``
+    runs hybrid models eagerly.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -175,6 +178,7 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = int(kv_cache_spec.block_size)
+        self.vllm_config = vllm_config
         self.mamba_cache_mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none")
         num_spec = int(getattr(kv_cache_spec, "num_speculative_blocks", 0) or 0)
         if num_spec:
@@ -183,6 +187,7 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False, **kwargs: Any) -> UnifiedMambaMetadata:
         m = common_attn_metadata
+        notify_step(self.vllm_config, m)
         r = int(m.num_reqs)
         qsl = m.query_start_loc[: r + 1]
         seq_lens = m.seq_lens[:r]

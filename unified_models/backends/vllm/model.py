@@ -82,7 +82,7 @@ from ...parameters import allocate_parameters
 from ...state import AttentionState, FlatBatch, MambaState, PagedGroup
 from . import compat
 from .attention_backend import (KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata,
-                                vllm_kv_cache_dtypes)
+                                register_step_listener, vllm_kv_cache_dtypes)
 from .mamba_state import (UnifiedMambaCache, UnifiedMambaMetadata, mamba_cache_prefix, model_state_layout,
                           state_copy_funcs)
 
@@ -320,6 +320,32 @@ class UnifiedForCausalLM(nn.Module):
         self.logits_call_index = 0
         self.row_temperatures: Callable[[int], list[float]] | None = None
         self._initial_load_done = False
+        self._step_positions_from_builder = False
+        register_step_listener(vllm_config, self._begin_step)
+
+    def _begin_step(self, m) -> None:
+        """Host bookkeeping of one step, called by our metadata builders before the forward
+        (:func:`.attention_backend.register_step_listener`): a CUDA-graph replay runs no
+        Python of :meth:`forward`, so nothing per step may live there.
+
+        Marks the next ``compute_logits`` call as the sampling call and, when a tap or
+        ``record_sample_positions`` asks for it, records the position of each sampling
+        row from vLLM's host copies (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``,
+        exact without speculative decoding): no device sync.
+        """
+        self.logits_call_index = -1
+        self._step_positions_from_builder = False
+        if self.logprob_tap is None and not self.record_sample_positions:
+            return
+        seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)
+        qsl = getattr(m, "query_start_loc_cpu", None)
+        if seq_lens is None or qsl is None:
+            return  # the forward records them (eager engines only)
+        r = int(m.num_reqs)
+        q = qsl[: r + 1].long()
+        real = q[1:] > q[:-1]  # padded requests have query length 0
+        self.last_sample_positions = (seq_lens[:r].long() - 1)[real].cpu()
+        self._step_positions_from_builder = True
 
     # ------------------------------------------------------------------ params
     def params(self) -> dict[str, torch.Tensor]:
@@ -365,10 +391,13 @@ class UnifiedForCausalLM(nn.Module):
             return batch, VllmStateStore(self._attn, None, self._mamba, None)
         names = self._cache_layer_names()
         md = next(iter(mds.values()))  # the step's layout is common to every group
-        n = min(int(md.num_actual_tokens), t)
         tok = torch.arange(t, device=dev)
-        real = tok < n
+        # Everything below is computed on the device from vLLM's persistent buffers, never
+        # from Python ints of this step: under CUDA graphs this code runs once, at capture,
+        # and replays with other batches of the same padded size. The real tokens are those
+        # before the last query_start_loc entry (padded requests repeat it: query length 0).
         qsl = md.query_start_loc[: md.num_reqs + 1].to(device=dev, dtype=torch.int64)
+        real = tok < qsl[-1]
         # request row of each token: the number of request ends at or before it
         seq_idx = torch.searchsorted(qsl[1:].contiguous(), tok, right=True)
         seq_idx = torch.where(real, seq_idx, torch.zeros_like(seq_idx)).to(torch.int32)
@@ -392,7 +421,9 @@ class UnifiedForCausalLM(nn.Module):
                                        cu_seqlens_B1=g_md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32))
                 else:
                     slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
-                    slot[:n] = g_md.slot_mapping[:n].to(torch.int64)
+                    m_slots = min(t, int(g_md.slot_mapping.shape[0]))
+                    slot[:m_slots] = g_md.slot_mapping[:m_slots].to(torch.int64)
+                    slot = torch.where(real, slot, torch.full_like(slot, -1))  # padding writes nothing
                     group = PagedGroup(g_md.block_table, slot, int(g_md.block_size))
                 by_md[id(g_md)] = group
             if i in self._mamba:
@@ -403,7 +434,8 @@ class UnifiedForCausalLM(nn.Module):
                 if not isinstance(group, PagedGroup):
                     raise RuntimeError(f"unified_models: attention layer {names[i]} got {type(g_md).__name__} metadata")
                 groups[i] = group
-        if self.logprob_tap is not None or self.record_sample_positions:
+        record = self.logprob_tap is not None or self.record_sample_positions
+        if record and not self._step_positions_from_builder and not torch.cuda.is_current_stream_capturing():
             q = qsl.cpu()
             ends = q[1:][q[1:] > q[:-1]] - 1  # requests with query length 0 are padding
             self.last_sample_positions = positions[ends.to(positions.device)].long().cpu()

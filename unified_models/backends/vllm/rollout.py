@@ -29,6 +29,8 @@ class RolloutResult:
     logprobs: list[list[float]]
     full_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     full_row_keys: list[tuple[int, int]] = field(default_factory=list)
+    engine: dict = field(default_factory=dict)
+    """What the engine ran with (``engine.engine_settings``) plus ``cuda_graphs`` (bool: graphs captured)."""
 
 
 def eos_token_ids(model_dir) -> list[int]:
@@ -53,7 +55,7 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
             device: str = "cpu", stop_at_eos: bool = False, max_num_seqs: int | None = None,
             full_vocab_rows: int = -1, temperature: float = 1.0, max_num_batched_tokens: int | None = None,
             enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
-            per_request_seeds: bool = True) -> RolloutResult:
+            per_request_seeds: bool = True, cuda_graphs: bool | None = None) -> RolloutResult:
     """Sample ``max_new_tokens`` per prompt with our model class in ``vllm.LLM``.
 
     Args:
@@ -75,6 +77,8 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
             ``enable_chunked_prefill=True`` split prompts over several steps.
         enable_chunked_prefill, enable_prefix_caching: passed to ``engine.make_llm``
             (``None``: its defaults).
+        cuda_graphs: decode steps in CUDA graphs (``engine.cuda_graph_settings``; None = on
+            where supported: CUDA, attention-only models).
         per_request_seeds: sample request ``i`` with its own seed (draws
             independent of the batch). ``False``: vLLM's global RNG (seeded with
             ``seed``), needed on the CPU with chunked prefill, where vLLM cannot
@@ -89,7 +93,8 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         RuntimeError: vLLM returned a logprob that differs from the recorded row
             (the tap and the sampler disagree: a bug, never ignored).
     """
-    from .engine import SampleRecorder, generate_token_ids, make_llm, sampling_params, shutdown_llm
+    from .engine import (SampleRecorder, cuda_graphs_ran, engine_settings, generate_token_ids, make_llm,
+                         sampling_params, shutdown_llm)
 
     longest = max(len(p) for p in prompt_ids)
     n = len(prompt_ids)
@@ -113,8 +118,11 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
     llm = make_llm(model_dir, seed=seed, max_model_len=longest + max_new_tokens, gpu=(device == "cuda"),
                    max_num_seqs=max_num_seqs or n, max_logprobs=0, skip_tokenizer_init=True,
                    max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-                   enable_prefix_caching=enable_prefix_caching)
+                   enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs)
     try:
+        settings = {k: str(v) if not isinstance(v, (bool, int, float, type(None))) else v
+                    for k, v in engine_settings(llm).items()}
+        settings["cuda_graphs"] = cuda_graphs_ran(llm)
         params = [sampling_params(temperature=temperature, seed=(seed + i) if per_request_seeds else None,
                                   max_tokens=max_new_tokens,
                                   ignore_eos=not stop_at_eos, stop_token_ids=stop_ids, logprobs=0,
@@ -149,7 +157,8 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
                     full_rows[(i, pos)] = row
         keep = _select_keys(keys, full_vocab_rows)
         full_rows = {k: full_rows[k] for k in keep}
-        return RolloutResult(completions=completions, logprobs=logprobs, full_rows=full_rows, full_row_keys=keep)
+        return RolloutResult(completions=completions, logprobs=logprobs, full_rows=full_rows, full_row_keys=keep,
+                             engine=settings)
     finally:
         shutdown_llm(llm)
         del llm

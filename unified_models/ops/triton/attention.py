@@ -5,19 +5,59 @@ Cache layout: ``k_cache``/``v_cache`` are 4-D ``[num_blocks, S, G, E]`` views
 with arbitrary strides (vLLM hands a strided view of one allocation). Slot
 ``s`` is block ``s // S``, offset ``s % S``.
 
-Reading: one program per (token, kv head). It walks the KV positions
-``0..positions[t]`` of its own sequence in tiles of ``BLOCK_KV`` positions
-aligned at absolute position 0 (tile ``j`` covers ``[j*BLOCK_KV,
-(j+1)*BLOCK_KV)``), in increasing order, with an fp32 online softmax. Each
-position's physical block is looked up through the block table on its own
-(``block_table[seq, p // S]``), so the tiling, and hence the bits, do not
-depend on the cache block size ``S`` or on which physical blocks hold the
-sequence. The loop bound is the token's own last tile: a token's result never
-depends on the other tokens of the batch, so prefill, chunked prefill and
-decode give the same bits.
+Reading (FlashAttention-2 style, batch-invariant by construction):
+
+* **Query tiles.** A tile is up to ``BLOCK_T`` consecutive flat tokens of one
+  sequence with consecutive positions (a *run* is a maximal such stretch; a
+  tile starts where a run starts or at an offset in the run that is a
+  multiple of ``BLOCK_T``). A program takes one tile times the ``Q_PER_KV``
+  query heads of one kv head, flattened into ``ROWS`` rows (row ``r`` =
+  token ``r // QP``, head ``r % QP``, ``QP = next_pow2(Q_PER_KV)``,
+  ``BLOCK_T = max(1, ROWS // QP)``), so one K tile and one V tile feed a
+  tensor-core ``tl.dot`` for all rows. Each row has its own causal mask
+  ``p <= pos_row``; a row fully masked in a KV tile keeps its online-softmax
+  state bit for bit (``alpha = 1``, ``p = 0``), so a row's bits never
+  depend on the other rows of its tile.
+* **KV splits at fixed absolute positions.** Split ``s`` covers positions
+  ``[s*SPLIT_KV, (s+1)*SPLIT_KV)``. The partial kernel, grid (tiles, G,
+  max splits), runs an fp32 online softmax from a fresh state over the KV
+  tiles of its split (``BLOCK_KV`` positions, aligned at absolute position
+  0, increasing order) up to the tile's last position. A token whose
+  position is below ``SPLIT_KV`` has one split: its program divides and
+  rounds once to the output dtype right there. Any other token's rows write
+  fp32 partials ``m``, ``l``, ``acc`` to a workspace, and the merge kernel
+  (one program per token and kv head) combines its splits ``0..pos //
+  SPLIT_KV`` in increasing order (start from split 0's state as is, then
+  ``M' = max(M, m_s)``, ``L' = L*2^(M-M') + l_s*2^(m_s-M')``, ``ACC`` alike),
+  divides and rounds once.
+* Each position's physical block is looked up through the block table on its
+  own (``block_table[seq, p // S]``), so neither the tiling nor the bits
+  depend on the cache block size ``S`` or on which physical blocks hold the
+  sequence; block-table entries past a tile's last position are never read.
+
+Every constexpr (``ROWS``, ``BLOCK_T``, ``BLOCK_KV``, ``SPLIT_KV``, warps,
+stages) depends only on the model (H, G, E, dtype), never on the batch, so
+prefill, chunked prefill, decode and the trainer give every token the same
+bits.
+
+Tile schedule: one small kernel turns ``seq_idx``/``positions`` into the
+list of tile starts and its length on the device (no host sync; CUDA-graph
+capturable). Outside graph capture the partial kernel's grid is sized with
+the tile count read once per batch and memoized (see :func:`_grid_sizes`);
+during capture it is the token count (surplus programs exit). The memo is
+only a launch-size hint: the programs walk the device tile list in a
+grid-stride loop, so even a stale hint cannot drop or repeat a tile.
+
+Workspace: ``[Tc, H, splits(, E)]`` fp32 where ``splits = cdiv(max_blocks *
+S, SPLIT_KV)`` (block-table width); the tokens are processed in chunks of
+``Tc`` so the workspace stays under ``WORKSPACE_BYTES`` (the chunking, a
+function of shapes only, never changes a bit).
 """
 
 from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
 
 import torch
 import triton
@@ -27,15 +67,31 @@ from ..attention import KV_FP8_DTYPE, check_kv_scales
 from ._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, e4m3_bits_to_f32, next_pow2, round_to
 
 if INTERPRET:
-    # Short tiles so that small test sequences still span several tiles.
+    # Small tiles and splits so that small test sequences span several query
+    # tiles, KV tiles and splits.
+    ROWS = 32
     BLOCK_KV = 16
+    SPLIT_KV = 32
+    SCHED_BLOCK = 64
     NUM_WARPS, NUM_STAGES = 4, 1
+    WORKSPACE_BYTES = 1 << 24
 else:
+    ROWS = 64
     BLOCK_KV = 64
+    SPLIT_KV = 1024
+    SCHED_BLOCK = 1024
     NUM_WARPS, NUM_STAGES = 4, 2
+    WORKSPACE_BYTES = 1 << 28
+"""``ROWS``: query rows (tokens x q heads of one kv head) per program (at least
+the padded q heads per kv head). ``BLOCK_KV``: KV positions per online-softmax
+step. ``SPLIT_KV``: KV positions per split (a multiple of ``BLOCK_KV``).
+``WORKSPACE_BYTES``: cap on the fp32 split workspace per launch (tokens are
+chunked to stay under it; never changes a bit)."""
+
+assert SPLIT_KV % BLOCK_KV == 0
 
 MIN_BLOCK_H = 16
-"""The q heads of one kv head are padded to at least 16 rows (tensor-core ``tl.dot`` minimum)."""
+"""The rows of a program are at least 16 (tensor-core ``tl.dot`` minimum)."""
 
 _LOG2E = 1.4426950408889634
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -96,81 +152,268 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, G, 
 
 
 @triton.jit
-def _paged_attention_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, out_ptr, ks_ptr, vs_ptr,
-        qk_scale, E, S,
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["T", "T_CHUNK"])
+def _tile_schedule_kernel(seq_ptr, pos_ptr, sched_ptr, T, T_CHUNK, stride_sc,
+                          BLOCK_T: tl.constexpr, SB: tl.constexpr):
+    """One program per token chunk ``[c*T_CHUNK, min(T, (c+1)*T_CHUNK))``: writes
+    ``sched[c, 0]`` = the number of query tiles of the chunk and ``sched[c, 1 + i]``
+    = the chunk-local index of tile ``i``'s first token, in token order.
+
+    A token starts a run when it is the chunk's first, its sequence differs
+    from the previous token's, its position is not the previous one + 1, or
+    the previous token is padding; it starts a tile when its offset in its
+    run is a multiple of ``BLOCK_T``. Padding tokens (position < 0) start no
+    tile and belong to none.
+    """
+    c = tl.program_id(0)
+    base = c.to(tl.int64) * T_CHUNK
+    n = tl.minimum(T - base, T_CHUNK).to(tl.int32)
+    sc = sched_ptr + c.to(tl.int64) * stride_sc
+    count = tl.zeros((), dtype=tl.int32)
+    carry = tl.zeros((), dtype=tl.int32)  # start of the run of the previous block's last token
+    for b0 in range(0, n, SB):
+        i = b0 + tl.arange(0, SB)
+        inb = i < n
+        has_prev = inb & (i > 0)
+        s = tl.load(seq_ptr + base + i, mask=inb, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + base + i, mask=inb, other=-1).to(tl.int64)
+        sp = tl.load(seq_ptr + base + i - 1, mask=has_prev, other=0).to(tl.int64)
+        pp = tl.load(pos_ptr + base + i - 1, mask=has_prev, other=-1).to(tl.int64)
+        brk = (s != sp) | (p != pp + 1) | (pp < 0) | (p < 0)  # i == 0: pp = -1
+        rs = tl.associative_scan(tl.where(brk, i, 0), 0, _max_combine)
+        rs = tl.maximum(rs, carry)
+        start = inb & (p >= 0) & ((i - rs) % BLOCK_T == 0)
+        st = start.to(tl.int32)
+        idx = count + tl.cumsum(st, 0) - 1
+        tl.store(sc + 1 + idx, i, mask=start)
+        count += tl.sum(st, 0)
+        carry = tl.max(tl.where(inb, rs, 0), 0)
+    tl.store(sc, count)
+
+
+@triton.jit(do_not_specialize=["T"])  # (no variant compiled for T == 1: one code for every batch)
+def _attention_partial_kernel(
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr,
+        m_ptr, l_ptr, acc_ptr,
+        qk_scale, T, E, S,
         stride_qt, stride_qh, stride_qe,
         stride_kcb, stride_kcs, stride_kcg, stride_kce,
         stride_vcb, stride_vcs, stride_vcg, stride_vce,
         stride_btb, stride_btn,
         stride_ot, stride_oh, stride_oe,
-        Q_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-        BLOCK_KV: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+        stride_wt, stride_wh, stride_ws,
+        stride_at, stride_ah, stride_as, stride_ae,
+        Q_PER_KV: tl.constexpr, QP: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT_KV: tl.constexpr,
+        FP32_DOT: tl.constexpr, FP8: tl.constexpr):
+    """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring)."""
     g = tl.program_id(1).to(tl.int64)
-    seq = tl.load(seq_ptr + t).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    split = tl.program_id(2)
+    kv_lo = split * SPLIT_KV
+    n_tiles = tl.load(sched_ptr)
 
-    r = tl.arange(0, BLOCK_H)
-    h = g * Q_PER_KV + r
-    mask_h = r < Q_PER_KV
+    r = tl.arange(0, ROWS)
+    ti = r // QP  # token of the row within the tile
+    hq = r % QP  # q head of the row within the kv head's group
+    h = g * Q_PER_KV + hq
     e = tl.arange(0, BLOCK_E)
     mask_e = e < E
-    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + e[None, :] * stride_qe,
-                mask=mask_h[:, None] & mask_e[None, :], other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
+    i_t = tl.arange(0, BLOCK_T)
+    kv_ar = tl.arange(0, BLOCK_KV)
     if FP8:
         ks = tl.load(ks_ptr)
         vs = tl.load(vs_ptr)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_E), dtype=tl.float32)
+    # Grid-stride over the device tile list: the grid size is only a hint.
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        t0 = tl.load(sched_ptr + 1 + tile).to(tl.int64)
+        seq = tl.load(seq_ptr + t0).to(tl.int64)
+        pos0 = tl.load(pos_ptr + t0).to(tl.int64)
+        # The tile: tokens t0 + i while they continue the run (at most BLOCK_T).
+        tt = t0 + i_t
+        in_t = tt < T
+        s_i = tl.load(seq_ptr + tt, mask=in_t, other=-1).to(tl.int64)
+        p_i = tl.load(pos_ptr + tt, mask=in_t, other=-1).to(tl.int64)
+        cont = in_t & (s_i == seq) & (p_i == pos0 + i_t)
+        n_tok = tl.min(tl.where(cont, BLOCK_T, i_t), 0)  # the first token that breaks the run
+        max_pos = pos0 + n_tok - 1
 
-    # The token's own last tile; a negative position (padding token) runs no tile.
-    num_tiles = tl.where(pos >= 0, pos // BLOCK_KV + 1, 0).to(tl.int32)
-    bt_row = bt_ptr + seq * stride_btb
-    for j in range(0, num_tiles):
-        p = j * BLOCK_KV + tl.arange(0, BLOCK_KV).to(tl.int64)
-        valid = p <= pos
-        blk = tl.load(bt_row + (p // S) * stride_btn, mask=valid, other=0).to(tl.int64)
-        off = p % S
-        # K^T tile [BLOCK_E, BLOCK_KV]; masked entries read as 0 so stale cache
-        # memory (possibly NaN) never reaches the math.
-        kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
-                     + e[:, None] * stride_kce, mask=mask_e[:, None] & valid[None, :], other=0.0)
-        if FP8:  # read rule: q.dtype(fp32(e4m3) * k_scale)
-            kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
-        if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
-            s = interpreter_dot(q, kt).to(tl.float32)
-        elif FP32_DOT:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt.to(q.dtype))
-        s = s * qk_scale  # log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
-                    + e[None, :] * stride_vce, mask=valid[:, None] & mask_e[None, :], other=0.0)
-        if FP8:
-            v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
-        if _INTERP:
-            pv = interpreter_dot(pr, v).to(tl.float32)
-        elif FP32_DOT:
-            pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        row_ok = (ti < n_tok) & (hq < Q_PER_KV)
+        pos_r = tl.where(row_ok, pos0 + ti, -1)
+        t_r = t0 + ti
+        q = tl.load(q_ptr + t_r[:, None] * stride_qt + h[:, None] * stride_qh + e[None, :] * stride_qe,
+                    mask=row_ok[:, None] & mask_e[None, :], other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+        m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
+
+        # KV tiles of this split up to the tile's last position (none if the split starts after it).
+        j_lo = kv_lo // BLOCK_KV
+        last = tl.minimum(max_pos, kv_lo + SPLIT_KV - 1)
+        j_hi = tl.where(max_pos >= kv_lo, last // BLOCK_KV + 1, j_lo).to(tl.int32)
+        bt_row = bt_ptr + seq * stride_btb
+        for j in range(j_lo, j_hi):
+            p = j * BLOCK_KV + kv_ar.to(tl.int64)
+            col_ok = p <= max_pos
+            blk = tl.load(bt_row + (p // S) * stride_btn, mask=col_ok, other=0).to(tl.int64)
+            off = p % S
+            # K^T tile [BLOCK_E, BLOCK_KV]; masked entries read as 0 so stale cache
+            # memory (possibly NaN) never reaches the math.
+            kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
+                         + e[:, None] * stride_kce, mask=mask_e[:, None] & col_ok[None, :], other=0.0)
+            if FP8:  # read rule: q.dtype(fp32(e4m3) * k_scale)
+                kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
+            if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
+                s = interpreter_dot(q, kt).to(tl.float32)
+            elif FP32_DOT:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt.to(q.dtype))
+            s = s * qk_scale  # log2 domain
+            valid = p[None, :] <= pos_r[:, None]  # each row's own causal mask
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with nothing valid yet keeps m = -inf: exponent base 0, no NaN. A row
+            # whose maximum did not move (e.g. fully masked here) gets alpha = 1 exactly.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+            pr = tl.where(valid, tl.exp2(s - m_safe[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
+                        + e[None, :] * stride_vce, mask=col_ok[:, None] & mask_e[None, :], other=0.0)
+            if FP8:
+                v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
+            if _INTERP:
+                pv = interpreter_dot(pr, v).to(tl.float32)
+            elif FP32_DOT:
+                pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # A token below SPLIT_KV has this one split: divide and round once, here.
+        # (a scalar bool in a mask trips the interpreter: fold it into the bound)
+        one_split = row_ok & (pos_r < tl.where(split == 0, SPLIT_KV, 0))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_ptr + t_r[:, None] * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
+                 round_to(acc / l_safe[:, None], out_ptr.dtype.element_ty),
+                 mask=one_split[:, None] & mask_e[None, :])
+        # Other tokens: this split's partial state, merged by _attention_merge_kernel.
+        partial = row_ok & (pos_r >= SPLIT_KV) & (pos_r >= kv_lo)
+        w = t_r * stride_wt + h * stride_wh + split * stride_ws
+        tl.store(m_ptr + w, m_i, mask=partial)
+        tl.store(l_ptr + w, l_i, mask=partial)
+        tl.store(acc_ptr + t_r[:, None] * stride_at + h[:, None] * stride_ah + split * stride_as
+                 + e[None, :] * stride_ae, acc, mask=partial[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _attention_merge_kernel(
+        pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, E,
+        stride_ot, stride_oh, stride_oe,
+        stride_wt, stride_wh, stride_ws,
+        stride_at, stride_ah, stride_as, stride_ae,
+        Q_PER_KV: tl.constexpr, QP: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_KV: tl.constexpr):
+    """Grid (T, G): token ``t``'s q heads of kv head ``g``. Positions >= SPLIT_KV: merge the
+    splits in increasing order, divide, round once; padding tokens: zeros; others: nothing
+    (the partial kernel wrote them)."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    hq = tl.arange(0, QP)
+    h = g * Q_PER_KV + hq
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    multi = pos >= SPLIT_KV
+    # (a scalar bool in a mask trips the interpreter: fold it into a bound)
+    row_m = hq < tl.where(multi, Q_PER_KV, 0)
+    row_out = hq < tl.where(multi | (pos < 0), Q_PER_KV, 0)
+    n_split = tl.where(multi, pos // SPLIT_KV + 1, 1).to(tl.int32)
+    w = t * stride_wt + h * stride_wh
+    a = t * stride_at + h[:, None] * stride_ah + e[None, :] * stride_ae
+    mask_a = row_m[:, None] & mask_e[None, :]
+    # Split 0's state as is (exact); padding rows stay at m = l = acc = 0 -> zeros.
+    M = tl.load(m_ptr + w, mask=row_m, other=0.0)
+    L = tl.load(l_ptr + w, mask=row_m, other=0.0)
+    ACC = tl.load(acc_ptr + a, mask=mask_a, other=0.0)
+    for s in range(1, n_split):
+        m_s = tl.load(m_ptr + w + s * stride_ws, mask=row_m, other=0.0)
+        l_s = tl.load(l_ptr + w + s * stride_ws, mask=row_m, other=0.0)
+        acc_s = tl.load(acc_ptr + a + s * stride_as, mask=mask_a, other=0.0)
+        M_new = tl.maximum(M, m_s)
+        c_old = tl.where(M == M_new, 1.0, tl.exp2(M - M_new))
+        c_new = tl.where(m_s == M_new, 1.0, tl.exp2(m_s - M_new))
+        L = L * c_old + l_s * c_new
+        ACC = ACC * c_old[:, None] + acc_s * c_new[:, None]
+        M = M_new
+    L_safe = tl.where(L > 0, L, 1.0)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
-             round_to(out, out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_e[None, :])
+             round_to(ACC / L_safe[:, None], out_ptr.dtype.element_ty), mask=row_out[:, None] & mask_e[None, :])
+
+
+_GRID_MEMO: OrderedDict = OrderedDict()
+_GRID_MEMO_SIZE = 16
+SCHEDULE_STATS = {"host_reads": 0}
+"""``host_reads``: how many times a tile count was read back to size a grid (tests)."""
+
+
+def _stamp(x: torch.Tensor) -> tuple:
+    try:
+        version = x._version
+    except RuntimeError:  # inference tensors carry no version counter
+        version = None
+    return version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device
+
+
+def _grid_sizes(seq_idx_T, positions_T, sched, chunks, block_t) -> list[int]:
+    """How many partial-kernel programs to launch per token chunk.
+
+    During CUDA-graph capture: the chunk's token count (an upper bound of its
+    tiles; surplus programs exit), no host sync. Otherwise the exact tile
+    counts, read from the device once and memoized per ``(seq_idx_T,
+    positions_T)`` pair (identity, version counter, storage, shape), so the
+    layers of one forward share one sync. The memo holds launch sizes only:
+    the tile list is rebuilt on the device at every call and the programs
+    walk it in a grid-stride loop, so a stale size (e.g. an inference tensor
+    rewritten in place, which has no version counter) can cost speed, never
+    a tile or a bit.
+    """
+    if seq_idx_T.is_cuda and torch.cuda.is_current_stream_capturing():
+        return [n for _, n in chunks]
+    key = (id(seq_idx_T), id(positions_T), tuple(chunks), block_t)
+    stamp = (_stamp(seq_idx_T), _stamp(positions_T))
+    hit = _GRID_MEMO.get(key)
+    if hit is not None and hit[0]() is seq_idx_T and hit[1]() is positions_T and hit[2] == stamp:
+        _GRID_MEMO.move_to_end(key)
+        return hit[3]
+    sizes = [max(1, int(n)) for n in sched[:, 0].tolist()]  # the one host sync
+    SCHEDULE_STATS["host_reads"] += 1
+    _GRID_MEMO[key] = (weakref.ref(seq_idx_T), weakref.ref(positions_T), stamp, sizes)
+    while len(_GRID_MEMO) > _GRID_MEMO_SIZE:
+        _GRID_MEMO.popitem(last=False)
+    return sizes
+
+
+def tile_shape(H: int, G: int) -> tuple[int, int, int]:
+    """``(QP, rows, BLOCK_T)`` for ``H`` q heads over ``G`` kv heads: the q heads of a kv
+    head padded to ``QP = next_pow2(H // G)``, the rows of a program and the query tokens
+    of a tile. Model constants only."""
+    qp = next_pow2(H // G)
+    rows = max(ROWS, MIN_BLOCK_H, qp)
+    return qp, rows, max(1, rows // qp)
+
+
+def num_splits(block_table_BN: torch.Tensor, S: int) -> int:
+    """KV splits a sequence of this block table can span: ``cdiv(max_blocks * S, SPLIT_KV)``."""
+    return max(1, -(-block_table_BN.shape[1] * S // SPLIT_KV))
 
 
 def _check_cache(name: str, cache: torch.Tensor, G: int, E: int) -> None:
@@ -304,12 +547,41 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     S = k_cache.shape[1]
     q_per_kv = H // G
+    qp, rows, block_t = tile_shape(H, G)
+    block_e = max(16, next_pow2(E))
+    n_split = num_splits(block_table_BN, S)
     fp32_dot = INTERPRET or q_THE.dtype == torch.float32
     kc, vc, ks, vs, fp8 = _kernel_views(k_cache, v_cache, scales)
-    _paged_attention_kernel[(T, G)](
-        q_THE, kc, vc, block_table_BN, seq_idx_T, positions_T, out, ks, vs,
-        float(scale) * _LOG2E, E, S,
-        *q_THE.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *out.stride(),
-        Q_PER_KV=q_per_kv, BLOCK_H=max(MIN_BLOCK_H, next_pow2(q_per_kv)), BLOCK_E=max(16, next_pow2(E)),
-        BLOCK_KV=BLOCK_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    seq, pos = seq_idx_T.contiguous(), positions_T.contiguous()
+
+    # Tokens in chunks of tc so that the fp32 split workspace (tc x H x n_split x (E + 2)) stays bounded.
+    tc = T if n_split == 1 else max(1, min(T, WORKSPACE_BYTES // (H * n_split * (E + 2) * 4)))
+    chunks = [(a, min(tc, T - a)) for a in range(0, T, tc)]
+    sched = torch.empty((len(chunks), tc + 1), dtype=torch.int32, device=q_THE.device)
+    _tile_schedule_kernel[(len(chunks),)](seq, pos, sched, T, tc, sched.stride(0), BLOCK_T=block_t,
+                                          SB=SCHED_BLOCK, num_warps=4)
+    if n_split > 1:  # one allocation: acc [tc, H, n_split, E] (rows aligned), then (m, l) [tc, H, n_split, 2]
+        n_acc = tc * H * n_split * E
+        ws = torch.empty((n_acc + tc * H * n_split * 2,), dtype=torch.float32, device=q_THE.device)
+        acc_ws = ws[:n_acc].view(tc, H, n_split, E)
+        ml_ws = ws[n_acc:].view(tc, H, n_split, 2)
+        m_ws, l_ws = ml_ws[..., 0], ml_ws[..., 1]
+        w_strides, a_strides = m_ws.stride(), acc_ws.stride()
+    else:  # every token is finalized by the partial kernel; nothing is written here
+        ws = torch.empty((1,), dtype=torch.float32, device=q_THE.device)
+        acc_ws = m_ws = l_ws = ws
+        w_strides, a_strides = (0, 0, 0), (0, 0, 0, 0)
+    sizes = _grid_sizes(seq_idx_T, positions_T, sched, chunks, block_t)
+    for c, (a, n) in enumerate(chunks):
+        q_c, o_c, s_c, p_c = q_THE[a:a + n], out[a:a + n], seq[a:a + n], pos[a:a + n]
+        _attention_partial_kernel[(sizes[c], G, n_split)](
+            q_c, kc, vc, block_table_BN, s_c, p_c, sched[c], o_c, ks, vs, m_ws, l_ws, acc_ws,
+            float(scale) * _LOG2E, n, E, S,
+            *q_c.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *o_c.stride(),
+            *w_strides, *a_strides,
+            Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
+            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _attention_merge_kernel[(n, G)](
+            p_c, o_c, m_ws, l_ws, acc_ws, E, *o_c.stride(), *w_strides, *a_strides,
+            Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, num_warps=4)
     return out

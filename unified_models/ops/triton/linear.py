@@ -1,7 +1,7 @@
 """Batch-invariant linear in Triton: ``y = x @ W^T + b``, fp32 accumulate, one rounding.
 
 Fixed ``BLOCK_M/BLOCK_N/BLOCK_K``, ``num_warps`` and ``num_stages`` per device
-kind, a full K loop in each program (no split-K, no atomics, no autotune) and
+kind and weight shape ``(N, K)`` (:func:`gemm_config`), a full K loop in each program (no split-K, no atomics, no autotune) and
 no branch on the number of rows: every output element is the same sequence of
 ``tl.dot`` steps over the same K tiles whatever ``T`` is and whichever other
 rows share its tile. ``T`` is marked ``do_not_specialize`` so the compiled
@@ -11,24 +11,56 @@ arguments equal to 1 or divisible by 16).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
 
+class GemmConfig(NamedTuple):
+    """One kernel configuration: tile shape, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
 if INTERPRET:
     # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts");
     # BLOCK_K = 64 keeps the [M, K, N] fp64 product of interpreter_dot within
     # Triton's 2**20-element tensor limit.
-    BLOCK_M, BLOCK_N, BLOCK_K = 64, 256, 64
-    NUM_WARPS, NUM_STAGES = 4, 1
+    DEFAULT_CONFIG = GemmConfig(64, 256, 64, 4, 1)
+    NARROW_CONFIG = DEFAULT_CONFIG
 else:
     # Hopper (H100/H200): wgmma tile, bf16 operands, fp32 accumulation. Measured on
     # an H200 (Triton 3.6) against 10 other fixed configs: best or near-best from
-    # T=1 to T=2048 (2048x4096x4096: 129 us vs cuBLAS 94 us; decode ~2.3x cuBLAS).
-    BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-    NUM_WARPS, NUM_STAGES = 8, 3
+    # T=1 to T=2048 for wide outputs (2048x4096x4096: 129 us vs cuBLAS 94 us).
+    DEFAULT_CONFIG = GemmConfig(128, 128, 64, 8, 3)
+    # Narrow outputs (N < NARROW_N): 128-wide tiles leave most of the H200's 132 SMs idle
+    # when T is small (decode: N=4096 -> 32 programs), so they get narrower tiles.
+    NARROW_CONFIG = GemmConfig(128, 64, 64, 4, 3)
+
+NARROW_N = 8192
+"""Output widths below this use ``NARROW_CONFIG`` (see :func:`gemm_config`)."""
+
+BLOCK_M, BLOCK_N, BLOCK_K = DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.block_n, DEFAULT_CONFIG.block_k
+NUM_WARPS, NUM_STAGES = DEFAULT_CONFIG.num_warps, DEFAULT_CONFIG.num_stages
+
+
+def gemm_config(N: int, K: int) -> GemmConfig:
+    """The kernel configuration for a weight of shape ``[N, K]``.
+
+    A function of the weight shape only, never of the number of rows ``T``: a
+    row's bits are fixed by the model (same tiles, same K order, same tensor-core
+    instruction for every batch). ``benchmarks/gemm_configs.py`` measures the
+    candidates on the GPU.
+    """
+    return NARROW_CONFIG if N < NARROW_N else DEFAULT_CONFIG
+
 
 GROUP_M = 8
 """Programs are ordered in groups of GROUP_M row tiles (L2 reuse); this only
@@ -144,11 +176,12 @@ def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
         return out.copy_((bias_N.float() if bias_N is not None else torch.zeros(N, device=out.device)).expand(T, N))
     bias = bias_N.contiguous() if bias_N is not None else out  # dummy pointer when HAS_BIAS=False
     fp32_dot = INTERPRET or x_TK.dtype == torch.float32
-    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+    cfg = gemm_config(N, K)
+    grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _linear_kernel[grid](
         x_TK, weight_NK, bias, out, T, N, K,
         x_TK.stride(0), x_TK.stride(1), weight_NK.stride(0), weight_NK.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias_N is not None, FP32_DOT=fp32_dot,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

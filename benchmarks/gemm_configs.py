@@ -1,0 +1,100 @@
+"""Candidate tile configurations of our batch-invariant linear, per weight shape, on the GPU.
+
+Not a test: a measurement that picks ``ops.triton.linear.gemm_config``. For each
+weight shape ``[N, K]`` of a model (default: the issue-8 dense bench widths) and
+each row count ``T`` (decode- to prefill-sized), it times every candidate config
+(median of CUDA-event timings over repeated launches), and cuBLAS (``torch.mm``)
+as the baseline measured in the same run; it also reports whether a candidate's
+output equals the current config's bit for bit (the tiles are a function of the
+weight shape, so a change of table changes the model's bits on this device,
+consistently in both engines).
+
+    python benchmarks/gemm_configs.py --json benchmarks/results/gemm_configs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+CANDIDATES = {
+    "128x128x64_w8_s3": (128, 128, 64, 8, 3),
+    "128x64x64_w4_s3": (128, 64, 64, 4, 3),
+    "128x64x64_w4_s4": (128, 64, 64, 4, 4),
+    "64x64x64_w4_s4": (64, 64, 64, 4, 4),
+    "128x32x64_w4_s4": (128, 32, 64, 4, 4),
+    "64x32x64_w4_s5": (64, 32, 64, 4, 5),
+    "64x128x64_w4_s3": (64, 128, 64, 4, 3),
+}
+DENSE_BENCH_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "up_proj": (21504, 4096),
+                      "down_proj": (4096, 21504), "lm_head": (32064, 4096)}
+
+
+def _time_ms(fn, iters: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 2048, 16384])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from unified_models.ops.triton import linear as lin
+
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    current = lin.gemm_config
+    results = []
+    torch.manual_seed(0)
+    for name, (N, K) in DENSE_BENCH_SHAPES.items():
+        w = (torch.randn(N, K, device="cuda") * K ** -0.5).bfloat16()
+        out_dtype = torch.float32 if name == "lm_head" else torch.bfloat16
+        for T in args.rows:
+            x = torch.randn(T, K, device="cuda").bfloat16()
+            ref = lin.linear_triton(x, w, out_dtype=out_dtype)
+            row = {"shape": name, "N": N, "K": K, "T": T, "current": current(N, K)._asdict(),
+                   "cublas_ms": _time_ms(lambda: torch.mm(x, w.t()), args.iters), "configs": {}}
+            for cname, cfg in CANDIDATES.items():
+                lin.gemm_config = lambda n, k, cfg=cfg: lin.GemmConfig(*cfg)  # noqa: E731
+                try:
+                    y = lin.linear_triton(x, w, out_dtype=out_dtype)
+                    ms = _time_ms(lambda: lin.linear_triton(x, w, out_dtype=out_dtype), args.iters)
+                    row["configs"][cname] = {"ms": ms, "bitwise_equal_to_current": bool(torch.equal(y, ref))}
+                except Exception as e:  # a config that does not compile is a result too
+                    row["configs"][cname] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                finally:
+                    lin.gemm_config = current
+            best = min((c for c in row["configs"].items() if "ms" in c[1]), key=lambda c: c[1]["ms"])
+            row["best"] = best[0]
+            results.append(row)
+            cells = " ".join(f"{c}={v['ms']:.3f}{'' if v.get('bitwise_equal_to_current') else '*'}"
+                             for c, v in row["configs"].items() if "ms" in v)
+            print(f"{name:14s} N={N:6d} K={K:6d} T={T:6d} cublas={row['cublas_ms']:.3f} ms | {cells} | best {best[0]}",
+                  flush=True)
+    print("(* = bits differ from the current config's)")
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
