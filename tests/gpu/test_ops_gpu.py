@@ -539,3 +539,65 @@ def test_rope(gen):
     assert_bitwise(apply_rope(x[7:8], pos[7:8], cos, sin), full[7:8], "rope row alone")
     ref = apply_rope_reference(x.cpu(), pos.cpu(), 64, 10000.0).float()
     assert (full.float().cpu() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+# --------------------------------------------------------------------------- linear tiers
+
+# Weight shapes [N, K] of the bundled presets: the dense bench widths and the Nano
+# widths (hidden 2688; the 131072-wide LM head is replaced by a 32064-wide one).
+TIER_SHAPES = [(4096, 4096, torch.bfloat16), (1024, 4096, torch.bfloat16), (21504, 4096, torch.bfloat16),
+               (4096, 21504, torch.bfloat16), (32064, 4096, torch.float32),
+               (4096, 2688, torch.bfloat16), (2688, 4096, torch.bfloat16), (1856, 2688, torch.bfloat16),
+               (2688, 1856, torch.bfloat16), (32064, 2688, torch.float32)]  # (N, K, out dtype)
+TIER_ROWS = (1, 63, 64, 65, 300, 513, 1000)
+
+
+def _tier_input(T, K, gen):
+    x = torch.randn(T, K, generator=gen)
+    big = torch.randperm(T, generator=gen)[: max(1, T // 50)]
+    x[big] *= 300.0  # a few large-magnitude rows
+    return x.to(DEV, torch.bfloat16)
+
+
+@pytest.mark.parametrize("N,K,out_dtype", TIER_SHAPES)
+def test_linear_tiers_give_identical_bits(N, K, out_dtype, gen):
+    """Every GPU tier of ``gemm_config`` gives the same bits (what batch invariance rests on).
+
+    ``linear_triton`` picks its tile config by the number of rows (``GPU_TIERS``); a
+    row's bits are only independent of the batch if all tiers agree bit for bit.
+    A new tier must pass this test.
+    """
+    from unified_models.ops.triton.linear import GPU_TIERS, gemm_config, linear_triton
+
+    configs = [cfg for _, cfg in GPU_TIERS]
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, torch.bfloat16)
+    b = torch.randn(N, generator=gen).to(DEV, torch.bfloat16)
+    for T in TIER_ROWS:
+        x = _tier_input(T, K, gen)
+        ref = linear_triton(x, w, b, out_dtype, config=configs[0])
+        for cfg in configs[1:]:
+            assert_bitwise(linear_triton(x, w, b, out_dtype, config=cfg), ref,
+                           f"[{N},{K}] T={T} {tuple(cfg)} vs {tuple(configs[0])}")
+        assert_bitwise(linear_triton(x, w, b, out_dtype), ref, f"[{N},{K}] T={T} default {gemm_config(N, K, T)}")
+    # Rows of a large batch (last tier) == the same rows alone (first tier) and in a
+    # T=40 batch (first tier) and in a T=300 batch (middle tier), through the default path.
+    x = _tier_input(1000, K, gen)
+    full = linear_triton(x, w, b, out_dtype)
+    for i in (0, 1, 517, 999):
+        assert_bitwise(linear_triton(x[i:i + 1], w, b, out_dtype), full[i:i + 1], f"[{N},{K}] row {i} alone")
+    idx = torch.randperm(1000, generator=gen)[:40].to(DEV)
+    assert_bitwise(linear_triton(x[idx], w, b, out_dtype), full[idx], f"[{N},{K}] 40 rows in a T=40 batch")
+    idx = torch.randperm(1000, generator=gen)[:300].to(DEV)
+    assert_bitwise(linear_triton(x[idx], w, b, out_dtype), full[idx], f"[{N},{K}] 300 rows in a T=300 batch")
+
+
+def test_linear_tiers_give_identical_bits_fp32_operands(gen):
+    """fp32 operands (router GEMM, IEEE dot) give the same bits in every GPU tier too."""
+    from unified_models.ops.triton.linear import GPU_TIERS, linear_triton
+
+    w = torch.randn(128, 2688, generator=gen).to(DEV) / 50.0
+    for T in TIER_ROWS:
+        x = torch.randn(T, 2688, generator=gen).to(DEV)
+        outs = [linear_triton(x, w, None, torch.float32, config=cfg) for _, cfg in GPU_TIERS]
+        for cfg, out in zip(GPU_TIERS[1:], outs[1:]):
+            assert_bitwise(out, outs[0], f"fp32 operands T={T} {tuple(cfg[1])}")

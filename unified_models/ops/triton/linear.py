@@ -1,12 +1,30 @@
 """Batch-invariant linear in Triton: ``y = x @ W^T + b``, fp32 accumulate, one rounding.
 
-Fixed ``BLOCK_M/BLOCK_N/BLOCK_K``, ``num_warps`` and ``num_stages`` per device
-kind and weight shape ``(N, K)`` (:func:`gemm_config`), a full K loop in each program (no split-K, no atomics, no autotune) and
-no branch on the number of rows: every output element is the same sequence of
-``tl.dot`` steps over the same K tiles whatever ``T`` is and whichever other
-rows share its tile. ``T`` is marked ``do_not_specialize`` so the compiled
-kernel is also the same for every ``T`` (Triton otherwise specializes integer
-arguments equal to 1 or divisible by 16).
+A full K loop in each program (no split-K, no atomics, no autotune), K visited
+in fixed ``BLOCK_K`` steps from 0 upwards, and ``T`` marked
+``do_not_specialize`` (Triton otherwise specializes integer arguments equal to
+1 or divisible by 16), so within one config every output element is the same
+sequence of ``tl.dot`` steps whatever ``T`` is and whichever other rows share
+its tile.
+
+The tile config (``BLOCK_M/BLOCK_N``, ``num_warps``, ``num_stages``) on the GPU
+DOES depend on ``T``: :func:`gemm_config` picks one of a few tiers
+(:data:`GPU_TIERS`) by the number of rows. This is a deliberate deviation from
+"one config per weight shape", taken for speed: decode-sized GEMMs need narrow
+tiles to fill the H200's SMs (down_proj 4096x21504 at T=64: 0.119 ms with
+64x32x64 vs 0.259 ms with 128x128x64, 2.2x), prefill-sized ones need 128x128
+(T=16384: 6.07 ms vs 7.6 ms with 128x64). Batch invariance then rests on a
+measured and tested fact, not on the config being fixed: every tier has the
+same ``BLOCK_K`` (:data:`BIT_COMPATIBLE_BLOCK_K`) and ``BLOCK_M >= 64`` (Hopper
+wgmma), no split-K, so each output element is accumulated in fp32 by the same
+wgmma k16 MMA steps in the same K order and its bits do not depend on the tile
+shape. ``benchmarks/gemm_configs.py`` measured this on the H200 (Triton 3.6,
+bf16, 7 configs, bench shapes, T = 64..16384: all bitwise identical), and
+``tests/gpu/test_ops_gpu.py::test_linear_tiers_give_identical_bits`` guards it:
+any new or changed tier must pass that test (and a new Triton version or GPU
+must re-run it) before it goes into :data:`GPU_TIERS`. fp32 operands (router
+GEMM, IEEE ``tl.dot``, no wgmma) were not part of that measurement; the test
+checks them across the tiers too.
 """
 
 from __future__ import annotations
@@ -29,37 +47,58 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-if INTERPRET:
-    # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts");
-    # BLOCK_K = 64 keeps the [M, K, N] fp64 product of interpreter_dot within
-    # Triton's 2**20-element tensor limit.
-    DEFAULT_CONFIG = GemmConfig(64, 256, 64, 4, 1)
-    NARROW_CONFIG = DEFAULT_CONFIG
-else:
-    # Hopper (H100/H200): wgmma tile, bf16 operands, fp32 accumulation. Measured on
-    # an H200 (Triton 3.6) against 10 other fixed configs: best or near-best from
-    # T=1 to T=2048 for wide outputs (2048x4096x4096: 129 us vs cuBLAS 94 us).
-    DEFAULT_CONFIG = GemmConfig(128, 128, 64, 8, 3)
-    # Narrow outputs (N < NARROW_N): 128-wide tiles leave most of the H200's 132 SMs idle
-    # when T is small (decode: N=4096 -> 32 programs), so they get narrower tiles.
-    NARROW_CONFIG = GemmConfig(128, 64, 64, 4, 3)
+BIT_COMPATIBLE_BLOCK_K = 64
+"""The ``BLOCK_K`` shared by every GPU tier: the K order of the accumulation, hence the bits."""
 
-NARROW_N = 8192
-"""Output widths below this use ``NARROW_CONFIG`` (see :func:`gemm_config`)."""
+GPU_TIERS: tuple[tuple[int | None, GemmConfig], ...] = (
+    # (max rows T, config); the first tier with T <= max rows is used, None = no limit.
+    # Measured on an H200 (Triton 3.6, bf16, benchmarks/gemm_configs.py).
+    (64, GemmConfig(64, 32, 64, 4, 5)),       # decode: narrow tiles, enough programs for 132 SMs
+    (512, GemmConfig(128, 64, 64, 4, 4)),
+    (None, GemmConfig(128, 128, 64, 8, 3)),   # prefill/training: wgmma 128x128 tile
+)
+for _max_rows, _cfg in GPU_TIERS:
+    # The family the tier-independence of the bits rests on (module docstring):
+    # same K step, wgmma-sized row tiles. Anything else must not be a tier.
+    assert _cfg.block_k == BIT_COMPATIBLE_BLOCK_K and _cfg.block_m >= 64, (_max_rows, _cfg)
+assert GPU_TIERS[-1][0] is None, "the last GPU tier must take any number of rows"
+del _max_rows, _cfg
+
+# The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts");
+# BLOCK_K = 64 keeps the [M, K, N] fp64 product of interpreter_dot within
+# Triton's 2**20-element tensor limit. One config for every T (the CPU bits are
+# exact fp64 sums anyway, so they do not depend on the tiles).
+INTERPRETER_CONFIG = GemmConfig(64, 256, 64, 4, 1)
+
+DEFAULT_CONFIG = INTERPRETER_CONFIG if INTERPRET else GPU_TIERS[-1][1]
+"""The config for large ``T`` (the last tier on GPU; the only one in the interpreter)."""
 
 BLOCK_M, BLOCK_N, BLOCK_K = DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.block_n, DEFAULT_CONFIG.block_k
 NUM_WARPS, NUM_STAGES = DEFAULT_CONFIG.num_warps, DEFAULT_CONFIG.num_stages
 
 
-def gemm_config(N: int, K: int) -> GemmConfig:
-    """The kernel configuration for a weight of shape ``[N, K]``.
+def gemm_config(N: int, K: int, T: int) -> GemmConfig:
+    """The kernel configuration for ``T`` rows times a weight of shape ``[N, K]``.
 
-    A function of the weight shape only, never of the number of rows ``T``: a
-    row's bits are fixed by the model (same tiles, same K order, same tensor-core
-    instruction for every batch). ``benchmarks/gemm_configs.py`` measures the
-    candidates on the GPU.
+    Under the interpreter: :data:`INTERPRETER_CONFIG` for every shape and ``T``.
+    On the GPU: the first tier of :data:`GPU_TIERS` whose max rows is ``>= T``
+    (``T <= 64``: 64x32x64 w4 s5; ``T <= 512``: 128x64x64 w4 s4; larger:
+    128x128x64 w8 s3). ``N`` and ``K`` do not enter today.
+
+    The config depends on ``T``, but a row's bits do not: every tier uses
+    ``BLOCK_K`` = :data:`BIT_COMPATIBLE_BLOCK_K`, ``BLOCK_M >= 64`` (Hopper
+    wgmma) and a full K loop without split-K, so each output element is the
+    same wgmma k16 steps in the same K order in every tier. That is a measured
+    property of the compiled kernels (``benchmarks/gemm_configs.py``) guarded
+    by ``tests/gpu/test_ops_gpu.py::test_linear_tiers_give_identical_bits``;
+    a new tier must pass that test.
     """
-    return NARROW_CONFIG if N < NARROW_N else DEFAULT_CONFIG
+    if INTERPRET:
+        return INTERPRETER_CONFIG
+    for max_rows, cfg in GPU_TIERS:
+        if max_rows is None or T <= max_rows:
+            return cfg
+    raise AssertionError("unreachable: the last GPU tier has no row limit")
 
 
 GROUP_M = 8
@@ -129,17 +168,22 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
 
 
 def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, *, config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ W^T (+ b)`` with fp32 accumulation and one rounding to ``out_dtype``.
 
     Row ``t`` of the result is bitwise independent of ``T`` and of the other
-    rows (fixed tiles, full K loop per program, no split-K).
+    rows: full K loop per program, no split-K, and the tile config chosen by
+    ``T`` (:func:`gemm_config`) is one of the GPU tiers whose bits are
+    identical (tested, see the module docstring).
 
     Args:
         x_TK: ``[T, K]`` bf16 (or fp32) activations, any strides.
         weight_NK: ``[N, K]`` weight in ``x_TK``'s dtype (HF ``nn.Linear`` layout), any strides.
         bias_N: optional ``[N]`` bias (bf16/fp32), added in fp32 before the rounding.
         out_dtype: bf16/fp16/fp32 (default ``x_TK.dtype``).
+        config: force this tile config instead of :func:`gemm_config`'s (tests,
+            benchmarks). Only :data:`GPU_TIERS` configs are known to give the
+            model's bits on GPU.
 
     Returns:
         ``[T, N]`` in ``out_dtype``.
@@ -176,7 +220,7 @@ def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
         return out.copy_((bias_N.float() if bias_N is not None else torch.zeros(N, device=out.device)).expand(T, N))
     bias = bias_N.contiguous() if bias_N is not None else out  # dummy pointer when HAS_BIAS=False
     fp32_dot = INTERPRET or x_TK.dtype == torch.float32
-    cfg = gemm_config(N, K)
+    cfg = config if config is not None else gemm_config(N, K, T)
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _linear_kernel[grid](
         x_TK, weight_NK, bias, out, T, N, K,
