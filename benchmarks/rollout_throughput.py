@@ -25,7 +25,9 @@ Each engine runs in its own subprocess, one after the other, so the first
 one's GPU memory is back with the driver before the second starts; engine
 start time = construction of the ``vllm.LLM`` (weights, profiling, KV cache,
 compilation and CUDA-graph capture where enabled). Per workload: a short
-warm-up generate, then ``--repeats`` timed runs; the best is reported.
+warm-up generate, then ``--repeats`` timed runs; the best is reported. Warm-up, each timed
+repeat and the profiled run use their own random prompts (same lengths), so an engine with
+prefix caching on never finds a timed prompt already cached.
 
     python benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced \\
         --workloads 256x128/512 64x256/2048 --json out.json
@@ -135,19 +137,21 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
+    warm = [TokensPrompt(prompt_token_ids=ids) for ids in w["warmup_prompt_ids"]]
     n = len(prompts)
     warm_n = min(n, plan["warmup_requests"])
     t0 = time.perf_counter()
     if plan["warmup_tokens"] > 0 and warm_n > 0:
-        llm.generate(prompts[:warm_n], _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
+        llm.generate(warm[:warm_n], _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
         _sync(plan["device"])
     warmup_s = time.perf_counter() - t0
     params = _sampling_params(which, plan, n, w["output_len"])
     seconds, counts = [], []
-    for _ in range(plan["repeats"]):
+    for r in range(plan["repeats"]):
+        run_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["repeat_prompt_ids"][r]]
         _sync(plan["device"])
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(run_prompts, params, use_tqdm=False)
         _sync(plan["device"])
         seconds.append(time.perf_counter() - t0)
         counts.append(sum(len(o.outputs[0].token_ids) for o in outs))
@@ -165,7 +169,7 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
 
 
 def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> dict:
-    """One more (shortened) run of ``w`` under the torch profiler: top CUDA kernels by total time.
+    """One more (shortened) run of ``w``, on fresh prompts, under the torch profiler: top CUDA kernels.
 
     Output tokens are capped at ``plan["profile_max_tokens"]``; the table (top 25 kernels
     by self CUDA time) goes to ``out_dir/profile_<engine>_<workload>.txt``.
@@ -174,7 +178,7 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
     from torch.profiler import ProfilerActivity, profile
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["profile_prompt_ids"]]
     out_len = min(w["output_len"], plan["profile_max_tokens"])
     params = _sampling_params(which, plan, len(prompts), out_len)
     _sync(plan["device"])
@@ -396,6 +400,14 @@ def main(argv=None) -> int:
         ap.error(f"a workload needs {longest} positions; the model has {spec.max_position_embeddings}")
     for w in args.workloads:
         w["prompt_ids"] = random_prompts(w, args.seed, spec.vocab_size)
+        # warm-up and profiled runs use other prompts: an engine with prefix caching on must not
+        # find the timed prompts already cached (measured 2026-11-30 before this fix: ours reused
+        # the 8 warm-up prompts' KV in the timed run)
+        w["warmup_prompt_ids"] = random_prompts(w, args.seed + 1_000_003, spec.vocab_size)
+        w["profile_prompt_ids"] = random_prompts(w, args.seed + 2_000_003, spec.vocab_size)
+        # every timed repeat on its own prompts too (same lengths, so the same work)
+        w["repeat_prompt_ids"] = [w["prompt_ids"]] + [random_prompts(w, args.seed + 3_000_003 + r, spec.vocab_size)
+                                                      for r in range(1, args.repeats)]
     plan = {
         "model": model_dir, "device": device, "dtype": str(spec.dtype).removeprefix("torch."),
         "seed": args.seed, "request_seeds": args.request_seeds,
