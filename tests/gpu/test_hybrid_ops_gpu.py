@@ -788,13 +788,7 @@ class Fp8Paged:
         self.buf = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEV).view(FP8)
         self.mirror = torch.full(shape, 0x7F, dtype=torch.uint8).view(FP8)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        bt = torch.randint(0, nb, (len(seqs), max(need) + 3), generator=gen, dtype=torch.int32)  # stale ids
-        perm = torch.randperm(nb, generator=gen)
-        used = 0
-        for b, n in enumerate(need):
-            bt[b, :n] = perm[used:used + n].int()
-            used += n
-        self.bt = bt.to(DEV)
+        self.bt = scattered_block_table(need, nb, gen, max(need) + 3).to(DEV)  # stale ids past the ends
         self.out = torch.full_like(self.q, float("nan"))
 
     def step(self, chunks, n_pad=0):

@@ -14,8 +14,16 @@ eager. Plus kernel vs fp64 oracle within dtype tolerance.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+_OPS_TESTS = str(Path(__file__).resolve().parents[1] / "ops")
+if _OPS_TESTS not in sys.path:
+    sys.path.append(_OPS_TESTS)
+from invariance import scattered_block_table  # noqa: E402  (tests/ops: shared test helpers)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -222,13 +230,7 @@ class Paged:
         nb = sum(need) + 7
         self.buf = torch.full((nb, 2, S, G, E), float("nan"), dtype=torch.bfloat16, device=DEV)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        bt = torch.randint(0, nb, (len(seqs), max(need) + 3), generator=gen, dtype=torch.int32)  # stale ids
-        perm = torch.randperm(nb, generator=gen)
-        used = 0
-        for b, n in enumerate(need):
-            bt[b, :n] = perm[used:used + n].int()
-            used += n
-        self.bt = bt.to(DEV)
+        self.bt = scattered_block_table(need, nb, gen, max(need) + 3).to(DEV)  # stale ids past the ends
         self.out = torch.full_like(self.q, float("nan"))
 
     def step(self, chunks, n_pad=0):
@@ -363,13 +365,7 @@ class FlatPaged:
         nb = sum(need) + 5
         self.buf = torch.full((nb, 2, S, self.Gk, E), float("nan"), dtype=torch.bfloat16, device=DEV)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        bt = torch.randint(0, nb, (len(seqs), max(need) + 3), generator=gen, dtype=torch.int32)
-        perm = torch.randperm(nb, generator=gen)
-        used = 0
-        for b, n in enumerate(need):
-            bt[b, :n] = perm[used:used + n].int()
-            used += n
-        self.bt = bt.to(DEV)
+        self.bt = scattered_block_table(need, nb, gen, max(need) + 3).to(DEV)  # stale ids past the ends
         self.out = torch.full_like(self.q, float("nan"))
 
     def step(self, seq, pos):

@@ -72,3 +72,28 @@ class Inv:
             cls.assert_bitwise(out[where.to(out.device)], full[idx.to(full.device)],
                                f"{what} composition {trial} ({k} rows + {n_pad} padding)")
         return full
+
+
+def scattered_block_table(need: list[int], num_blocks: int, gen: torch.Generator, width: int,
+                          stale: int | None = None) -> torch.Tensor:
+    """A paged-cache block table (CPU int32 ``[len(need), width]``) as vLLM hands it.
+
+    Row ``b``'s first ``need[b]`` entries are distinct blocks drawn from a random
+    permutation of ``num_blocks`` (so sequences interleave in the pool); the entries
+    past a sequence's end hold stale ids like vLLM's persistent table: random blocks,
+    or ``stale`` everywhere (e.g. an out-of-range id).
+
+    Raises:
+        ValueError: ``sum(need) > num_blocks`` or ``max(need) > width``.
+    """
+    if sum(need) > num_blocks or max(need) > width:
+        raise ValueError(f"need {need} does not fit {num_blocks} blocks / width {width}")
+    shape = (len(need), width)
+    table = (torch.randint(0, num_blocks, shape, generator=gen, dtype=torch.int32) if stale is None
+             else torch.full(shape, stale, dtype=torch.int32))
+    perm = torch.randperm(num_blocks, generator=gen)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n].int()
+        used += n
+    return table

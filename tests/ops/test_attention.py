@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from invariance import scattered_block_table
 from unified_models.ops.attention import (dense_causal_attention_reference, paged_attention_reference,
                                           paged_attention_torch, write_kv_cache_torch)
 
@@ -55,17 +56,9 @@ class PagedRun:
         # K and V are strided views of one allocation, [num_blocks, 2, S, G, E], filled with stale NaN.
         self.buf = torch.full((num_blocks, 2, S, G, E), float("nan"), dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        perm = torch.randperm(num_blocks, generator=gen)
         # Entries past a sequence's end hold stale ids (as vLLM's persistent block table does):
         # other sequences' blocks / stale blocks by default, or ``junk_table`` (e.g. out of range).
-        shape = (len(seqs), max(need) + 2)
-        self.block_table = (torch.randint(0, num_blocks, shape, generator=gen, dtype=torch.int32) if junk_table is None
-                            else torch.full(shape, junk_table, dtype=torch.int32))
-        used = 0
-        for b, n in enumerate(need):
-            self.block_table[b, :n] = perm[used:used + n].int()
-            used += n
-        self.block_table = self.block_table.to(device)
+        self.block_table = scattered_block_table(need, num_blocks, gen, max(need) + 2, junk_table).to(device)
         self.out = [torch.full_like(s["q"], float("nan")) for s in seqs]
 
     def slot(self, b, p):
@@ -259,13 +252,7 @@ class FlatRun:
         else:  # stale NaN codes everywhere
             self.buf = torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        perm = torch.randperm(nb, generator=gen)
-        self.block_table = torch.randint(0, nb, (len(seqs), max(need) + 1), generator=gen, dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(need):
-            self.block_table[b, :n] = perm[used:used + n].int()
-            used += n
-        self.block_table = self.block_table.to(device)
+        self.block_table = scattered_block_table(need, nb, gen, max(need) + 1).to(device)
         self.out = [torch.full_like(s["q"], float("nan")) for s in seqs]
         self.write, self.attend = tri.write_kv_cache_triton, tri.paged_attention_triton
 

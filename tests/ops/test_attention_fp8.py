@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from invariance import scattered_block_table
 from unified_models import ops
 from unified_models.dsl import AttentionSpec, SpecError
 from unified_models.ops.attention import (FP8_E4M3_MAX, dense_causal_attention_reference, kv_fp8_dequantize,
@@ -178,13 +179,7 @@ class Fp8Run:
         num_blocks = sum(need) + 2
         self.buf = torch.full((num_blocks, 2, S, G, E), 0x7F, dtype=torch.uint8, device=device).view(FP8)
         self.k_cache, self.v_cache = self.buf[:, 0], self.buf[:, 1]
-        perm = torch.randperm(num_blocks, generator=gen)
-        self.block_table = torch.randint(0, num_blocks, (len(seqs), max(need) + 1), generator=gen, dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(need):
-            self.block_table[b, :n] = perm[used:used + n].int()
-            used += n
-        self.block_table = self.block_table.to(device)
+        self.block_table = scattered_block_table(need, num_blocks, gen, max(need) + 1).to(device)
         self.out = [torch.full_like(s["q"], float("nan")) for s in seqs]
 
     def slot(self, b, p):
