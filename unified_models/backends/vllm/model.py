@@ -320,7 +320,6 @@ class UnifiedForCausalLM(nn.Module):
         self.logits_call_index = 0
         self.row_temperatures: Callable[[int], list[float]] | None = None
         self._initial_load_done = False
-        self._step_positions_from_builder = False
         register_step_listener(vllm_config, self._begin_step)
 
     def _begin_step(self, m) -> None:
@@ -331,21 +330,16 @@ class UnifiedForCausalLM(nn.Module):
         Marks the next ``compute_logits`` call as the sampling call and, when a tap or
         ``record_sample_positions`` asks for it, records the position of each sampling
         row from vLLM's host copies (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``,
-        exact without speculative decoding): no device sync.
+        exact without speculative decoding; both set by 0.26's and 0.32's runners): no
+        device sync.
         """
         self.logits_call_index = -1
-        self._step_positions_from_builder = False
         if self.logprob_tap is None and not self.record_sample_positions:
             return
-        seq_lens = getattr(m, "seq_lens_cpu_upper_bound", None)
-        qsl = getattr(m, "query_start_loc_cpu", None)
-        if seq_lens is None or qsl is None:
-            return  # the forward records them (eager engines only)
         r = int(m.num_reqs)
-        q = qsl[: r + 1].long()
+        q = m.query_start_loc_cpu[: r + 1].long()
         real = q[1:] > q[:-1]  # padded requests have query length 0
-        self.last_sample_positions = (seq_lens[:r].long() - 1)[real].cpu()
-        self._step_positions_from_builder = True
+        self.last_sample_positions = (m.seq_lens_cpu_upper_bound[:r].long() - 1)[real].cpu()
 
     # ------------------------------------------------------------------ params
     def params(self) -> dict[str, torch.Tensor]:
@@ -434,11 +428,6 @@ class UnifiedForCausalLM(nn.Module):
                 if not isinstance(group, PagedGroup):
                     raise RuntimeError(f"unified_models: attention layer {names[i]} got {type(g_md).__name__} metadata")
                 groups[i] = group
-        record = self.logprob_tap is not None or self.record_sample_positions
-        if record and not self._step_positions_from_builder and not torch.cuda.is_current_stream_capturing():
-            q = qsl.cpu()
-            ends = q[1:][q[1:] > q[:-1]] - 1  # requests with query length 0 are padding
-            self.last_sample_positions = positions[ends.to(positions.device)].long().cpu()
         return batch, VllmStateStore(self._attn, groups, self._mamba, mamba_groups)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -451,7 +440,7 @@ class UnifiedForCausalLM(nn.Module):
             raise NotImplementedError("unified_models: prompt embeddings (inputs_embeds) are not supported")
         mds = self._metadata()
         batch, store = self._flat_batch(input_ids, positions, mds)
-        self.logits_call_index = -1
+        self.logits_call_index = -1  # also set by _begin_step (a graph replay runs no Python here)
         return forward_hidden(self.spec, self.params(), batch, store)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
