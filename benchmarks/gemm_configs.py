@@ -3,7 +3,7 @@
 Not a test: a measurement that picks ``ops.triton.linear.GPU_TIERS``. For each
 weight shape ``[N, K]`` of a model (default: the issue-8 dense bench widths) and
 each row count ``T`` (decode- to prefill-sized), it times every candidate config
-(median of CUDA-event timings over repeated launches), and cuBLAS (``torch.mm``)
+(CUDA-graph replays of repeated launches: no host overhead, as in captured decode), and cuBLAS (``torch.mm``)
 as the baseline measured in the same run; it also reports whether a candidate's
 output equals the current config's bit for bit (the tiers of ``gemm_config``
 depend on ``T``; they are only allowed because all of them give the same bits,
@@ -20,31 +20,45 @@ import statistics
 from pathlib import Path
 
 CANDIDATES = {
+    # masked pointer loads (the pre-TMA tiers)
     "128x128x64_w8_s3": (128, 128, 64, 8, 3),
-    "128x64x64_w4_s3": (128, 64, 64, 4, 3),
     "128x64x64_w4_s4": (128, 64, 64, 4, 4),
-    "64x64x64_w4_s4": (64, 64, 64, 4, 4),
-    "128x32x64_w4_s4": (128, 32, 64, 4, 4),
     "64x32x64_w4_s5": (64, 32, 64, 4, 5),
-    "64x128x64_w4_s3": (64, 128, 64, 4, 3),
 }
+for _bm, _bn, _w, _s in [(64, 32, 4, 5), (64, 64, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4),
+                         (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3)]:
+    for _p in (False, True):
+        CANDIDATES[f"tma{'_p' if _p else ''}_{_bm}x{_bn}x64_w{_w}_s{_s}"] = (_bm, _bn, 64, _w, _s, True, _p)
 DENSE_BENCH_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "up_proj": (21504, 4096),
                       "down_proj": (4096, 21504), "lm_head": (32064, 4096)}
 
 
 def _time_ms(fn, iters: int) -> float:
+    """Median GPU time of one ``fn()`` in ms, launched from a CUDA graph of ``iters`` calls (no
+    host launch overhead, as in vLLM's captured decode steps), median of 5 replays."""
     import torch
 
     fn()
     torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the side stream (allocator, compilation)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / iters)
     return statistics.median(times)
 
 
@@ -53,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 2048, 16384])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--only", nargs="*", default=None, help="candidate names to time (default: all)")
     args = ap.parse_args(argv)
 
     import torch
@@ -72,6 +87,8 @@ def main(argv=None) -> int:
             row = {"shape": name, "N": N, "K": K, "T": T, "current": lin.gemm_config(N, K, T)._asdict(),
                    "cublas_ms": _time_ms(lambda: torch.mm(x, w.t()), args.iters), "configs": {}}
             for cname, cfg in CANDIDATES.items():
+                if args.only and cname not in args.only:
+                    continue
                 gc = lin.GemmConfig(*cfg)
                 try:
                     y = lin.linear_triton(x, w, out_dtype=out_dtype, config=gc)

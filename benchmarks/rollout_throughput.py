@@ -191,10 +191,31 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
               or getattr(e, "self_device_time_total", 0) > 0]
     total_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     name = f"profile_{which}_{w['name'].replace('/', '-')}.txt"
+    # Host time by Python function (cProfile), on the same prompts reversed (no prefix-cache hits).
+    import cProfile
+    import io
+    import pstats
+
+    host_prompts = [TokensPrompt(prompt_token_ids=list(reversed(ids))) for ids in w["profile_prompt_ids"]]
+    pr = cProfile.Profile()
+    _sync(plan["device"])
+    t0 = time.perf_counter()
+    pr.enable()
+    llm.generate(host_prompts, params, use_tqdm=False)
+    _sync(plan["device"])
+    pr.disable()
+    host_wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
     (out_dir / name).write_text(f"{which} {w['name']} (output capped at {out_len}): wall {wall:.3f} s, "
-                                f"GPU kernel time {total_us / 1e6:.3f} s\n{table}\n")
-    return {"file": name, "wall_s": round(wall, 3), "gpu_kernel_s": round(total_us / 1e6, 3), "output_len": out_len}
+                                f"GPU kernel time {total_us / 1e6:.3f} s\n{table}\n\n"
+                                f"By self CPU time:\n{cpu_table}\n\n"
+                                f"cProfile of the same run on reversed prompts (wall {host_wall:.3f} s with "
+                                f"cProfile on), top 40 by own time:\n{buf.getvalue()}\n")
+    return {"file": name, "wall_s": round(wall, 3), "gpu_kernel_s": round(total_us / 1e6, 3), "output_len": out_len,
+            "cprofile_wall_s": round(host_wall, 3)}
 
 
 def worker(which: str, plan_path: str, result_path: str) -> None:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import triton
@@ -402,6 +403,15 @@ def _grid_sizes(seq_idx_T, positions_T, sched, chunks, block_t) -> list[int]:
     return sizes
 
 
+class AttentionLaunch(NamedTuple):
+    """Overrides of the partial kernel's launch (benchmarks/tests): ``rows`` per program
+    (query tokens x q heads), ``num_warps``, ``num_stages``; ``None`` keeps the default."""
+
+    rows: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
 def tile_shape(H: int, G: int) -> tuple[int, int, int]:
     """``(QP, rows, BLOCK_T)`` for ``H`` q heads over ``G`` kv heads: the q heads of a kv
     head padded to ``QP = next_pow2(H // G)``, the rows of a program and the query tokens
@@ -482,7 +492,8 @@ def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: tor
 def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
                            positions_T: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, *,
+                           launch: AttentionLaunch | None = None) -> torch.Tensor:
     """Causal paged attention (GQA), batch-invariant per token.
 
     Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
@@ -502,6 +513,8 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale: softmax scale (e.g. ``E ** -0.5``).
         k_scale, v_scale: fp32 ``[]`` scales of a float8_e4m3fn cache (else
             None): K/V tiles are read as ``q.dtype(fp32(e4m3) * scale)``.
+        launch: benchmarks and tests only: override the partial kernel's rows,
+            warps or stages (:class:`AttentionLaunch`); the model never passes it.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype`` (rounded once from fp32).
@@ -548,6 +561,13 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     S = k_cache.shape[1]
     q_per_kv = H // G
     qp, rows, block_t = tile_shape(H, G)
+    num_warps, num_stages = NUM_WARPS, NUM_STAGES
+    if launch is not None:
+        if launch.rows is not None:
+            rows = max(launch.rows, MIN_BLOCK_H, qp)
+            block_t = max(1, rows // qp)
+        num_warps = launch.num_warps or num_warps
+        num_stages = launch.num_stages or num_stages
     block_e = max(16, next_pow2(E))
     n_split = num_splits(block_table_BN, S)
     fp32_dot = INTERPRET or q_THE.dtype == torch.float32
@@ -580,7 +600,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             *q_c.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *o_c.stride(),
             *w_strides, *a_strides,
             Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
-            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=num_warps, num_stages=num_stages)
         _attention_merge_kernel[(n, G)](
             p_c, o_c, m_ws, l_ws, acc_ws, E, *o_c.stride(), *w_strides, *a_strides,
             Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, num_warps=4)

@@ -7,24 +7,27 @@ in fixed ``BLOCK_K`` steps from 0 upwards, and ``T`` marked
 sequence of ``tl.dot`` steps whatever ``T`` is and whichever other rows share
 its tile.
 
-The tile config (``BLOCK_M/BLOCK_N``, ``num_warps``, ``num_stages``) on the GPU
-DOES depend on ``T``: :func:`gemm_config` picks one of a few tiers
-(:data:`GPU_TIERS`) by the number of rows. This is a deliberate deviation from
-"one config per weight shape", taken for speed: decode-sized GEMMs need narrow
-tiles to fill the H200's SMs (down_proj 4096x21504 at T=64: 0.119 ms with
-64x32x64 vs 0.259 ms with 128x128x64, 2.2x), prefill-sized ones need 128x128
-(T=16384: 6.07 ms vs 7.6 ms with 128x64). Batch invariance then rests on a
-measured and tested fact, not on the config being fixed: every tier has the
-same ``BLOCK_K`` (:data:`BIT_COMPATIBLE_BLOCK_K`) and ``BLOCK_M >= 64`` (Hopper
-wgmma), no split-K, so each output element is accumulated in fp32 by the same
-wgmma k16 MMA steps in the same K order and its bits do not depend on the tile
-shape. ``benchmarks/gemm_configs.py`` measured this on the H200 (Triton 3.6,
-bf16, 7 configs, bench shapes, T = 64..16384: all bitwise identical), and
+The tile config (``BLOCK_M/BLOCK_N``, ``num_warps``, ``num_stages``, TMA or
+pointer loads, persistent or not) on the GPU DOES depend on ``T``:
+:func:`gemm_config` picks one of a few tiers (:data:`GPU_TIERS`) by the number
+of rows. This is a deliberate deviation from "one config per weight shape",
+taken for speed: decode-sized GEMMs need narrow tiles to fill the H200's SMs,
+prefill-sized ones a persistent 128x256 tile (CUDA-graph timings, T = 256, the
+4 GEMMs of an 8B-width layer pair: 0.26 ms vs 0.43 ms with 128x128; T = 16384:
+10.4 ms, cuBLAS 10.6 ms). Batch invariance then rests on a measured and tested
+fact, not on the config being fixed: every tier has the same ``BLOCK_K``
+(:data:`BIT_COMPATIBLE_BLOCK_K`) and ``BLOCK_M >= 64`` (Hopper wgmma), no
+split-K, so each output element is accumulated in fp32 by the same wgmma k16
+MMA steps in the same K order and its bits depend neither on the tile shape
+nor on how the operands reach shared memory (TMA or pointer loads) nor on
+which program computes the tile. ``benchmarks/gemm_configs.py`` measured this
+on the H200 (Triton 3.6, bf16, 21 configs, bench shapes, T = 64..16384: all
+bitwise identical), and
 ``tests/gpu/test_ops_gpu.py::test_linear_tiers_give_identical_bits`` guards it:
 any new or changed tier must pass that test (and a new Triton version or GPU
 must re-run it) before it goes into :data:`GPU_TIERS`. fp32 operands (router
-GEMM, IEEE ``tl.dot``, no wgmma) were not part of that measurement; the test
-checks them across the tiers too.
+GEMM, IEEE ``tl.dot``, no wgmma) use :data:`FP32_OPERAND_TIERS` (pointer
+loads), checked across their tiers by the same test file.
 """
 
 from __future__ import annotations
@@ -38,13 +41,23 @@ import triton.language as tl
 from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
 
 class GemmConfig(NamedTuple):
-    """One kernel configuration: tile shape, warps and pipeline stages."""
+    """One kernel configuration: tile shape, warps, pipeline stages and the kernel variant.
+
+    ``tma``: operands and output move through TMA tensor descriptors (Hopper's
+    bulk copies, :func:`_linear_tma_kernel`) instead of masked pointer loads;
+    ``persistent``: with ``tma``, one program per SM walks the output tiles in a
+    fixed stride (prefetching the next tile's operands during the current
+    epilogue). Neither changes the arithmetic of a tile: the same ``tl.dot``
+    steps over the same K order (measured bitwise equal, see the module docstring).
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    persistent: bool = False
 
 
 BIT_COMPATIBLE_BLOCK_K = 64
@@ -52,17 +65,31 @@ BIT_COMPATIBLE_BLOCK_K = 64
 
 GPU_TIERS: tuple[tuple[int | None, GemmConfig], ...] = (
     # (max rows T, config); the first tier with T <= max rows is used, None = no limit.
-    # Measured on an H200 (Triton 3.6, bf16, benchmarks/gemm_configs.py).
-    (64, GemmConfig(64, 32, 64, 4, 5)),       # decode: narrow tiles, enough programs for 132 SMs
-    (512, GemmConfig(128, 64, 64, 4, 4)),
-    (None, GemmConfig(128, 128, 64, 8, 3)),   # prefill/training: wgmma 128x128 tile
+    # bf16 operands. Measured on an H200 (Triton 3.6, benchmarks/gemm_configs.py, CUDA-graph
+    # timing, results/h200_perf2/gemm_tma_graph.log): the fastest config per row range summed
+    # over the layer shapes of the 8B widths.
+    (64, GemmConfig(64, 32, 64, 4, 5, tma=True)),          # decode: narrow tiles fill 132 SMs
+    (128, GemmConfig(64, 64, 64, 4, 4, tma=True)),
+    (256, GemmConfig(64, 128, 64, 4, 4, tma=True)),
+    (1024, GemmConfig(128, 128, 64, 4, 4, tma=True)),
+    (None, GemmConfig(128, 256, 64, 8, 3, tma=True, persistent=True)),  # prefill/training (>= cuBLAS at 16k rows)
 )
-for _max_rows, _cfg in GPU_TIERS:
-    # The family the tier-independence of the bits rests on (module docstring):
-    # same K step, wgmma-sized row tiles. Anything else must not be a tier.
-    assert _cfg.block_k == BIT_COMPATIBLE_BLOCK_K and _cfg.block_m >= 64, (_max_rows, _cfg)
-assert GPU_TIERS[-1][0] is None, "the last GPU tier must take any number of rows"
-del _max_rows, _cfg
+FP32_OUT_LAST_TIER = GemmConfig(128, 128, 64, 8, 4, tma=True, persistent=True)
+"""The last tier for fp32 outputs (LM head): a 128x256 fp32 output tile does not fit in shared memory."""
+
+FP32_OPERAND_TIERS: tuple[tuple[int | None, GemmConfig], ...] = (
+    # fp32 operands (router GEMM, IEEE dot, masked pointer loads): twice the bytes per tile.
+    (64, GemmConfig(64, 32, 64, 4, 5)),
+    (512, GemmConfig(128, 64, 64, 4, 4)),
+    (None, GemmConfig(128, 128, 64, 8, 3)),
+)
+for _tiers in (GPU_TIERS, FP32_OPERAND_TIERS):
+    for _max_rows, _cfg in _tiers + ((None, FP32_OUT_LAST_TIER),):
+        # The family the tier-independence of the bits rests on (module docstring):
+        # same K step, wgmma-sized row tiles. Anything else must not be a tier.
+        assert _cfg.block_k == BIT_COMPATIBLE_BLOCK_K and _cfg.block_m >= 64, (_max_rows, _cfg)
+    assert _tiers[-1][0] is None, "the last GPU tier must take any number of rows"
+del _tiers, _max_rows, _cfg
 
 # The interpreter pays per program instance: big tiles (DESIGN.md, "Known facts");
 # BLOCK_K = 64 keeps the [M, K, N] fp64 product of interpreter_dot within
@@ -77,26 +104,33 @@ BLOCK_M, BLOCK_N, BLOCK_K = DEFAULT_CONFIG.block_m, DEFAULT_CONFIG.block_n, DEFA
 NUM_WARPS, NUM_STAGES = DEFAULT_CONFIG.num_warps, DEFAULT_CONFIG.num_stages
 
 
-def gemm_config(N: int, K: int, T: int) -> GemmConfig:
+def gemm_config(N: int, K: int, T: int, operand_dtype: torch.dtype = torch.bfloat16,
+                out_dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
     """The kernel configuration for ``T`` rows times a weight of shape ``[N, K]``.
 
     Under the interpreter: :data:`INTERPRETER_CONFIG` for every shape and ``T``.
-    On the GPU: the first tier of :data:`GPU_TIERS` whose max rows is ``>= T``
-    (``T <= 64``: 64x32x64 w4 s5; ``T <= 512``: 128x64x64 w4 s4; larger:
-    128x128x64 w8 s3). ``N`` and ``K`` do not enter today.
+    On the GPU: the first tier whose max rows is ``>= T`` of :data:`GPU_TIERS`
+    (bf16 operands; TMA loads; the last tier persistent, or
+    :data:`FP32_OUT_LAST_TIER` for fp32 outputs) or of
+    :data:`FP32_OPERAND_TIERS` (fp32 operands). ``N`` and ``K`` do not enter today.
 
     The config depends on ``T``, but a row's bits do not: every tier uses
     ``BLOCK_K`` = :data:`BIT_COMPATIBLE_BLOCK_K`, ``BLOCK_M >= 64`` (Hopper
     wgmma) and a full K loop without split-K, so each output element is the
-    same wgmma k16 steps in the same K order in every tier. That is a measured
-    property of the compiled kernels (``benchmarks/gemm_configs.py``) guarded
+    same wgmma k16 steps in the same K order in every tier, whatever the tile
+    shape, the loads (TMA or pointers) or the program order (persistent or
+    not). That is a measured property of the compiled kernels
+    (``benchmarks/gemm_configs.py``: every candidate bitwise equal) guarded
     by ``tests/gpu/test_ops_gpu.py::test_linear_tiers_give_identical_bits``;
     a new tier must pass that test.
     """
     if INTERPRET:
         return INTERPRETER_CONFIG
-    for max_rows, cfg in GPU_TIERS:
+    tiers = FP32_OPERAND_TIERS if operand_dtype == torch.float32 else GPU_TIERS
+    for max_rows, cfg in tiers:
         if max_rows is None or T <= max_rows:
+            if max_rows is None and tiers is GPU_TIERS and out_dtype == torch.float32:
+                return FP32_OUT_LAST_TIER
             return cfg
     raise AssertionError("unreachable: the last GPU tier has no row limit")
 
@@ -167,6 +201,89 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
         tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Output tile ``tile_id`` -> (row tile, column tile), grouped by GROUP_M row tiles."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
+def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_desc, M, N, K, NUM_PROGRAMS,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
+    """GPU only: the tile math of :func:`_linear_kernel` (fp32 accumulate of bf16
+    ``tl.dot`` steps over K from 0 upwards, bias in fp32, one rounding) with TMA
+    loads/stores (out-of-bounds rows/columns/K read as zero and are never stored).
+    ``PERSISTENT``: ``NUM_PROGRAMS`` programs walk the tiles ``pid, pid + NUM_PROGRAMS, ...``."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    out_ty: tl.constexpr = out_desc.dtype
+    if PERSISTENT:
+        num_tiles = num_pid_m * num_pid_n
+        for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            if HAS_BIAS:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to(acc, out_ty))
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to(acc, out_ty))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base address and row stride."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and (t.data_ptr() % 16 == 0) and (t.stride(0) * es) % 16 == 0
+
+
+def _launch_tma(x_TK, weight_NK, bias, out, cfg: GemmConfig, has_bias: bool) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T, K = x_TK.shape
+    N = weight_NK.shape[0]
+    x_desc = TensorDescriptor(x_TK, [T, K], [x_TK.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(weight_NK, [N, K], [weight_NK.stride(0), 1], [cfg.block_n, cfg.block_k])
+    o_desc = TensorDescriptor(out, [T, N], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(T, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    programs = min(tiles, _num_sms(x_TK.device)) if cfg.persistent else tiles
+    _linear_tma_kernel[(programs,)](
+        x_desc, w_desc, bias, o_desc, T, N, K, programs,
+        HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=GROUP_M,
+        PERSISTENT=cfg.persistent,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, *, config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ W^T (+ b)`` with fp32 accumulation and one rounding to ``out_dtype``.
@@ -220,7 +337,10 @@ def linear_triton(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Ten
         return out.copy_((bias_N.float() if bias_N is not None else torch.zeros(N, device=out.device)).expand(T, N))
     bias = bias_N.contiguous() if bias_N is not None else out  # dummy pointer when HAS_BIAS=False
     fp32_dot = INTERPRET or x_TK.dtype == torch.float32
-    cfg = config if config is not None else gemm_config(N, K, T)
+    cfg = config if config is not None else gemm_config(N, K, T, x_TK.dtype, out_dtype)
+    if cfg.tma and not fp32_dot and _tma_ok(x_TK) and _tma_ok(weight_NK) and _tma_ok(out):
+        _launch_tma(x_TK, weight_NK, bias, out, cfg, bias_N is not None)
+        return out
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     _linear_kernel[grid](
         x_TK, weight_NK, bias, out, T, N, K,
