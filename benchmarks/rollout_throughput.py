@@ -15,8 +15,9 @@ output tokens / wall time of ``llm.generate`` (prefill included), for
   0.32's Mamba-2 "align" path crashes once a prompt crosses a block) and both
   attempts are recorded (``--native-prefix-caching`` sets it explicitly).
 * **ours**: ``unified_models.backends.vllm.engine.make_llm`` with its defaults,
-  i.e. the mode ``check`` and ``rl`` use (eager, our batch-invariant kernels;
-  on the GPU, hybrid models run prefix caching in vLLM's "align" mode).
+  i.e. the mode ``check`` and ``rl`` use (our batch-invariant kernels, CUDA graphs
+  for decode on the GPU, prefix caching on; hybrid models run prefix caching in
+  vLLM's "align" mode); ``--ours-prefix-caching off`` matches native's setting.
 
 Both engines get the same scheduler limits (``max_model_len`` = the largest
 IN + OUT, ``max_num_seqs`` = the largest N, ``max_num_batched_tokens``), the
@@ -106,6 +107,8 @@ def _start_engine(which: str, plan: dict):
     if which == "ours":
         from unified_models.backends.vllm.engine import make_llm
 
+        if plan.get("ours_enable_prefix_caching") is not None:
+            common["enable_prefix_caching"] = plan["ours_enable_prefix_caching"]
         return make_llm(plan["model"], gpu=gpu, kv_cache_space_gib=plan["cpu_kv_cache_gib"], **common)
     import vllm
 
@@ -377,6 +380,10 @@ def main(argv=None) -> int:
     ap.add_argument("--native-prefix-caching", choices=["default", "on", "off"], default="default",
                     help="native engine's prefix caching (default: vLLM's default; if that run fails, it is "
                          "re-run once with prefix caching off and both attempts are recorded)")
+    ap.add_argument("--ours-prefix-caching", choices=["check", "on", "off"], default="check",
+                    help="our engine's prefix caching (default: make_llm's, the mode `check` uses: on); `off` "
+                         "matches the native engine's default for this class and removes vLLM's per-block "
+                         "hashing and cache bookkeeping from the host time of each step")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
     ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
@@ -437,6 +444,7 @@ def main(argv=None) -> int:
         "gpu_memory_utilization": args.gpu_memory_utilization, "cpu_kv_cache_gib": args.cpu_kv_cache_gib,
         "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
         "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
+        "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
         "workloads": args.workloads,
     }
     json_out = Path(args.json_out)
