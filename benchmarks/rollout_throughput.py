@@ -185,7 +185,8 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
     out_len = min(w["output_len"], plan["profile_max_tokens"])
     params = _sampling_params(which, plan, len(prompts), out_len)
     _sync(plan["device"])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    stacks = os.environ.get("UM_PROFILE_STACKS") == "1"  # diagnostics: CPU table grouped by call stack
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         _sync(plan["device"])
@@ -194,7 +195,8 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
               or getattr(e, "self_device_time_total", 0) > 0]
     total_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
-    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    cpu_table = prof.key_averages(group_by_stack_n=8 if stacks else 0).table(
+        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70, max_src_column_width=120)
     name = f"profile_{which}_{w['name'].replace('/', '-')}.txt"
     # Host time by Python function (cProfile), on the same prompts reversed (no prefix-cache hits).
     import cProfile

@@ -80,7 +80,7 @@ _OPS_TESTS = str(Path(__file__).resolve().parents[1] / "ops")
 if _OPS_TESTS not in sys.path:
     sys.path.append(_OPS_TESTS)
 
-from invariance import Inv  # noqa: E402  (tests/ops: the CPU op tests' bitwise helpers)
+from invariance import Inv, scattered_block_table  # noqa: E402  (tests/ops: the CPU op tests' bitwise helpers)
 from test_fp8 import _reciprocal_sensitive, _tie_points, _tol_check  # noqa: E402
 from test_nvfp4 import _edge_weight as _nvfp4_edge_weight  # noqa: E402
 
