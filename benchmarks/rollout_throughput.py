@@ -142,7 +142,7 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
     warm = [TokensPrompt(prompt_token_ids=ids) for ids in w["warmup_prompt_ids"]]
     n = len(prompts)
-    warm_n = min(n, plan["warmup_requests"])
+    warm_n = n if plan["warmup_requests"] <= 0 else min(n, plan["warmup_requests"])
     t0 = time.perf_counter()
     if plan["warmup_tokens"] > 0 and warm_n > 0:
         llm.generate(warm[:warm_n], _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
@@ -375,7 +375,9 @@ def main(argv=None) -> int:
                     help="sample from the engine's global RNG instead of per-request seeds")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per workload (best reported)")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="output tokens of the warm-up generate (0: none)")
-    ap.add_argument("--warmup-requests", type=int, default=16, help="requests in the warm-up generate")
+    ap.add_argument("--warmup-requests", type=int, default=0,
+                    help="requests in the warm-up generate (default 0: as many as the workload, so the timed "
+                         "run meets no batch size the engine has not run yet)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
                     help="both engines (default 16384, vLLM's offline default on H100/H200-class GPUs; "
                          "raised to max_model_len where smaller)")

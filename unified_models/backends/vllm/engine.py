@@ -415,22 +415,29 @@ class RowTemperatures:
 
     def __init__(self, runner):
         self.runner = runner
+        self._by_request: dict[str, float] = {}  # vLLM request id -> temperature (ids are unique)
+
+    def _temperature(self, rid: str) -> float:
+        t = self._by_request.get(rid)
+        if t is not None:
+            return t
+        state = self.runner.requests.get(rid)
+        sp = getattr(state, "sampling_params", None)
+        if sp is None:
+            return 1.0  # not cached: the request's state may not exist yet
+        if sp.temperature not in (0.0, 1.0):
+            raise ValueError(
+                f"request {rid}: vLLM temperature {sp.temperature} would be applied on top of unified_models' "
+                "logprobs; build the request with unified_models.backends.vllm.engine.sampling_params"
+                "(temperature=...) instead")
+        t = float((sp.extra_args or {}).get(TEMPERATURE_ARG, 1.0))
+        if len(self._by_request) >= 1 << 16:  # finished requests are never asked again
+            self._by_request.clear()
+        self._by_request[rid] = t
+        return t
 
     def __call__(self, n: int) -> list[float]:
-        out = []
-        for rid in list(self.runner.input_batch.req_ids)[:n]:
-            state = self.runner.requests.get(rid)
-            sp = getattr(state, "sampling_params", None)
-            if sp is None:
-                out.append(1.0)
-                continue
-            if sp.temperature not in (0.0, 1.0):
-                raise ValueError(
-                    f"request {rid}: vLLM temperature {sp.temperature} would be applied on top of unified_models' "
-                    "logprobs; build the request with unified_models.backends.vllm.engine.sampling_params"
-                    "(temperature=...) instead")
-            out.append(float((sp.extra_args or {}).get(TEMPERATURE_ARG, 1.0)))
-        return out
+        return [self._temperature(rid) for rid in list(self.runner.input_batch.req_ids)[:n]]
 
 
 def shutdown_llm(llm) -> None:

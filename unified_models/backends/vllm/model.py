@@ -473,6 +473,29 @@ class UnifiedForCausalLM(nn.Module):
     def _source(self) -> str:
         return str(getattr(self.vllm_config.model_config, "model", "?"))
 
+    def _compile_logits_kernels(self) -> None:
+        """Compile (Triton JIT) every GEMM tier of the LM head (fp32 out) and of a bf16-out
+        linear, and the logprob kernel, once at load (CUDA only).
+
+        vLLM's start-up runs the forward at its largest token batch and captures the
+        decode sizes, but ``compute_logits`` only at its largest sampling batch, so a
+        rollout with fewer requests (another tier) would otherwise pay a compilation
+        of a second or more inside a timed step. Zeros in, nothing kept: no state or
+        bit changes.
+        """
+        from ...ops.triton.linear import linear_triton, tier_probe_rows
+
+        params = self.params()
+        w = params[self.spec.lm_head.weight_name]
+        if not w.is_cuda or not w.is_floating_point():
+            return
+        for t in tier_probe_rows():
+            h = torch.zeros((t, w.shape[1]), dtype=w.dtype, device=w.device)
+            forward_logprobs(self.spec, params, h)
+            linear_triton(h, w, None, w.dtype)
+        torch.cuda.synchronize(w.device)
+        torch.cuda.empty_cache()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader``.
 
@@ -519,6 +542,7 @@ class UnifiedForCausalLM(nn.Module):
                 raise CheckpointError(
                     f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
             self._initial_load_done = True
+            self._compile_logits_kernels()
         if any(d != self.spec.dtype for d in self._dtypes.values()):
             from ...converters.modelopt import validate_quantized
 

@@ -135,6 +135,23 @@ def gemm_config(N: int, K: int, T: int, operand_dtype: torch.dtype = torch.bfloa
     raise AssertionError("unreachable: the last GPU tier has no row limit")
 
 
+def tier_probe_rows() -> list[int]:
+    """Row counts that, launched once each, compile every GPU tier of :func:`gemm_config`.
+
+    The smallest row count of each tier and the same rounded up to a multiple of 16
+    (Triton specializes integer arguments divisible by 16). ``[1]`` under the interpreter.
+    """
+    if INTERPRET:
+        return [1]
+    rows, lo = [], 1
+    for max_rows, _ in GPU_TIERS:
+        rows += sorted({lo, -(-lo // 16) * 16})
+        if max_rows is None:
+            break
+        lo = max_rows + 1
+    return rows
+
+
 GROUP_M = 8
 """Programs are ordered in groups of GROUP_M row tiles (L2 reuse); this only
 changes which program computes a tile, never how a tile is computed."""
