@@ -199,9 +199,14 @@ def model_runner(llm: Any) -> Any:
 
 
 def unwrap_model(model: Any) -> Any:
-    """Strip CUDA-graph / compile wrappers that expose the model as ``.model`` or ``.runnable``."""
+    """Strip CUDA-graph / compile wrappers that expose the model as ``.model`` or ``.runnable``.
+
+    Our model holds ``spec`` in its own ``__dict__``; a wrapper that forwards unknown
+    attributes to the model it wraps (vLLM's ``CUDAGraphWrapper.__getattr__``) answers
+    ``hasattr(wrapper, "spec")`` too, so the test is on the instance dict.
+    """
     seen = 0
-    while not hasattr(model, "spec") and seen < 4:
+    while "spec" not in getattr(model, "__dict__", {}) and seen < 4:
         inner = getattr(model, "unwrap", None)
         if callable(inner):
             model = inner()
