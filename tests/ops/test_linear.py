@@ -125,3 +125,32 @@ def test_interpreter_equals_torch_impl(out_dtype, device, gen, inv):
     x[5] *= 2.0 ** -60
     x[6] *= 2.0 ** 40
     inv.assert_bitwise(linear_triton(x, w, b, out_dtype), linear_torch(x, w, b, out_dtype), "interpreter vs torch")
+
+
+def test_gpu_tier_selection(monkeypatch):
+    """The GPU tier table as ``linear_triton`` reads it (checked here on the CPU): tier
+    boundaries, the fp32-output last tier, the fp32-operand tiers, and that launching
+    ``tier_probe_rows`` touches every tier (the load-time compilation relies on it)."""
+    from unified_models.ops.triton import linear as lin
+
+    monkeypatch.setattr(lin, "INTERPRET", False)
+    bf16, f32 = torch.bfloat16, torch.float32
+    tiers = [cfg for _, cfg in lin.GPU_TIERS]
+    bounds = [rows for rows, _ in lin.GPU_TIERS[:-1]]
+    assert bounds == sorted(bounds)
+    for i, rows in enumerate(bounds):
+        assert lin.gemm_config(4096, 4096, rows) == tiers[i]
+        assert lin.gemm_config(4096, 4096, rows + 1) == tiers[i + 1]
+    assert lin.gemm_config(4096, 4096, 1) == tiers[0]
+    assert lin.gemm_config(4096, 4096, 10 ** 6) == tiers[-1] and tiers[-1].persistent
+    assert lin.gemm_config(32064, 4096, 10 ** 6, bf16, f32) == lin.FP32_OUT_LAST_TIER
+    assert lin.gemm_config(32064, 4096, 1, bf16, f32) == tiers[0]  # only the last tier differs for fp32 out
+    f32_tiers = [cfg for _, cfg in lin.FP32_OPERAND_TIERS]
+    assert lin.gemm_config(128, 2688, 1, f32, f32) == f32_tiers[0]
+    assert lin.gemm_config(128, 2688, 10 ** 6, f32, f32) == f32_tiers[-1]
+    assert not any(cfg.tma for cfg in f32_tiers)
+    probes = lin.tier_probe_rows()
+    assert {lin.gemm_config(4096, 4096, t) for t in probes} == set(tiers)
+    assert any(t % 16 == 0 for t in probes) and any(t % 16 for t in probes)
+    for cfg in tiers + f32_tiers + [lin.FP32_OUT_LAST_TIER]:
+        assert cfg.block_k == lin.BIT_COMPATIBLE_BLOCK_K and cfg.block_m >= 64
