@@ -2,8 +2,9 @@
 # On the H200 (after `.gpu/install.sh a|b|c`): install the project and run one
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
-#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench   (issue 8; not part of `all`)
-# perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py (~3 min).
+#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|sync-audit   (issue 8; not part of `all`)
+# perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
+#   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
 #   graphs off, graph replay == eager (~6 min). dense-bench: benchmarks/rollout_throughput.py on
 #   nemotron_h_dense_bench, the three issue-8 workloads, ours vs native, with --profile (~9 min).
@@ -64,6 +65,13 @@ if [ "$stage" = perf-ops ]; then
   timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_ops_gpu.py tests/gpu/test_hybrid_ops_gpu.py -p no:cacheprovider \
     2>&1 | tee "$OUT/perf_ops.log" | grep -vE "DEBUG" | tail -30; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 200 python3 benchmarks/gemm_configs.py --json "$OUT/gemm_configs.json" 2>&1 | tee "$OUT/gemm_configs.log" | tail -25
+  timeout 200 python3 benchmarks/attention_decode.py --json "$OUT/attention_decode.json" 2>&1 | tee "$OUT/attention_decode.log" | tail -8
+fi
+if [ "$stage" = sync-audit ]; then  # synchronizing calls in a rollout's steps, ours and native
+  for engine in ours native; do
+    python3 benchmarks/sync_audit.py --engine $engine --json "$OUT/sync_$engine.json" > "$OUT/sync_$engine.log" 2>&1
+    grep -vE "INFO|WARNING" "$OUT/sync_$engine.log" | tail -30
+  done
 fi
 if [ "$stage" = graphs ]; then
   python3 -m pytest -q -m gpu tests/gpu/test_check_gpu.py -s -p no:cacheprovider 2>&1 | tee "$OUT/graphs.log" \
@@ -72,7 +80,7 @@ fi
 if [ "$stage" = dense-bench ]; then
   nano_checkpoint nemotron_h_dense_bench
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
-    --repeats 1 --warmup-requests 8 --profile --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
+    --repeats 1 --profile --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
     > "$OUT/dense_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench.log" | tail -20
 fi
