@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
+
+from cuda_timing import graph_time_ms
 
 VARIANTS = {  # name -> (rows, num_warps, num_stages); None = the module default
     "default": (None, None, None),
@@ -33,32 +34,6 @@ VARIANTS = {  # name -> (rows, num_warps, num_stages); None = the module default
     "rows16_w2_s3": (16, 2, 3),
     "rows32_w4_s3": (32, 4, 3),
 }
-
-
-def _graph_time_ms(fn, iters: int) -> float:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -108,7 +83,7 @@ def main(argv=None) -> int:
                                                                   launch=launch)
             try:
                 y = fn()
-                row["variants"][name] = {"ms": _graph_time_ms(fn, args.iters), "bitwise_equal_to_default":
+                row["variants"][name] = {"ms": graph_time_ms(fn, args.iters), "bitwise_equal_to_default":
                                          bool(torch.equal(y, ref))}
             except Exception as e:  # a variant that does not compile is a result too
                 row["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -121,7 +96,7 @@ def main(argv=None) -> int:
                                                 causal=True, block_table=block_table, out=out, fa_version=3)
             try:
                 fa()
-                row["fa3_ms"] = _graph_time_ms(fa, args.iters)
+                row["fa3_ms"] = graph_time_ms(fa, args.iters)
                 row["fa3_max_abs_diff"] = float((out.float() - ref.float()).abs().max())
             except Exception as e:
                 row["fa3_error"] = f"{type(e).__name__}: {e}"[:200]

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
+
+from cuda_timing import graph_time_ms
 
 CANDIDATES = {
     # masked pointer loads (the pre-TMA tiers)
@@ -31,35 +32,6 @@ for _bm, _bn, _w, _s in [(64, 32, 4, 5), (64, 64, 4, 4), (64, 128, 4, 4), (64, 2
         CANDIDATES[f"tma{'_p' if _p else ''}_{_bm}x{_bn}x64_w{_w}_s{_s}"] = (_bm, _bn, 64, _w, _s, True, _p)
 DENSE_BENCH_SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "up_proj": (21504, 4096),
                       "down_proj": (4096, 21504), "lm_head": (32064, 4096)}
-
-
-def _time_ms(fn, iters: int) -> float:
-    """Median GPU time of one ``fn()`` in ms, launched from a CUDA graph of ``iters`` calls (no
-    host launch overhead, as in vLLM's captured decode steps), median of 5 replays."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up on the side stream (allocator, compilation)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -85,14 +57,14 @@ def main(argv=None) -> int:
             x = torch.randn(T, K, device="cuda").bfloat16()
             ref = lin.linear_triton(x, w, out_dtype=out_dtype)
             row = {"shape": name, "N": N, "K": K, "T": T, "current": lin.gemm_config(N, K, T)._asdict(),
-                   "cublas_ms": _time_ms(lambda: torch.mm(x, w.t()), args.iters), "configs": {}}
+                   "cublas_ms": graph_time_ms(lambda: torch.mm(x, w.t()), args.iters), "configs": {}}
             for cname, cfg in CANDIDATES.items():
                 if args.only and cname not in args.only:
                     continue
                 gc = lin.GemmConfig(*cfg)
                 try:
                     y = lin.linear_triton(x, w, out_dtype=out_dtype, config=gc)
-                    ms = _time_ms(lambda gc=gc: lin.linear_triton(x, w, out_dtype=out_dtype, config=gc), args.iters)
+                    ms = graph_time_ms(lambda gc=gc: lin.linear_triton(x, w, out_dtype=out_dtype, config=gc), args.iters)
                     row["configs"][cname] = {"ms": ms, "bitwise_equal_to_current": bool(torch.equal(y, ref))}
                 except Exception as e:  # a config that does not compile is a result too
                     row["configs"][cname] = {"error": f"{type(e).__name__}: {e}"[:200]}
