@@ -18,10 +18,8 @@ scattered), one decode token per request at the last position, and times
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from cuda_timing import graph_time_ms
+from kernel_bench import finish, graph_time_ms
 
 VARIANTS = {  # name -> (rows, num_warps, num_stages); None = the module default
     "default": (None, None, None),
@@ -109,11 +107,7 @@ def main(argv=None) -> int:
         print(f"B={B:4d} ctx={ctx:5d} fa3={row.get('fa3_ms', float('nan')):.4f} ms | {cells} | "
               f"default {row['kv_gb_per_s_default']:.0f} GB/s {errs if errs else ''} {row.get('fa3_error', '')}",
               flush=True)
-    print("(* = bits differ from the default launch's)")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(results, indent=1))
-    return 0
+    return finish(results, args.json_out, "(* = bits differ from the default launch's)")
 
 
 if __name__ == "__main__":

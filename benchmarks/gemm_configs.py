@@ -15,10 +15,8 @@ which ``tests/gpu/test_ops_gpu.py::test_linear_tiers_give_identical_bits`` guard
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from cuda_timing import graph_time_ms
+from kernel_bench import finish, graph_time_ms
 
 CANDIDATES = {
     # masked pointer loads (the pre-TMA tiers)
@@ -75,11 +73,7 @@ def main(argv=None) -> int:
                              for c, v in row["configs"].items() if "ms" in v)
             print(f"{name:14s} N={N:6d} K={K:6d} T={T:6d} cublas={row['cublas_ms']:.3f} ms | {cells} | best {best[0]}",
                   flush=True)
-    print("(* = bits differ from the current config's)")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(results, indent=1))
-    return 0
+    return finish(results, args.json_out, "(* = bits differ from the current config's)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""GPU time of one call, measured from CUDA-graph replays (shared by the kernel benchmarks)."""
+"""Shared pieces of the kernel benchmarks (``gemm_configs.py``, ``attention_decode.py``)."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 
 def graph_time_ms(fn, iters: int, replays: int = 5) -> float:
@@ -32,3 +34,13 @@ def graph_time_ms(fn, iters: int, replays: int = 5) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / iters)
     return statistics.median(times)
+
+
+def finish(results: list, json_out: str | None, legend: str) -> int:
+    """Print the legend of the ``*`` marks, write ``results`` as JSON to ``json_out`` (if
+    given, creating its folder) and return the exit status 0."""
+    print(legend)
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(results, indent=1))
+    return 0
