@@ -124,3 +124,16 @@ def e4m3_bits_to_f32(b):
     # turns 0x80 (-0.0) into +0.0.
     vb = v.to(tl.int32, bitcast=True)
     return tl.where(b >= 128, vb | -2147483648, vb).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Output tile ``tile_id`` of a GEMM -> (row tile, column tile), ordered in groups of
+    ``GROUP_M`` row tiles (L2 reuse). Changes which program computes a tile, never how."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n

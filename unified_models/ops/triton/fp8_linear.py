@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INTERP, INTERPRET, check_device, e4m3_bits_to_f32, interpreter_dot, round_f64_to, round_to
+from ._common import (_INTERP, INTERPRET, check_device, e4m3_bits_to_f32, grouped_tile, interpreter_dot,
+                      round_f64_to, round_to)
 
 if INTERPRET:
     # Few, big programs (the interpreter pays per program). [64, 64, 256] fp64 products per
@@ -107,15 +108,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, MAX_IMPRECISE: tl.constexpr):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)[:, None]  # [BM, 1]
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)[None, :]  # [1, BN]

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _INTERP, INTERPRET, check_device, interpreter_dot, round_f64_to, round_to
+from ._common import _INTERP, INTERPRET, check_device, grouped_tile, interpreter_dot, round_f64_to, round_to
 
 class GemmConfig(NamedTuple):
     """One kernel configuration: tile shape, warps, pipeline stages and the kernel variant.
@@ -166,15 +166,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -218,18 +210,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
         tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Output tile ``tile_id`` -> (row tile, column tile), grouped by GROUP_M row tiles."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
 @triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
 def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_desc, M, N, K, NUM_PROGRAMS,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -245,7 +225,7 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_desc, M, N, K, NUM_PROGRAMS,
     if PERSISTENT:
         num_tiles = num_pid_m * num_pid_n
         for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
                 a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
@@ -256,7 +236,7 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_desc, M, N, K, NUM_PROGRAMS,
                 acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
             out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to(acc, out_ty))
     else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
