@@ -222,21 +222,11 @@ def _linear_tma_kernel(x_desc, w_desc, b_ptr, out_desc, M, N, K, NUM_PROGRAMS,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     out_ty: tl.constexpr = out_desc.dtype
-    if PERSISTENT:
-        num_tiles = num_pid_m * num_pid_n
-        for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-            pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-                acc = tl.dot(a, b.T, acc)
-            if HAS_BIAS:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], round_to(acc, out_ty))
-    else:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    # One loop for both launch modes: persistent programs stride over the tiles; otherwise
+    # NUM_PROGRAMS = the number of tiles, so each program runs exactly one iteration.
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=PERSISTENT):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
