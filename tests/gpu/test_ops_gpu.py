@@ -302,6 +302,30 @@ def test_attention_prefill_chunked_decode_block_sizes(attn_seqs, gen):
     assert_bitwise(full_decode.out, base.out[: full_decode.out.shape[0]], "full token-by-token decode")
 
 
+def test_attention_prefill_launch_never_syncs(attn_seqs, gen):
+    """An eager prefill/chunked batch (contiguous runs, as vLLM sends them) queues the tile
+    schedule, partial and merge kernels without any device-to-host read: the grid comes
+    from host-known shapes, so vLLM's async scheduling keeps overlapping host and GPU.
+    The same batch under the default grid and with programs capped to 7 (each walks many
+    tiles) gives the same bits."""
+    from unified_models.ops.triton.attention import AttentionLaunch, paged_attention_triton
+
+    run = Paged(attn_seqs, 16, gen)
+    run.prefill()
+    seq = torch.cat([torch.full((n,), b) for b, n in enumerate(LENGTHS)]).to(DEV).int()
+    pos = torch.cat([torch.arange(n) for n in LENGTHS]).to(DEV)
+    q = torch.randn(seq.shape[0], H, E, generator=gen).to(DEV, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = paged_attention_triton(q, run.k_cache, run.v_cache, run.bt, seq, pos, SCALE)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    capped = paged_attention_triton(q, run.k_cache, run.v_cache, run.bt, seq, pos, SCALE,
+                                    launch=AttentionLaunch(max_programs=7))
+    assert_bitwise(capped, out, "attention with 7 programs per chunk vs the default grid")
+
+
 def test_attention_vs_reference(attn_seqs, gen):
     from unified_models.ops.attention import dense_causal_attention_reference
 

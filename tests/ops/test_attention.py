@@ -13,7 +13,7 @@ The Triton read path's query tiles and KV splits (small under the interpreter,
 so these sequences cross several): a token's bits are the same whether its tile
 is full, partial or a single token, its sequence one run or split into several
 runs among other sequences, its tokens chunked by the workspace cap; the tile
-schedule follows its rule; the launch-size memo never changes a result.
+schedule follows its rule; the launch grid (a size only) never changes a result.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def test_torch_prefill_chunked_decode_block_sizes(H, G, gen, inv):
 # The Triton read path runs query tiles (up to BLOCK_T consecutive tokens of one sequence x the q heads
 # of one kv head) over KV splits of SPLIT_KV positions (32 under the interpreter, so these small
 # sequences cross several), merged in a second kernel. A token's bits must not depend on its tile's
-# other rows, on how many splits the batch has, on the chunking of the tokens, or on the schedule memo.
+# other rows, on how many splits the batch has, on the chunking of the tokens, or on the launch grid.
 
 
 def _tri():
@@ -420,47 +420,43 @@ def test_triton_tile_schedule(block_t, chunk, device, gen):
         assert sched[c, 1:1 + len(starts)].tolist() == starts
 
 
-def test_triton_schedule_memo_is_never_stale(device, gen, inv):
-    """The grid-size memo: one host read per (seq_idx, positions) pair, reused while they are
-    unchanged; rebuilt after an in-place change; and even a stale hint (inference tensors have
-    no version counter) gives the right tiles, because the programs walk the device tile list."""
+def test_triton_grid_is_a_launch_size_only(device, gen, inv):
+    """The partial kernel's grid comes from host-known sizes (no device read) and is only a
+    launch size: with the default grid, with programs capped so each walks several tiles,
+    and for a shuffled batch (every token its own run: far more tiles than the default grid
+    has programs), every token gets the bits of the contiguous batch."""
     tri = _tri()
     H, G = 8, 2
-    seqs = _sequences([40, 12], H, G, torch.bfloat16, gen)
+    lens = [40, 12]
+    seqs = _sequences(lens, H, G, torch.bfloat16, gen)
     run = FlatRun(seqs, 16, G, device, gen)
-    contiguous = [(b, p) for b, n in enumerate([40, 12]) for p in range(n)]
+    contiguous = [(b, p) for b, n in enumerate(lens) for p in range(n)]
     run.step(contiguous)  # fills the cache
-    shuffled = [contiguous[i] for i in torch.randperm(len(contiguous), generator=gen).tolist()]
+    perm = torch.randperm(len(contiguous), generator=gen).tolist()
+    shuffled = [contiguous[i] for i in perm]
+    q, _, _, _, seq, pos = run.inputs(contiguous)
+    _, _, _, _, seq_s, pos_s = run.inputs(shuffled)
+    q_s = q[torch.tensor(perm, device=device)]
 
-    def fresh(toks):  # new tensors: never a memo hit
-        q, _, _, _, seq, pos = run.inputs(toks)
-        return q, run.attend(q, run.k_cache, run.v_cache, run.block_table, seq, pos, SCALE)
+    def attend(q_, seq_, pos_, **launch):
+        return run.attend(q_, run.k_cache, run.v_cache, run.block_table, seq_, pos_, SCALE,
+                          launch=tri.AttentionLaunch(**launch) if launch else None)
 
-    q_a, want_a = fresh(contiguous)
-    _, want_b = fresh(shuffled)
-    _, _, _, _, seq, pos = run.inputs(contiguous)
-    _, _, _, _, seq_b, pos_b = run.inputs(shuffled)
-    q_b = q_a[torch.tensor([contiguous.index(t) for t in shuffled], device=device)]
+    _, _, block_t = tri.tile_shape(H, G)
+    T, B = len(contiguous), run.block_table.shape[0]
+    sched = torch.empty((1, T + 1), dtype=torch.int32, device=device)
 
-    def attend(q):
-        return run.attend(q, run.k_cache, run.v_cache, run.block_table, seq, pos, SCALE)
+    def tiles(seq_, pos_):  # the device tile count of a one-chunk batch
+        tri._tile_schedule_kernel[(1,)](seq_, pos_, sched, T, T, sched.stride(0), BLOCK_T=block_t, SB=tri.SCHED_BLOCK)
+        return int(sched[0, 0])
 
-    reads = tri.SCHEDULE_STATS["host_reads"]
-    inv.assert_bitwise(attend(q_a), want_a, "first call")
-    inv.assert_bitwise(attend(q_a), want_a, "memo hit")
-    assert tri.SCHEDULE_STATS["host_reads"] == reads + 1, "one host read per batch, not per call"
-    seq.copy_(seq_b)  # same tensor objects, new contents (more tiles)
-    pos.copy_(pos_b)
-    inv.assert_bitwise(attend(q_b), want_b, "after an in-place change")
-    assert tri.SCHEDULE_STATS["host_reads"] == reads + 2, "an in-place change must invalidate the memo"
-    with torch.inference_mode():  # no version counter: the memo cannot see the change
-        seq_i = torch.tensor([b for b, _ in contiguous], dtype=torch.int32, device=device)
-        pos_i = torch.tensor([p for _, p in contiguous], device=device)
-        inv.assert_bitwise(run.attend(q_a, run.k_cache, run.v_cache, run.block_table, seq_i, pos_i, SCALE),
-                           want_a, "inference tensors")
-        hint = tri.SCHEDULE_STATS["host_reads"]
-        seq_i.copy_(seq_b)  # many more tiles than the memoized launch size
-        pos_i.copy_(pos_b)
-        inv.assert_bitwise(run.attend(q_b, run.k_cache, run.v_cache, run.block_table, seq_i, pos_i, SCALE),
-                           want_b, "stale hint (more tiles than programs)")
-        assert tri.SCHEDULE_STATS["host_reads"] == hint, "expected a memo hit (stale launch size)"
+    # contiguous runs (as vLLM sends them): the host-only bound gives every tile its own program
+    assert tiles(seq, pos) <= tri._grid_sizes([(0, T)], block_t, B)[0] <= T
+    want = attend(q, seq, pos)
+    for cap in (1, 3):
+        inv.assert_bitwise(attend(q, seq, pos, max_programs=cap), want, f"contiguous, {cap} program(s)")
+    n_tiles = tiles(seq_s, pos_s)
+    assert n_tiles > tri._grid_sizes([(0, T)], block_t, B)[0], (n_tiles, "tiles: expected more than programs")
+    back = torch.tensor([perm.index(i) for i in range(T)], device=device)
+    for launch in ({}, {"max_programs": 2}):
+        inv.assert_bitwise(attend(q_s, seq_s, pos_s, **launch)[back], want, f"shuffled, {launch or 'default grid'}")

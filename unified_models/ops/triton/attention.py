@@ -42,11 +42,13 @@ bits.
 
 Tile schedule: one small kernel turns ``seq_idx``/``positions`` into the
 list of tile starts and its length on the device (no host sync; CUDA-graph
-capturable). Outside graph capture the partial kernel's grid is sized with
-the tile count read once per batch and memoized (see :func:`_grid_sizes`);
-during capture it is the token count (surplus programs exit). The memo is
-only a launch-size hint: the programs walk the device tile list in a
-grid-stride loop, so even a stale hint cannot drop or repeat a tile.
+capturable). The partial kernel's grid is sized from host-known shapes only
+(:func:`_grid_sizes`: the token count and the block-table rows), never by
+reading the tile count back, so an eager prefill step queues its kernels
+without waiting for the device (vLLM's async scheduling keeps overlapping).
+The grid is only a launch size: the programs walk the device tile list in a
+grid-stride loop, so no grid can drop or repeat a tile, and a tile's bits do
+not depend on which program computes it.
 
 Workspace: ``[Tc, H, splits(, E)]`` fp32 where ``splits = cdiv(max_blocks *
 S, SPLIT_KV)`` (block-table width); the tokens are processed in chunks of
@@ -56,8 +58,6 @@ function of shapes only, never changes a bit).
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -360,56 +360,41 @@ def _attention_merge_kernel(
              round_to(ACC / L_safe[:, None], out_ptr.dtype.element_ty), mask=row_out[:, None] & mask_e[None, :])
 
 
-_GRID_MEMO: OrderedDict = OrderedDict()
-_GRID_MEMO_SIZE = 16
-SCHEDULE_STATS = {"host_reads": 0}
-"""``host_reads``: how many times a tile count was read back to size a grid (tests)."""
+def _grid_sizes(chunks: list[tuple[int, int]], block_t: int, num_block_rows: int,
+                max_programs: int | None = None) -> list[int]:
+    """Partial-kernel programs per token chunk, from host-known sizes only (no device read).
 
+    A chunk of ``n`` tokens has at most ``cdiv(n, BLOCK_T) + runs`` tiles (a run: the
+    consecutive positions of one sequence; each run adds at most one partial tile) and at
+    most ``n`` tiles. A vLLM step or a packed trainer batch has one run per sequence and at
+    most ``num_block_rows`` (the block table's rows) sequences, so
+    ``min(n, cdiv(n, BLOCK_T) + num_block_rows)`` programs give every tile its own program
+    there; any other batch (more runs than block-table rows) still gets every tile, since
+    the programs stride over the device tile list. For decode (``n`` = rows) this is ``n``,
+    the same at CUDA-graph capture and replay.
 
-def _stamp(x: torch.Tensor) -> tuple:
-    try:
-        version = x._version
-    except RuntimeError:  # inference tensors carry no version counter
-        version = None
-    return version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device
-
-
-def _grid_sizes(seq_idx_T, positions_T, sched, chunks, block_t) -> list[int]:
-    """How many partial-kernel programs to launch per token chunk.
-
-    During CUDA-graph capture: the chunk's token count (an upper bound of its
-    tiles; surplus programs exit), no host sync. Otherwise the exact tile
-    counts, read from the device once and memoized per ``(seq_idx_T,
-    positions_T)`` pair (identity, version counter, storage, shape), so the
-    layers of one forward share one sync. The memo holds launch sizes only:
-    the tile list is rebuilt on the device at every call and the programs
-    walk it in a grid-stride loop, so a stale size (e.g. an inference tensor
-    rewritten in place, which has no version counter) can cost speed, never
-    a tile or a bit.
+    Args:
+        chunks: ``(first token, token count)`` of each chunk.
+        block_t: query tokens per tile (``BLOCK_T``).
+        num_block_rows: ``block_table.shape[0]``.
+        max_programs: optional cap (tests: force programs to stride over several tiles).
     """
-    if seq_idx_T.is_cuda and torch.cuda.is_current_stream_capturing():
-        return [n for _, n in chunks]
-    key = (id(seq_idx_T), id(positions_T), tuple(chunks), block_t)
-    stamp = (_stamp(seq_idx_T), _stamp(positions_T))
-    hit = _GRID_MEMO.get(key)
-    if hit is not None and hit[0]() is seq_idx_T and hit[1]() is positions_T and hit[2] == stamp:
-        _GRID_MEMO.move_to_end(key)
-        return hit[3]
-    sizes = [max(1, int(n)) for n in sched[:, 0].tolist()]  # the one host sync
-    SCHEDULE_STATS["host_reads"] += 1
-    _GRID_MEMO[key] = (weakref.ref(seq_idx_T), weakref.ref(positions_T), stamp, sizes)
-    while len(_GRID_MEMO) > _GRID_MEMO_SIZE:
-        _GRID_MEMO.popitem(last=False)
+    sizes = []
+    for _, n in chunks:
+        g = max(1, min(n, -(-n // block_t) + num_block_rows))
+        sizes.append(g if max_programs is None else max(1, min(g, max_programs)))
     return sizes
 
 
 class AttentionLaunch(NamedTuple):
     """Overrides of the partial kernel's launch (benchmarks/tests): ``rows`` per program
-    (query tokens x q heads), ``num_warps``, ``num_stages``; ``None`` keeps the default."""
+    (query tokens x q heads), ``num_warps``, ``num_stages``, ``max_programs`` (a cap on
+    the programs per chunk: they then stride over several tiles); ``None`` keeps the default."""
 
     rows: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    max_programs: int | None = None
 
 
 def tile_shape(H: int, G: int) -> tuple[int, int, int]:
@@ -591,7 +576,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ws = torch.empty((1,), dtype=torch.float32, device=q_THE.device)
         acc_ws = m_ws = l_ws = ws
         w_strides, a_strides = (0, 0, 0), (0, 0, 0, 0)
-    sizes = _grid_sizes(seq_idx_T, positions_T, sched, chunks, block_t)
+    sizes = _grid_sizes(chunks, block_t, block_table_BN.shape[0], None if launch is None else launch.max_programs)
     for c, (a, n) in enumerate(chunks):
         q_c, o_c, s_c, p_c = q_THE[a:a + n], out[a:a + n], seq[a:a + n], pos[a:a + n]
         _attention_partial_kernel[(sizes[c], G, n_split)](
