@@ -281,11 +281,15 @@ class UnifiedForCausalLM(nn.Module):
 
         self._shapes = self.spec.parameter_shapes()
         self._dtypes = self.spec.parameter_dtypes()
+        # (HF name, owning module's parameter table, leaf name): params() reads these each step
+        self._param_slots: list[tuple[str, dict, str]] = []
         for name, tensor in allocate_parameters(self.spec).items():  # routed experts: views of one stack
             *path, leaf = name.split(".")
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-            _submodule(self, path).register_parameter(leaf, param)
+            owner = _submodule(self, path)
+            owner.register_parameter(leaf, param)
+            self._param_slots.append((name, owner._parameters, leaf))
 
         has_mamba = bool(self.spec.mamba_blocks)
         if has_mamba != bool(getattr(type(self), "is_hybrid", False)):
@@ -343,8 +347,14 @@ class UnifiedForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ params
     def params(self) -> dict[str, torch.Tensor]:
-        """HF name -> parameter tensor (the live tensors vLLM's cache graph uses)."""
-        return {n: p for n, p in self.named_parameters() if n in self._shapes}
+        """HF name -> parameter tensor (the live tensors vLLM's cache graph uses).
+
+        Called at every step (``compute_logits`` runs outside the CUDA graph), so it reads
+        each parameter from its owning module's ``_parameters`` table, recorded when the
+        parameter was registered, instead of walking the module tree: a parameter
+        re-registered under the same name is still seen.
+        """
+        return {name: table[leaf] for name, table, leaf in self._param_slots}
 
     # ----------------------------------------------------------------- forward
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
