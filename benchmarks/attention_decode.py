@@ -7,7 +7,7 @@ scattered), one decode token per request at the last position, and times
 (CUDA-graph replays, no host overhead):
 
 * our ``paged_attention_triton`` with each launch variant (rows per program,
-  warps, stages) and whether its output is bitwise equal to the default
+  warps, stages, TMA or pointer-gathered K/V tiles) and whether its output is bitwise equal to the default
   launch's (a variant may only become the default if it is, for every shape);
 * vLLM's ``flash_attn_varlen_func`` (FA3) on the same cache, the baseline
   measured in the same run (skipped when vLLM's FA3 is not importable).
@@ -21,16 +21,15 @@ import argparse
 
 from kernel_bench import finish, graph_time_ms
 
-VARIANTS = {  # name -> (rows, num_warps, num_stages); None = the module default
-    "default": (None, None, None),
-    "w4_s3": (None, 4, 3),
-    "w4_s4": (None, 4, 4),
-    "w8_s2": (None, 8, 2),
-    "w8_s3": (None, 8, 3),
-    "rows16_w4_s2": (16, 4, 2),
-    "rows16_w4_s3": (16, 4, 3),
-    "rows16_w2_s3": (16, 2, 3),
-    "rows32_w4_s3": (32, 4, 3),
+VARIANTS = {  # name -> AttentionLaunch fields (rows, num_warps, num_stages, kv_tma); {} = the module default
+    "default": {},
+    "tma": dict(kv_tma=True),
+    "tma_w4_s3": dict(num_warps=4, num_stages=3, kv_tma=True),
+    "tma_w4_s4": dict(num_warps=4, num_stages=4, kv_tma=True),
+    "tma_w8_s3": dict(num_warps=8, num_stages=3, kv_tma=True),
+    "pointer": dict(kv_tma=False),
+    "pointer_w4_s3": dict(num_warps=4, num_stages=3, kv_tma=False),
+    "rows16_w4_s3": dict(rows=16, num_warps=4, num_stages=3),
 }
 
 
@@ -73,10 +72,10 @@ def main(argv=None) -> int:
         scale = E ** -0.5
         row = {"requests": B, "context": ctx, "H": H, "G": G, "E": E, "variants": {}}
         ref = att.paged_attention_triton(q, k_cache, v_cache, block_table, seq, pos, scale)
-        for name, (rows, w, st) in VARIANTS.items():
+        for name, fields in VARIANTS.items():
             if args.only and name not in args.only and name != "default":
                 continue
-            launch = att.AttentionLaunch(rows, w, st)
+            launch = att.AttentionLaunch(**fields)
             fn = lambda launch=launch: att.paged_attention_triton(q, k_cache, v_cache, block_table, seq, pos, scale,
                                                                   launch=launch)
             try:

@@ -374,12 +374,15 @@ def _seqs(lengths, Hq, Gk, seed):
 
 class FlatPaged:
     """A bf16 paged cache for ``seqs`` (random block permutation, block size S, K/V strided views of
-    one NaN-filled allocation, stale block-table entries) and steps given as flat token lists."""
+    one NaN-filled allocation, stale block-table entries) and steps given as flat token lists;
+    ``launch``: the :class:`AttentionLaunch` every step uses (None: the default)."""
 
-    def __init__(self, seqs, S, gen):
+    def __init__(self, seqs, S, gen, launch=None):
+        from functools import partial
+
         from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
 
-        self.write, self.attend = write_kv_cache_triton, paged_attention_triton
+        self.write, self.attend = write_kv_cache_triton, partial(paged_attention_triton, launch=launch)
         self.seqs, self.S, self.gen = seqs, S, gen
         self.lens = [s["q"].shape[0] for s in seqs]
         self.offsets = torch.tensor([0] + self.lens).cumsum(0).to(DEV)
@@ -490,13 +493,20 @@ def test_attention_long_context_batch_composition(width, gen):
 
 @pytest.mark.parametrize("width", list(WIDTHS))
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_attention_cuda_graph_decode_step_long(width, batch, gen):
+@pytest.mark.parametrize("S", [16, 64])
+def test_attention_cuda_graph_decode_step_long(width, batch, S, gen):
     """A decode step captured in a CUDA graph (static q/seq_idx/positions buffers, no host sync in
-    the capture) and replayed with new contents (positions across 1-3 splits, padding) == eager."""
-    from unified_models.ops.triton.attention import paged_attention_triton
+    the capture) and replayed with new contents (positions across 1-3 splits, padding) == eager;
+    block size 16 (pointer-gathered K/V tiles) and 64 (TMA K/V tiles, ``kv_tma=True``)."""
+    from functools import partial
+
+    from unified_models.ops.triton.attention import AttentionLaunch
+    from unified_models.ops.triton.attention import paged_attention_triton as attend
+
+    paged_attention_triton = partial(attend, launch=AttentionLaunch(kv_tma=True)) if S == 64 else attend
 
     Hq, Gk = WIDTHS[width]
-    S, n_seq = 16, 64
+    n_seq = 64
     lens = torch.randint(1, LONG + 1, (n_seq,), generator=gen)
     lens[:4] = torch.tensor([LONG, 1024, 1025, 2049])
     need = (lens + S - 1) // S
@@ -541,6 +551,49 @@ def test_attention_cuda_graph_decode_step_long(width, batch, gen):
         assert_bitwise(out_s, eager, f"{width} batch {batch}: graph replay {trial} vs eager")
         real = pos >= 0
         assert bool(torch.isfinite(out_s[real]).all()) and bool((out_s[~real] == 0).all())
+
+
+@pytest.mark.parametrize("width", list(WIDTHS))
+def test_attention_kv_tma_equals_pointer_gathers(width, gen):
+    """K/V tiles read by TMA (block size a multiple of BLOCK_KV) give the bits of the
+    per-position pointer gathers: a prefill, chunked prefill and decode run of a ~3000-token
+    sequence and 7 others at block sizes 64 and 128 (NaN-filled cache, stale block ids) equal the
+    block-size-16 run, and one mixed decode + prefill step with ``kv_tma`` forced on and off is
+    bitwise equal (forcing it on raises if TMA did not apply, so both paths really ran)."""
+    from unified_models.ops.triton.attention import AttentionLaunch, paged_attention_triton
+
+    Hq, Gk = WIDTHS[width]
+    lens = [LONG, 17, 64, 500, 1023, 1025, 2048, 2111]
+    seqs = _seqs(lens, Hq, Gk, seed=13)
+    base = FlatPaged(seqs, 16, gen)
+    base.run([(b, 0, n) for b, n in enumerate(lens)], n_pad=3)
+    assert bool(torch.isfinite(base.out).all())
+    tma = AttentionLaunch(kv_tma=True)
+    for S in (64, 128):
+        pre = FlatPaged(seqs, S, gen, launch=tma)
+        pre.run([(b, 0, n) for b, n in enumerate(lens)][::-1], n_pad=2)
+        assert_bitwise(pre.out, base.out, f"{width}: TMA prefill S={S} vs pointer S=16")
+        dec = FlatPaged(seqs, S, gen, launch=tma)  # prefill up to 1000 (or the end), then cut at 1700, then decode
+        dec.run([(b, 0, min(n, 1000)) for b, n in enumerate(lens)])
+        dec.run([(b, 1000, min(n, 1700)) for b, n in enumerate(lens) if n > 1000], n_pad=1)
+        for p in range(1700, max(lens)):
+            live = [b for b, n in enumerate(lens) if p < n]
+            dec.step(torch.tensor(live), torch.full((len(live),), p))
+        assert_bitwise(dec.out, base.out, f"{width}: TMA chunked + decode S={S} vs pointer S=16")
+        seq = torch.tensor([0, 6, 7, 3] + [1] * 17 + [0]).to(DEV).int()
+        pos = torch.tensor([LONG - 1, 2047, 1024, 499] + list(range(17)) + [-1]).to(DEV)
+        q = dec.q[dec.offsets[seq.long()] + pos.clamp(min=0)]
+        on = paged_attention_triton(q, dec.k_cache, dec.v_cache, dec.bt, seq, pos, SCALE,
+                                    launch=AttentionLaunch(kv_tma=True))
+        off = paged_attention_triton(q, dec.k_cache, dec.v_cache, dec.bt, seq, pos, SCALE,
+                                     launch=AttentionLaunch(kv_tma=False))
+        assert_bitwise(on, off, f"{width}: kv_tma on vs off, S={S}")
+        assert_bitwise(on[:-1], torch.cat([base.out[base.offsets[b] + p:base.offsets[b] + p + 1]
+                                           for b, p in zip(seq[:-1].tolist(), pos[:-1].tolist())]),
+                       f"{width}: mixed step vs prefill")
+    with pytest.raises(ValueError, match="kv_tma=True"):  # block size 16: no TMA, and it says so
+        paged_attention_triton(q, base.k_cache, base.v_cache, base.bt, seq, pos, SCALE,
+                               launch=AttentionLaunch(kv_tma=True))
 
 
 # --------------------------------------------------------------------------- rope

@@ -216,6 +216,11 @@ def test_triton_errors(device):
         attend(torch.zeros(3, 8, E, device=device), kc[0], kc, bt, idx, idx, SCALE)
     with pytest.raises(ValueError, match="slot_mapping"):
         write(torch.zeros(3, 4, E, device=device), torch.zeros(3, 4, E, device=device), kc, kc, idx[:2])
+    from unified_models.ops.triton.attention import AttentionLaunch
+
+    # fp32 cache (and, on CPU, the interpreter): TMA K/V loads do not apply, and asking for them says so
+    with pytest.raises(ValueError, match="kv_tma=True"):
+        attend(torch.zeros(3, 8, E, device=device), kc, kc, bt, idx, idx, SCALE, launch=AttentionLaunch(kv_tma=True))
 
 
 @pytest.mark.parametrize("H,G", [(4, 2)])

@@ -34,6 +34,16 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
   own (``block_table[seq, p // S]``), so neither the tiling nor the bits
   depend on the cache block size ``S`` or on which physical blocks hold the
   sequence; block-table entries past a tile's last position are never read.
+* K/V tiles are loaded by per-position pointer gathers (any ``S``), or, with
+  ``AttentionLaunch(kv_tma=True)``, by two TMA bulk copies per KV tile when a
+  tile lies in one cache block (``S % BLOCK_KV == 0``, bf16/fp16 cache,
+  ``E`` a power of two; :func:`_kv_descriptors`). Both feed the dots the
+  same values (the TMA path zeroes the tail tile's positions past the last
+  query token, as the gathers' masks do), so they give the same bits. TMA is
+  opt-in until its speed and bits are measured on the H200
+  (``benchmarks/attention_decode.py``, ``tests/gpu/test_ops_gpu.py::
+  test_attention_kv_tma_equals_pointer_gathers``); its sm_90 lowering is
+  checked on the CPU (``tests/test_sm90_lowering.py``).
 
 Every constexpr (``ROWS``, ``BLOCK_T``, ``BLOCK_KV``, ``SPLIT_KV``, warps,
 stages) depends only on the model (H, G, E, dtype), never on the batch, so
@@ -196,6 +206,70 @@ def _tile_schedule_kernel(seq_ptr, pos_ptr, sched_ptr, T, T_CHUNK, stride_sc,
     tl.store(sc, count)
 
 
+@triton.jit
+def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e, mask_e, kv_ar, S, E,
+                  kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                  stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, dtype: tl.constexpr,
+                  BLOCK_KV: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, TAIL: tl.constexpr):
+    """KV tile ``j`` of kv head ``g``: positions ``p`` [BLOCK_KV], ``K^T`` [BLOCK_E, BLOCK_KV] and
+    ``V`` [BLOCK_KV, BLOCK_E] in ``dtype`` (fp8 caches dequantized), positions past ``max_pos``
+    zero. ``TAIL`` False promises every position is <= ``max_pos`` (no masking needed)."""
+    p = j * BLOCK_KV + kv_ar.to(tl.int64)
+    col_ok = p <= max_pos
+    if KV_TMA:  # the tile lies in one cache block (S % BLOCK_KV == 0): two TMA copies
+        p0 = j * BLOCK_KV
+        blk0 = tl.load(bt_row + (p0 // S) * stride_btn).to(tl.int32)
+        row0 = blk0 * kv_rows_per_block + p0 % S
+        col0 = (g * E).to(tl.int32)
+        k = k_desc.load([row0, col0])
+        v = v_desc.load([row0, col0])
+        if TAIL:
+            k = tl.where(col_ok[:, None], k, 0.0)
+            v = tl.where(col_ok[:, None], v, 0.0)
+        kt = k.T
+    else:  # each position's block looked up on its own (any S)
+        blk = tl.load(bt_row + (p // S) * stride_btn, mask=col_ok, other=0).to(tl.int64)
+        off = p % S
+        kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
+                     + e[:, None] * stride_kce, mask=mask_e[:, None] & col_ok[None, :], other=0.0)
+        v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
+                    + e[None, :] * stride_vce, mask=col_ok[:, None] & mask_e[None, :], other=0.0)
+        if FP8:  # read rule: q.dtype(fp32(e4m3) * scale)
+            kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, dtype)
+            v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, dtype)
+    return p, kt, v
+
+
+@triton.jit
+def _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
+    """One fp32 online-softmax step of ``ROWS`` query rows over one KV tile (each row's own
+    causal mask ``p <= pos_r``); returns the new ``(m, l, acc)``."""
+    if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
+        s = interpreter_dot(q, kt).to(tl.float32)
+    elif FP32_DOT:
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt.to(q.dtype))
+    s = s * qk_scale  # log2 domain
+    valid = p[None, :] <= pos_r[:, None]  # each row's own causal mask
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing valid yet keeps m = -inf: exponent base 0, no NaN. A row
+    # whose maximum did not move (e.g. fully masked here) gets alpha = 1 exactly.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+    pr = tl.where(valid, tl.exp2(s - m_safe[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    if _INTERP:
+        pv = interpreter_dot(pr, v).to(tl.float32)
+    elif FP32_DOT:
+        pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T"])  # (no variant compiled for T == 1: one code for every batch)
 def _attention_partial_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr,
@@ -208,10 +282,16 @@ def _attention_partial_kernel(
         stride_ot, stride_oh, stride_oe,
         stride_wt, stride_wh, stride_ws,
         stride_at, stride_ah, stride_as, stride_ae,
+        k_desc, v_desc, kv_rows_per_block,
         Q_PER_KV: tl.constexpr, QP: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT_KV: tl.constexpr,
-        FP32_DOT: tl.constexpr, FP8: tl.constexpr):
-    """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring)."""
+        FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr):
+    """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring).
+
+    ``KV_TMA``: K/V tiles come through the TMA descriptors ``k_desc``/``v_desc`` (2-D
+    ``[slot rows, G*E]`` views, one block per ``kv_rows_per_block`` rows; see
+    :func:`_kv_descriptors`) instead of per-position pointer gathers. The values fed to
+    the dots are the same, so the bits are too."""
     g = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     kv_lo = split * SPLIT_KV
@@ -225,6 +305,8 @@ def _attention_partial_kernel(
     mask_e = e < E
     i_t = tl.arange(0, BLOCK_T)
     kv_ar = tl.arange(0, BLOCK_KV)
+    ks = 1.0
+    vs = 1.0
     if FP8:
         ks = tl.load(ks_ptr)
         vs = tl.load(vs_ptr)
@@ -260,45 +342,29 @@ def _attention_partial_kernel(
         last = tl.minimum(max_pos, kv_lo + SPLIT_KV - 1)
         j_hi = tl.where(max_pos >= kv_lo, last // BLOCK_KV + 1, j_lo).to(tl.int32)
         bt_row = bt_ptr + seq * stride_btb
-        for j in range(j_lo, j_hi):
-            p = j * BLOCK_KV + kv_ar.to(tl.int64)
-            col_ok = p <= max_pos
-            blk = tl.load(bt_row + (p // S) * stride_btn, mask=col_ok, other=0).to(tl.int64)
-            off = p % S
-            # K^T tile [BLOCK_E, BLOCK_KV]; masked entries read as 0 so stale cache
-            # memory (possibly NaN) never reaches the math.
-            kt = tl.load(kc_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kcs + g * stride_kcg
-                         + e[:, None] * stride_kce, mask=mask_e[:, None] & col_ok[None, :], other=0.0)
-            if FP8:  # read rule: q.dtype(fp32(e4m3) * k_scale)
-                kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, q_ptr.dtype.element_ty)
-            if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
-                s = interpreter_dot(q, kt).to(tl.float32)
-            elif FP32_DOT:
-                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, kt.to(q.dtype))
-            s = s * qk_scale  # log2 domain
-            valid = p[None, :] <= pos_r[:, None]  # each row's own causal mask
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row with nothing valid yet keeps m = -inf: exponent base 0, no NaN. A row
-            # whose maximum did not move (e.g. fully masked here) gets alpha = 1 exactly.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
-            pr = tl.where(valid, tl.exp2(s - m_safe[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
-                        + e[None, :] * stride_vce, mask=col_ok[:, None] & mask_e[None, :], other=0.0)
-            if FP8:
-                v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, q_ptr.dtype.element_ty)
-            if _INTERP:
-                pv = interpreter_dot(pr, v).to(tl.float32)
-            elif FP32_DOT:
-                pv = tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        # Pointer gathers mask every tile as they load it: one loop. TMA copies whole tiles:
+        # the tiles wholly at or below max_pos first, unmasked, then the tail tile (at most
+        # one), whose positions past max_pos are zeroed (stale cache memory, possibly NaN,
+        # never reaches the math). Either way the online-softmax steps run in the same order.
+        if KV_TMA:
+            j_mid = tl.maximum(j_lo, tl.minimum(j_hi, ((max_pos + 1) // BLOCK_KV).to(tl.int32)))
+        else:
+            j_mid = j_lo
+        if KV_TMA:
+            for j in range(j_lo, j_mid):
+                p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e,
+                                         mask_e, kv_ar, S, E, kv_rows_per_block,
+                                         stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                         stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
+                                         q_ptr.dtype.element_ty, BLOCK_KV, FP8, KV_TMA, False)
+                m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
+        for j in range(j_mid, j_hi):
+            p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e,
+                                     mask_e, kv_ar, S, E, kv_rows_per_block,
+                                     stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                     stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
+                                     q_ptr.dtype.element_ty, BLOCK_KV, FP8, KV_TMA, True)
+            m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
 
         # A token below SPLIT_KV has this one split: divide and round once, here.
         # (a scalar bool in a mask trips the interpreter: fold it into the bound)
@@ -389,12 +455,43 @@ def _grid_sizes(chunks: list[tuple[int, int]], block_t: int, num_block_rows: int
 class AttentionLaunch(NamedTuple):
     """Overrides of the partial kernel's launch (benchmarks/tests): ``rows`` per program
     (query tokens x q heads), ``num_warps``, ``num_stages``, ``max_programs`` (a cap on
-    the programs per chunk: they then stride over several tiles); ``None`` keeps the default."""
+    the programs per chunk: they then stride over several tiles), ``kv_tma`` (True: K/V tiles
+    by TMA copies, ValueError where TMA does not apply); ``None`` keeps the default."""
 
     rows: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     max_programs: int | None = None
+    kv_tma: bool | None = None
+
+
+def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e: int, fp32_dot: bool,
+                    fp8: bool):
+    """TMA descriptors of the K and V caches for the partial kernel, or ``None`` where TMA
+    does not apply (interpreter, fp32 or FP8 caches, ``S`` not a multiple of ``BLOCK_KV``,
+    ``E`` not a power of two, or a layout that is not rows of ``G*E`` contiguous elements).
+
+    Each cache ``[num_blocks, S, G, E]`` is seen as a 2-D ``[rows, G*E]`` tensor of slot
+    rows: slot ``(b, s)`` is row ``b * rows_per_block + s`` where ``rows_per_block =
+    stride(0) // stride(1)`` (vLLM's ``[num_blocks, 2, S, G, E]`` allocation interleaves the
+    K and V blocks, so there it is ``2*S``); ``rows`` ends at the last block's last slot, so
+    nothing outside the cache is addressed. Returns ``(k_desc, v_desc, rows_per_block)``.
+    """
+    if INTERPRET or fp32_dot or fp8 or S % BLOCK_KV or E != block_e:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    G = kc.shape[2]
+    es = kc.element_size()
+    descs = []
+    for c in (kc, vc):
+        if (c.stride(3) != 1 or c.stride(2) != E or c.stride(1) != G * E or c.stride(0) % c.stride(1)
+                or c.stride(0) != kc.stride(0) or c.data_ptr() % 16 or (G * E * es) % 16):
+            return None
+        rows_per_block = c.stride(0) // c.stride(1)
+        rows = (c.shape[0] - 1) * rows_per_block + S
+        descs.append(TensorDescriptor(c, [rows, G * E], [G * E, 1], [BLOCK_KV, block_e]))
+    return descs[0], descs[1], rows_per_block
 
 
 def tile_shape(H: int, G: int) -> tuple[int, int, int]:
@@ -499,14 +596,16 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_scale, v_scale: fp32 ``[]`` scales of a float8_e4m3fn cache (else
             None): K/V tiles are read as ``q.dtype(fp32(e4m3) * scale)``.
         launch: benchmarks and tests only: override the partial kernel's rows,
-            warps or stages (:class:`AttentionLaunch`); the model never passes it.
+            warps, stages, grid cap or K/V loads (:class:`AttentionLaunch`); the
+            model never passes it.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype`` (rounded once from fp32).
 
     Raises:
         ValueError: wrong ranks/shapes/dtypes, ``H`` not a multiple of ``G``,
-            devices differ; missing, superfluous or bad scales.
+            devices differ; missing, superfluous or bad scales; ``launch.kv_tma``
+            where TMA does not apply.
 
     Numerics: scores and the online softmax are fp32 (exp2 with the scale
     folded in); on GPU the dot operands are ``q``'s dtype (K/V tiles and the
@@ -576,6 +675,13 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ws = torch.empty((1,), dtype=torch.float32, device=q_THE.device)
         acc_ws = m_ws = l_ws = ws
         w_strides, a_strides = (0, 0, 0), (0, 0, 0, 0)
+    tma = None  # pointer gathers unless asked (module docstring: TMA is opt-in until measured)
+    if launch is not None and launch.kv_tma:
+        tma = _kv_descriptors(kc, vc, S, E, block_e, fp32_dot, fp8)
+        if tma is None:
+            raise ValueError("paged_attention_triton: launch.kv_tma=True but TMA does not apply to this cache "
+                             f"(S={S}, E={E}, dtype {k_cache.dtype}, strides {tuple(k_cache.stride())})")
+    k_desc, v_desc, rows_per_block = tma if tma is not None else (None, None, 0)
     sizes = _grid_sizes(chunks, block_t, block_table_BN.shape[0], None if launch is None else launch.max_programs)
     for c, (a, n) in enumerate(chunks):
         q_c, o_c, s_c, p_c = q_THE[a:a + n], out[a:a + n], seq[a:a + n], pos[a:a + n]
@@ -583,9 +689,10 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             q_c, kc, vc, block_table_BN, s_c, p_c, sched[c], o_c, ks, vs, m_ws, l_ws, acc_ws,
             float(scale) * _LOG2E, n, E, S,
             *q_c.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *o_c.stride(),
-            *w_strides, *a_strides,
+            *w_strides, *a_strides, k_desc, v_desc, rows_per_block,
             Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
-            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, num_warps=num_warps, num_stages=num_stages)
+            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, KV_TMA=tma is not None, num_warps=num_warps,
+            num_stages=num_stages)
         _attention_merge_kernel[(n, G)](
             p_c, o_c, m_ws, l_ws, acc_ws, E, *o_c.stride(), *w_strides, *a_strides,
             Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, num_warps=4)

@@ -1,0 +1,140 @@
+"""Compile the GPU paths of our Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+Run as a script in a process where ``TRITON_INTERPRET`` is unset (``tests/test_sm90_lowering.py``
+does): the op wrappers (linear and its GEMM tiers, paged attention and the KV-cache write, FP8
+linear, RMSNorm, activations, RoPE, embedding, logprobs) run on CPU tensors with
+their GPU constants, Triton's driver replaced by one that reports an sm_90 target, and every kernel
+launch turned into a compile-only warmup (Triton front end, the NVIDIA backend's passes and the
+wheel's bundled ``ptxas``). Nothing executes, so no bit is checked here: this proves the kernels
+still lower for the H200 and which instructions they lower to, e.g. the 64-row ``tl.dot`` of the
+attention tile becoming ``wgmma`` (a 16-row dot lowers to ``mma.sync``, whose bits differ; see
+``ops/triton/attention.py``) and the TMA variants issuing bulk tensor copies.
+
+Prints one JSON object per compiled kernel: ``case``, ``kernel``, ``constexprs`` (the
+specialization's compile-time values), ``num_warps``, ``num_stages``, ``shared`` (bytes of shared
+memory the launch needs), and PTX instruction counts ``wgmma_m64``, ``mma_sync``,
+``tma_copies`` (``cp.async.bulk.tensor``).
+
+    env -u TRITON_INTERPRET python tests/sm90_lowering.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("sm90_lowering.py: unset TRITON_INTERPRET (it compiles the GPU code paths)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver as triton_driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+class _Sm90Driver:
+    """Just enough of Triton's active driver for compile-only launches."""
+
+    def get_current_target(self):
+        return SM90
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+RECORDS: list[dict] = []
+_CASE = ["?"]
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+def _compile_only(run):
+    def wrapped(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        ptx = kernel.asm["ptx"]
+        consts = {k: v for k, v in kwargs.items() if k.isupper()}
+        RECORDS.append(dict(
+            case=_CASE[0], kernel=self.fn.__name__, constexprs=consts, num_warps=kernel.metadata.num_warps,
+            num_stages=kernel.metadata.num_stages, shared=kernel.metadata.shared,
+            wgmma_m64=_count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64"), mma_sync=_count(ptx, r"\bmma\.sync"),
+            tma_copies=_count(ptx, r"cp\.async\.bulk\.tensor")))
+        return kernel
+    return wrapped
+
+
+def main() -> int:
+    triton_driver.set_active(_Sm90Driver())
+    JITFunction.run = _compile_only(JITFunction.run)
+
+    import unified_models.ops.triton as ops_triton
+    from unified_models.ops.triton import (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm,
+                                           rope)
+
+    for mod in (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm, rope):
+        mod.check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones: nothing runs
+    linear._num_sms = lambda device: 132  # H200
+    assert not ops_triton._common.INTERPRET
+
+    bf16 = torch.bfloat16
+    N, K = 256, 128
+    w = torch.zeros(N, K, dtype=bf16)
+    for T in linear.tier_probe_rows():
+        for out_dtype in (bf16, torch.float32):
+            _CASE[0] = f"linear T={T} bf16->{str(out_dtype).split('.')[-1]}"
+            linear.linear_triton(torch.zeros(T, K, dtype=bf16), w, None, out_dtype)
+    for T in (1, 65, 513):
+        _CASE[0] = f"linear T={T} fp32 operands"
+        linear.linear_triton(torch.zeros(T, K), w.float(), None, torch.float32)
+
+    E = 128
+    for width, (H, G) in {"8b": (32, 8), "nano": (32, 2)}.items():
+        for S, kv_tma in ((16, False), (64, False), (64, True)):
+            buf = torch.zeros(9, 2, S, G, E, dtype=bf16)  # vLLM's [blocks, 2, S, G, E] allocation
+            T = 5
+            _CASE[0] = f"attention {width} S={S} kv_tma={kv_tma}"
+            attention.paged_attention_triton(
+                torch.zeros(T, H, E, dtype=bf16), buf[:, 0], buf[:, 1], torch.zeros(2, 40, dtype=torch.int32),
+                torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int64), E ** -0.5,
+                launch=attention.AttentionLaunch(kv_tma=kv_tma))
+    # FP8 cache: the pointer path with the e4m3 read rule
+    buf = torch.zeros(9, 2, 64, 8, E, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    _CASE[0] = "attention 8b S=64 fp8 cache"
+    attention.write_kv_cache_triton(torch.zeros(5, 8, E, dtype=bf16), torch.zeros(5, 8, E, dtype=bf16), buf[:, 0],
+                                    buf[:, 1], torch.zeros(5, dtype=torch.int64), one, one)
+    attention.paged_attention_triton(torch.zeros(5, 32, E, dtype=bf16), buf[:, 0], buf[:, 1],
+                                     torch.zeros(2, 40, dtype=torch.int32), torch.zeros(5, dtype=torch.int32),
+                                     torch.zeros(5, dtype=torch.int64), E ** -0.5, one, one)
+
+    D, V = 4096, 32064
+    x = torch.zeros(7, D, dtype=bf16)
+    for name, call in {
+        "rms_norm": lambda: rmsnorm.rms_norm_triton(x, torch.ones(D, dtype=bf16), 1e-5),
+        "relu2": lambda: activations.relu2_triton(torch.zeros(7, 21504, dtype=bf16)),
+        "swiglu": lambda: activations.swiglu_triton(torch.zeros(7, 1024, dtype=bf16), torch.zeros(7, 1024, dtype=bf16)),
+        "logprobs": lambda: logprob.logprobs_triton(torch.zeros(7, V), 0.7),
+        "embedding": lambda: embedding.embedding_triton(torch.zeros(7, dtype=torch.int64), torch.zeros(V, D, dtype=bf16)),
+        "rope": lambda: rope.apply_rope_triton(torch.zeros(7, 32, E, dtype=bf16), torch.zeros(7, dtype=torch.int64),
+                                               torch.zeros(64, E // 2), torch.zeros(64, E // 2)),
+        "fp8_linear": lambda: fp8_linear.fp8_linear_triton(x, torch.zeros(256, D, dtype=torch.float8_e4m3fn),
+                                                           one.reshape(1), one.reshape(1)),
+    }.items():
+        _CASE[0] = name
+        call()
+    for rec in RECORDS:
+        print(json.dumps(rec, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
