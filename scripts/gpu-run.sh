@@ -64,7 +64,7 @@ if [ "$stage" = hybrid-bench ]; then
   grep -vE "INFO|WARNING" "$OUT/hybrid_bench.log" | tail -20
 fi
 if [ "$stage" = perf-ops ]; then
-  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_ops_gpu.py tests/gpu/test_hybrid_ops_gpu.py -p no:cacheprovider \
+  timeout 420 python3 -m pytest -q -m gpu tests/gpu/test_ops_gpu.py tests/gpu/test_hybrid_ops_gpu.py -p no:cacheprovider \
     2>&1 | tee "$OUT/perf_ops.log" | grep -vE "DEBUG" | tail -30; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 200 python3 benchmarks/gemm_configs.py --json "$OUT/gemm_configs.json" 2>&1 | tee "$OUT/gemm_configs.log" | tail -25
   timeout 200 python3 benchmarks/attention_decode.py --json "$OUT/attention_decode.json" 2>&1 | tee "$OUT/attention_decode.log" | tail -8

@@ -5,15 +5,18 @@ does): the op wrappers (linear and its GEMM tiers, paged attention and the KV-ca
 linear, RMSNorm, activations, RoPE, embedding, logprobs) run on CPU tensors with
 their GPU constants, Triton's driver replaced by one that reports an sm_90 target, and every kernel
 launch turned into a compile-only warmup (Triton front end, the NVIDIA backend's passes and the
-wheel's bundled ``ptxas``). Nothing executes, so no bit is checked here: this proves the kernels
-still lower for the H200 and which instructions they lower to, e.g. the 64-row ``tl.dot`` of the
-attention tile becoming ``wgmma`` (a 16-row dot lowers to ``mma.sync``, whose bits differ; see
-``ops/triton/attention.py``) and the TMA variants issuing bulk tensor copies.
+wheel's bundled ``ptxas``). Nothing executes, so no bit is checked here: this shows that the
+kernels lower for sm_90 and which instructions they lower to, e.g. the 64-row ``tl.dot`` of the
+attention tile becoming ``wgmma`` (a 16-row dot lowers to ``mma.sync``, whose bits differ:
+``benchmarks/RESULTS.md``, session 12) and the TMA variants issuing bulk tensor copies. It uses
+the Triton of the environment it runs in (the CPU venv's, 3.9 today; the H200 image has 3.6),
+so it catches a kernel that no longer compiles or lowers differently there, not every
+difference between Triton releases; each record carries ``triton``, the version used.
 
-Prints one JSON object per compiled kernel: ``case``, ``kernel``, ``constexprs`` (the
+Prints one JSON object per compiled kernel: ``triton``, ``case``, ``kernel``, ``constexprs`` (the
 specialization's compile-time values), ``num_warps``, ``num_stages``, ``shared`` (bytes of shared
-memory the launch needs), and PTX instruction counts ``wgmma_m64``, ``mma_sync``,
-``tma_copies`` (``cp.async.bulk.tensor``).
+memory the launch needs), PTX instruction counts ``wgmma_m64``, ``mma_sync``,
+``tma_copies`` (``cp.async.bulk.tensor``), and ``wgmma_shapes`` (the distinct ``wgmma`` instructions).
 
     env -u TRITON_INTERPRET python tests/sm90_lowering.py
 """
@@ -64,10 +67,11 @@ def _compile_only(run):
         ptx = kernel.asm["ptx"]
         consts = {k: v for k, v in kwargs.items() if k.isupper()}
         RECORDS.append(dict(
-            case=_CASE[0], kernel=self.fn.__name__, constexprs=consts, num_warps=kernel.metadata.num_warps,
+            triton=triton.__version__, case=_CASE[0], kernel=self.fn.__name__, constexprs=consts, num_warps=kernel.metadata.num_warps,
             num_stages=kernel.metadata.num_stages, shared=kernel.metadata.shared,
             wgmma_m64=_count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64"), mma_sync=_count(ptx, r"\bmma\.sync"),
-            tma_copies=_count(ptx, r"cp\.async\.bulk\.tensor")))
+            tma_copies=_count(ptx, r"cp\.async\.bulk\.tensor"),
+            wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[a-z0-9.]+", ptx)))))
         return kernel
     return wrapped
 

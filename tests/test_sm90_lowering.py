@@ -26,7 +26,7 @@ H200_MAX_SHARED_BYTES = 232448
 @pytest.fixture(scope="module")
 def lowered():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default on the H200 image (3.6)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # FP fusion on: the only behaviour of the H200 image's Triton 3.6
     script = Path(__file__).with_name("sm90_lowering.py")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"sm90_lowering.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -81,6 +81,10 @@ def test_attention_tile_dots_lower_to_wgmma(lowered):
             assert r["tma_copies"] > 0, f"{r['case']}: KV_TMA without bulk tensor copies: {r}"
         else:
             assert r["tma_copies"] == 0, r
+    for width in ("8b", "nano"):  # TMA or pointer loads feed the same wgmma instructions
+        shapes = {r["constexprs"]["KV_TMA"]: r["wgmma_shapes"] for r in partial if r["case"].startswith(
+            f"attention {width} S=64")}
+        assert shapes[True] == shapes[False] and shapes[True], (width, shapes)
     _by_kernel(lowered, "_attention_merge_kernel")
     _by_kernel(lowered, "_tile_schedule_kernel")
 

@@ -35,9 +35,9 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
   depend on the cache block size ``S`` or on which physical blocks hold the
   sequence; block-table entries past a tile's last position are never read.
 * K/V tiles are loaded by per-position pointer gathers (any ``S``), or, with
-  ``AttentionLaunch(kv_tma=True)``, by two TMA bulk copies per KV tile when a
-  tile lies in one cache block (``S % BLOCK_KV == 0``, bf16/fp16 cache,
-  ``E`` a power of two; :func:`_kv_descriptors`). Both feed the dots the
+  ``AttentionLaunch(kv_tma=True)`` on Hopper or newer, by two TMA bulk copies
+  per KV tile when a tile lies in one cache block (``S % BLOCK_KV == 0``,
+  bf16/fp16 queries, no FP8 cache, ``E`` a power of two; :func:`_kv_descriptors`). Both feed the dots the
   same values (the TMA path zeroes the tail tile's positions past the last
   query token, as the gathers' masks do), so they give the same bits. TMA is
   opt-in until its speed and bits are measured on the H200
@@ -270,6 +270,22 @@ def _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT: 
     return m_new, l_i, acc
 
 
+@triton.jit
+def _kv_tiles(j_a, j_b, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn,
+              max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
+              stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE: tl.constexpr, BLOCK_KV: tl.constexpr,
+              FP8: tl.constexpr, FP32_DOT: tl.constexpr, KV_TMA: tl.constexpr, TAIL: tl.constexpr):
+    """Online-softmax steps over KV tiles ``j_a .. j_b - 1`` in increasing order; returns ``(m, l, acc)``.
+    ``DTYPE``: the query's storage dtype (what FP8 cache values are rounded to)."""
+    for j in range(j_a, j_b):
+        p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e, mask_e, kv_ar,
+                                 S, E, kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                 stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE, BLOCK_KV, FP8,
+                                 KV_TMA, TAIL)
+        m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T"])  # (no variant compiled for T == 1: one code for every batch)
 def _attention_partial_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr,
@@ -348,23 +364,18 @@ def _attention_partial_kernel(
         # never reaches the math). Either way the online-softmax steps run in the same order.
         if KV_TMA:
             j_mid = tl.maximum(j_lo, tl.minimum(j_hi, ((max_pos + 1) // BLOCK_KV).to(tl.int32)))
+            m_i, l_i, acc = _kv_tiles(j_lo, j_mid, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc,
+                                      bt_row, stride_btn, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block,
+                                      stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                      stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
+                                      q_ptr.dtype.element_ty, BLOCK_KV, FP8, FP32_DOT, KV_TMA, False)
         else:
             j_mid = j_lo
-        if KV_TMA:
-            for j in range(j_lo, j_mid):
-                p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e,
-                                         mask_e, kv_ar, S, E, kv_rows_per_block,
-                                         stride_kcb, stride_kcs, stride_kcg, stride_kce,
-                                         stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
-                                         q_ptr.dtype.element_ty, BLOCK_KV, FP8, KV_TMA, False)
-                m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
-        for j in range(j_mid, j_hi):
-            p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e,
-                                     mask_e, kv_ar, S, E, kv_rows_per_block,
-                                     stride_kcb, stride_kcs, stride_kcg, stride_kce,
-                                     stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
-                                     q_ptr.dtype.element_ty, BLOCK_KV, FP8, KV_TMA, True)
-            m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
+        m_i, l_i, acc = _kv_tiles(j_mid, j_hi, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc,
+                                  bt_row, stride_btn, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block,
+                                  stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                  stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
+                                  q_ptr.dtype.element_ty, BLOCK_KV, FP8, FP32_DOT, KV_TMA, True)
 
         # A token below SPLIT_KV has this one split: divide and round once, here.
         # (a scalar bool in a mask trips the interpreter: fold it into the bound)
@@ -468,8 +479,9 @@ class AttentionLaunch(NamedTuple):
 def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e: int, fp32_dot: bool,
                     fp8: bool):
     """TMA descriptors of the K and V caches for the partial kernel, or ``None`` where TMA
-    does not apply (interpreter, fp32 or FP8 caches, ``S`` not a multiple of ``BLOCK_KV``,
-    ``E`` not a power of two, or a layout that is not rows of ``G*E`` contiguous elements).
+    does not apply (interpreter, fp32 queries, an FP8 cache, ``S`` not a multiple of
+    ``BLOCK_KV``, ``E`` not a power of two, a layout that is not rows of ``G*E`` contiguous
+    elements, or more than ``2**31 - 1`` slot rows).
 
     Each cache ``[num_blocks, S, G, E]`` is seen as a 2-D ``[rows, G*E]`` tensor of slot
     rows: slot ``(b, s)`` is row ``b * rows_per_block + s`` where ``rows_per_block =
@@ -490,6 +502,8 @@ def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e:
             return None
         rows_per_block = c.stride(0) // c.stride(1)
         rows = (c.shape[0] - 1) * rows_per_block + S
+        if rows > 2**31 - 1:  # TMA coordinates are int32
+            return None
         descs.append(TensorDescriptor(c, [rows, G * E], [G * E, 1], [BLOCK_KV, block_e]))
     return descs[0], descs[1], rows_per_block
 
