@@ -37,9 +37,10 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
 * K/V tiles are loaded by per-position pointer gathers (any ``S``), or, with
   ``AttentionLaunch(kv_tma=True)`` on Hopper or newer, by two TMA bulk copies
   per KV tile when a tile lies in one cache block (``S % BLOCK_KV == 0``,
-  bf16/fp16 queries, no FP8 cache, ``E`` a power of two; :func:`_kv_descriptors`). Both feed the dots the
-  same values (the TMA path zeroes the tail tile's positions past the last
-  query token, as the gathers' masks do), so they give the same bits. TMA is
+  bf16/fp16 queries, no FP8 cache, ``E`` a power of two;
+  :func:`_kv_descriptors`). Both feed the dots the same values (the TMA path
+  zeroes the tail tile's positions past the last query token, as the
+  gathers' masks do), so they give the same bits. TMA is
   opt-in until its speed and bits are measured on the H200
   (``benchmarks/attention_decode.py``, ``tests/gpu/test_ops_gpu.py::
   test_attention_kv_tma_equals_pointer_gathers``); its sm_90 lowering is
@@ -209,10 +210,10 @@ def _tile_schedule_kernel(seq_ptr, pos_ptr, sched_ptr, T, T_CHUNK, stride_sc,
 @triton.jit
 def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e, mask_e, kv_ar, S, E,
                   kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
-                  stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, dtype: tl.constexpr,
+                  stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE: tl.constexpr,
                   BLOCK_KV: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, TAIL: tl.constexpr):
     """KV tile ``j`` of kv head ``g``: positions ``p`` [BLOCK_KV], ``K^T`` [BLOCK_E, BLOCK_KV] and
-    ``V`` [BLOCK_KV, BLOCK_E] in ``dtype`` (fp8 caches dequantized), positions past ``max_pos``
+    ``V`` [BLOCK_KV, BLOCK_E] in ``DTYPE`` (fp8 caches dequantized), positions past ``max_pos``
     zero. ``TAIL`` False promises every position is <= ``max_pos`` (no masking needed)."""
     p = j * BLOCK_KV + kv_ar.to(tl.int64)
     col_ok = p <= max_pos
@@ -235,8 +236,8 @@ def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos
         v = tl.load(vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + g * stride_vcg
                     + e[None, :] * stride_vce, mask=col_ok[:, None] & mask_e[None, :], other=0.0)
         if FP8:  # read rule: q.dtype(fp32(e4m3) * scale)
-            kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, dtype)
-            v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, dtype)
+            kt = round_to(e4m3_bits_to_f32(kt.to(tl.int32)) * ks, DTYPE)
+            v = round_to(e4m3_bits_to_f32(v.to(tl.int32)) * vs, DTYPE)
     return p, kt, v
 
 
