@@ -87,6 +87,7 @@ def main() -> int:
     for mod in (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm, rope):
         mod.check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones: nothing runs
     linear._num_sms = lambda device: 132  # H200
+    attention._has_tma = lambda device: True  # sm_90 has TMA (the CPU tensors' device does not)
     assert not ops_triton._common.INTERPRET
 
     bf16 = torch.bfloat16

@@ -34,17 +34,17 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
   own (``block_table[seq, p // S]``), so neither the tiling nor the bits
   depend on the cache block size ``S`` or on which physical blocks hold the
   sequence; block-table entries past a tile's last position are never read.
-* K/V tiles are loaded by per-position pointer gathers (any ``S``), or, with
-  ``AttentionLaunch(kv_tma=True)`` on Hopper or newer, by two TMA bulk copies
-  per KV tile when a tile lies in one cache block (``S % BLOCK_KV == 0``,
-  bf16/fp16 queries, no FP8 cache, ``E`` a power of two;
-  :func:`_kv_descriptors`). Both feed the dots the same values (the TMA path
-  zeroes the tail tile's positions past the last query token, as the
-  gathers' masks do), so they give the same bits. TMA is
-  opt-in until its speed and bits are measured on the H200
-  (``benchmarks/attention_decode.py``, ``tests/gpu/test_ops_gpu.py::
-  test_attention_kv_tma_equals_pointer_gathers``); its sm_90 lowering is
-  checked on the CPU (``tests/test_sm90_lowering.py``).
+* K/V tiles are loaded by two TMA bulk copies per KV tile wherever TMA
+  applies (Hopper or newer, ``S % BLOCK_KV == 0`` so a tile lies in one cache
+  block, bf16/fp16 queries, no FP8 cache, ``E`` a power of two;
+  :func:`_kv_descriptors`), by per-position pointer gathers otherwise (any
+  ``S``). Both feed the dots the same values (the TMA path zeroes the tail
+  tile's positions past the last query token, as the gathers' masks do), so
+  they give the same bits: H200, ``tests/gpu/test_ops_gpu.py::
+  test_attention_kv_tma_equals_pointer_gathers``. TMA decode runs 1.5-1.6x
+  faster than the gathers on the H200 (``benchmarks/attention_decode.py``,
+  benchmarks/RESULTS.md session 15); its sm_90 lowering is checked on the
+  CPU (``tests/test_sm90_lowering.py``).
 
 Every constexpr (``ROWS``, ``BLOCK_T``, ``BLOCK_KV``, ``SPLIT_KV``, warps,
 stages) depends only on the model (H, G, E, dtype), never on the batch, so
@@ -69,6 +69,7 @@ function of shapes only, never changes a bit).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -468,7 +469,8 @@ class AttentionLaunch(NamedTuple):
     """Overrides of the partial kernel's launch (benchmarks/tests): ``rows`` per program
     (query tokens x q heads), ``num_warps``, ``num_stages``, ``max_programs`` (a cap on
     the programs per chunk: they then stride over several tiles), ``kv_tma`` (True: K/V tiles
-    by TMA copies, ValueError where TMA does not apply); ``None`` keeps the default."""
+    by TMA copies, ValueError where TMA does not apply; False: pointer gathers); ``None``
+    keeps the default (TMA wherever it applies)."""
 
     rows: int | None = None
     num_warps: int | None = None
@@ -477,10 +479,16 @@ class AttentionLaunch(NamedTuple):
     kv_tma: bool | None = None
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has the Tensor Memory Accelerator (CUDA compute capability >= 9.0)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e: int, fp32_dot: bool,
                     fp8: bool):
     """TMA descriptors of the K and V caches for the partial kernel, or ``None`` where TMA
-    does not apply (interpreter, fp32 queries, an FP8 cache, ``S`` not a multiple of
+    does not apply (interpreter, a device before Hopper, fp32 queries, an FP8 cache, ``S`` not a multiple of
     ``BLOCK_KV``, ``E`` not a power of two, a layout that is not rows of ``G*E`` contiguous
     elements, or more than ``2**31 - 1`` slot rows).
 
@@ -490,7 +498,7 @@ def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e:
     K and V blocks, so there it is ``2*S``); ``rows`` ends at the last block's last slot, so
     nothing outside the cache is addressed. Returns ``(k_desc, v_desc, rows_per_block)``.
     """
-    if INTERPRET or fp32_dot or fp8 or S % BLOCK_KV or E != block_e:
+    if INTERPRET or fp32_dot or fp8 or S % BLOCK_KV or E != block_e or not _has_tma(kc.device):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -690,12 +698,11 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ws = torch.empty((1,), dtype=torch.float32, device=q_THE.device)
         acc_ws = m_ws = l_ws = ws
         w_strides, a_strides = (0, 0, 0), (0, 0, 0, 0)
-    tma = None  # pointer gathers unless asked (module docstring: TMA is opt-in until measured)
-    if launch is not None and launch.kv_tma:
-        tma = _kv_descriptors(kc, vc, S, E, block_e, fp32_dot, fp8)
-        if tma is None:
-            raise ValueError("paged_attention_triton: launch.kv_tma=True but TMA does not apply to this cache "
-                             f"(S={S}, E={E}, dtype {k_cache.dtype}, strides {tuple(k_cache.stride())})")
+    kv_tma = None if launch is None else launch.kv_tma  # None: TMA wherever it applies
+    tma = None if kv_tma is False else _kv_descriptors(kc, vc, S, E, block_e, fp32_dot, fp8)
+    if kv_tma and tma is None:
+        raise ValueError("paged_attention_triton: launch.kv_tma=True but TMA does not apply to this cache "
+                         f"(S={S}, E={E}, dtype {k_cache.dtype}, strides {tuple(k_cache.stride())})")
     k_desc, v_desc, rows_per_block = tma if tma is not None else (None, None, 0)
     sizes = _grid_sizes(chunks, block_t, block_table_BN.shape[0], None if launch is None else launch.max_programs)
     for c, (a, n) in enumerate(chunks):
