@@ -30,6 +30,14 @@ warm-up generate, then ``--repeats`` timed runs; the best is reported. Warm-up, 
 repeat and the profiled run use their own random prompts (same lengths), so an engine with
 prefix caching on never finds a timed prompt already cached.
 
+``--interleave`` keeps both engine subprocesses alive at once (each with half of
+the GPU memory share; an idle engine blocks on its command pipe) and runs every
+timed repeat on one engine and then the other, the order swapped each repeat.
+The lent hosts' speed drifts by up to 1.5x over minutes; run back to back, the
+two engines meet the same host, and each repeat's ours/native ratio
+(``paired_ratios``) is reported beside the best-of ratio. There, a failed native
+start is not retried with prefix caching off.
+
     python benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced \\
         --workloads 256x128/512 64x256/2048 --json out.json
     python benchmarks/rollout_throughput.py --preset nemotron_h_hybrid_tiny \\
@@ -51,7 +59,9 @@ import os
 import platform
 import random
 import re
+import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -207,49 +217,74 @@ class StepTiming:
         return out
 
 
-def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
+def _warmup(llm, which: str, plan: dict, w: dict) -> float:
+    """A short generate on the warm-up prompts (as many requests as the workload unless
+    ``warmup_requests`` caps it), so the timed runs meet no batch size the engine has not
+    run yet. Returns its seconds."""
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["prompt_ids"]]
-    warm = [TokensPrompt(prompt_token_ids=ids) for ids in w["warmup_prompt_ids"]]
-    n = len(prompts)
+    n = w["num_requests"]
     warm_n = n if plan["warmup_requests"] <= 0 else min(n, plan["warmup_requests"])
     t0 = time.perf_counter()
     if plan["warmup_tokens"] > 0 and warm_n > 0:
-        llm.generate(warm[:warm_n], _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
+        warm = [TokensPrompt(prompt_token_ids=ids) for ids in w["warmup_prompt_ids"][:warm_n]]
+        llm.generate(warm, _sampling_params(which, plan, warm_n, plan["warmup_tokens"]), use_tqdm=False)
         _sync(plan["device"])
-    warmup_s = time.perf_counter() - t0
-    params = _sampling_params(which, plan, n, w["output_len"])
-    seconds, counts, timings = [], [], []
-    timing = StepTiming(llm) if plan.get("step_timing") else None
-    try:
-        for r in range(plan["repeats"]):
-            run_prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["repeat_prompt_ids"][r]]
-            _sync(plan["device"])
-            if timing is not None:
-                timing.reset()
-            t0 = time.perf_counter()
-            outs = llm.generate(run_prompts, params, use_tqdm=False)
-            _sync(plan["device"])
-            seconds.append(time.perf_counter() - t0)
-            if timing is not None:
-                timings.append(timing.snapshot(seconds[-1]))
-            counts.append(sum(len(o.outputs[0].token_ids) for o in outs))
-    finally:
-        if timing is not None:
-            timing.close()  # no wrappers left for the next workload or the profiled run
-    expected = n * w["output_len"]
-    if any(c != expected for c in counts):
-        raise RuntimeError(f"{w['name']}: generated {counts} tokens, expected {expected} per run (EOS ignored)")
+    return time.perf_counter() - t0
+
+
+def _timed_run(llm, which: str, plan: dict, w: dict, r: int, timing: "StepTiming | None") -> dict:
+    """Timed repeat ``r`` of ``w`` on its own prompts: ``{"seconds", "tokens", "step_timing"?}``.
+
+    Raises:
+        RuntimeError: the engine generated another number of tokens than N x OUT (EOS is ignored).
+    """
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w["repeat_prompt_ids"][r]]
+    params = _sampling_params(which, plan, len(prompts), w["output_len"])
+    _sync(plan["device"])
+    if timing is not None:
+        timing.reset()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(plan["device"])
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    expected = len(prompts) * w["output_len"]
+    if tokens != expected:
+        raise RuntimeError(f"{w['name']}: generated {tokens} tokens, expected {expected} (EOS ignored)")
+    out = {"seconds": seconds, "tokens": tokens}
+    if timing is not None:
+        out["step_timing"] = timing.snapshot(seconds)
+    return out
+
+
+def _workload_record(w: dict, runs: list[dict], warmup_s: float) -> dict:
+    """One engine's record of ``w`` from its timed runs (``_timed_run`` outputs): the best counts."""
+    seconds = [run["seconds"] for run in runs]
     best = min(seconds)
-    prompt_tokens = n * w["input_len"]
+    expected = w["num_requests"] * w["output_len"]
+    prompt_tokens = w["num_requests"] * w["input_len"]
+    timings = [run["step_timing"] for run in runs if "step_timing" in run]
     return {
         "output_tokens": expected, "prompt_tokens": prompt_tokens,
-        "seconds": [round(s, 4) for s in seconds], "seconds_best": round(best, 4),
+        "seconds": [round(x, 4) for x in seconds], "seconds_best": round(best, 4),
         "tok_s": expected / best, "total_tok_s": (expected + prompt_tokens) / best,
         "warmup_s": round(warmup_s, 3),
         **({"step_timing": timings} if timings else {}),
     }
+
+
+def _run_workload(llm, which: str, plan: dict, w: dict) -> dict:
+    warmup_s = _warmup(llm, which, plan, w)
+    timing = StepTiming(llm) if plan.get("step_timing") else None
+    try:
+        runs = [_timed_run(llm, which, plan, w, r, timing) for r in range(plan["repeats"])]
+    finally:
+        if timing is not None:
+            timing.close()  # no wrappers left for the next workload or the profiled run
+    return _workload_record(w, runs, warmup_s)
 
 
 def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> dict:
@@ -317,8 +352,36 @@ def _profile_workload(llm, which: str, plan: dict, w: dict, out_dir: Path) -> di
             "cprofile_wall_s": round(host_wall, 3)}
 
 
-def worker(which: str, plan_path: str, result_path: str) -> None:
-    """Child process: start one engine, run every workload, write ``result_path`` after each step."""
+def _serve(llm, which: str, plan: dict, res: dict, reply_fd: int) -> None:
+    """Interleaved mode (``--interleave``): answer the parent's commands until ``quit``.
+
+    Commands are JSON lines on stdin: ``{"op": "warmup"|"run", "workload": name, "repeat": r}``;
+    each reply is one JSON line on ``reply_fd`` (``{"warmup_s"}``, a ``_timed_run`` output, or
+    ``{"error"}``). The first reply (before any command) is the start record ``res``.
+    """
+    reply = os.fdopen(reply_fd, "w", buffering=1)
+    reply.write(json.dumps(res) + "\n")
+    if res["error"] is not None:
+        return
+    by_name = {w["name"]: w for w in plan["workloads"]}
+    timing = StepTiming(llm) if plan.get("step_timing") else None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        w = by_name[cmd["workload"]]
+        try:
+            out = ({"warmup_s": _warmup(llm, which, plan, w)} if cmd["op"] == "warmup"
+                   else _timed_run(llm, which, plan, w, cmd["repeat"], timing))
+        except Exception as e:
+            sys.stderr.write(traceback.format_exc())
+            out = {"error": f"{type(e).__name__}: {e}"}
+        reply.write(json.dumps(out) + "\n")
+
+
+def worker(which: str, plan_path: str, result_path: str, reply_fd: int | None = None) -> None:
+    """Child process: start one engine, run every workload, write ``result_path`` after each step;
+    with ``reply_fd`` (``--interleave``) run what the parent asks instead (:func:`_serve`)."""
     plan = json.loads(Path(plan_path).read_text())
     res: dict = {"engine": which, "start_s": None, "settings": None, "workloads": {}, "error": None}
 
@@ -348,6 +411,8 @@ def worker(which: str, plan_path: str, result_path: str) -> None:
         save()
         sys.stderr.write(res["traceback"])
         sys.stderr.flush()
+        if reply_fd is not None:
+            os.fdopen(reply_fd, "w").write(json.dumps(res) + "\n")
         os._exit(1)
     res["start_s"] = round(time.perf_counter() - t0, 2)
     res["settings"] = _engine_settings(llm)
@@ -357,7 +422,9 @@ def worker(which: str, plan_path: str, result_path: str) -> None:
     if which == "ours" and "unified_models" not in cls:
         res["error"] = f"our engine runs {cls}, not unified_models' class"
     save()
-    if res["error"] is None:
+    if reply_fd is not None:
+        _serve(llm, which, plan, res, reply_fd)
+    elif res["error"] is None:
         for w in plan["workloads"]:
             try:
                 res["workloads"][w["name"]] = _run_workload(llm, which, plan, w)
@@ -408,6 +475,99 @@ def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) ->
     return res
 
 
+class _EngineProcess:
+    """An engine subprocess that runs one command at a time (``--interleave``, :func:`_serve`)."""
+
+    def __init__(self, which: str, plan_path: Path, log_path: Path, timeout_s: float):
+        self.which, self.log_path, self.timeout_s = which, log_path, timeout_s
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--plan", str(plan_path),
+               "--result", str(plan_path.with_name(f"result_{log_path.stem}.json")), "--reply-fd", str(write_fd)]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         pass_fds=(write_fd,), start_new_session=True, text=True)
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd, "r")
+
+    def reply(self) -> dict:
+        """The next reply line, or ``{"error"}`` naming a timeout or the process's end (with its log tail)."""
+        ready, _, _ = select.select([self.replies], [], [], self.timeout_s)
+        line = self.replies.readline() if ready else ""
+        if line:
+            return json.loads(line)
+        if not ready:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        rc = self.proc.wait()
+        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        why = f"no reply in {self.timeout_s} s (killed)" if not ready else f"worker exited with {rc}"
+        return {"error": f"{why}; log tail:\n    " + "\n    ".join(tail)}
+
+    def call(self, op: str, workload: str, repeat: int = 0) -> dict:
+        if self.proc.poll() is not None:
+            return {"error": f"worker exited with {self.proc.returncode}"}
+        self.proc.stdin.write(json.dumps({"op": op, "workload": workload, "repeat": repeat}) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.replies.close()
+
+
+def _run_interleaved(engines: list[str], plan: dict, plan_path: Path, log_dir: Path, stem: str,
+                     timeout_s: float) -> dict[str, dict]:
+    """``--interleave``: both engines alive at once (each with its share of GPU memory), every
+    timed repeat of every workload run on one and then the other, the order swapped each
+    repeat, so host-speed drift over minutes falls on both alike. Returns each engine's
+    record in :func:`_run_child`'s form, plus ``paired_ratios`` per workload on ours."""
+    procs: dict[str, _EngineProcess] = {}
+    res: dict[str, dict] = {}
+    try:
+        for which in engines:  # one at a time: each measures its own start and memory profile
+            log = log_dir / f"{stem}.{which}.log"
+            print(f"[{which}] starting engine subprocess (log: {log})", flush=True)
+            procs[which] = _EngineProcess(which, plan_path, log, timeout_s)
+            res[which] = {**procs[which].reply(), "log": str(log)}
+            res[which].setdefault("workloads", {})
+            if res[which].get("error"):
+                print(f"[{which}] FAILED: {res[which]['error']}", flush=True)
+            else:
+                print(f"[{which}] engine start {res[which]['start_s']} s", flush=True)
+        live = [e for e in engines if not res[e].get("error")]
+        for w in plan["workloads"]:
+            name = w["name"]
+            warm = {e: procs[e].call("warmup", name) for e in live}
+            runs: dict[str, list[dict]] = {e: [] for e in live}
+            for r in range(plan["repeats"]):
+                for e in (live if r % 2 == 0 else live[::-1]):
+                    if "error" not in warm[e] and all("error" not in x for x in runs[e]):
+                        runs[e].append(procs[e].call("run", name, r))
+            for e in live:
+                err = warm[e].get("error") or next((x["error"] for x in runs[e] if "error" in x), None)
+                res[e]["workloads"][name] = ({"error": err} if err else
+                                             _workload_record(w, runs[e], warm[e]["warmup_s"]))
+            if "ours" in live and "native" in live and not any(
+                    "error" in res[e]["workloads"][name] for e in live):
+                res["ours"]["workloads"][name]["paired_ratios"] = [
+                    round(n["seconds"] / o["seconds"], 4) for o, n in zip(runs["ours"], runs["native"])]
+            print(f"{name}: " + ", ".join(
+                f"{e} {res[e]['workloads'][name]['tok_s']:.1f} tok/s" if "tok_s" in res[e]["workloads"][name]
+                else f"{e} {res[e]['workloads'][name]['error'].splitlines()[0]}" for e in live), flush=True)
+    finally:
+        for p in procs.values():
+            p.close()
+    return res
+
+
 def _failed(r: dict, workloads: list[dict]) -> bool:
     """An engine error, a workload error, or a workload missing (timeout)."""
     return bool(r.get("error")) or any("error" in v for v in r.get("workloads", {}).values()) or \
@@ -434,6 +594,11 @@ def _table(result: dict) -> str:
         o, n = w.get("ours") or {}, w.get("native") or {}
         lines.append(f"{w['name']:<16} {f(w['ours_tok_s'], '12.1f')} {f(w['native_tok_s'], '13.1f')} "
                      f"{f(w['ratio'], '12.3f')} {f(o.get('seconds_best'), '9.2f')} {f(n.get('seconds_best'), '9.2f')}")
+    for w in result["workloads"]:
+        paired = (w.get("ours") or {}).get("paired_ratios")
+        if paired:
+            lines.append(f"  {w['name']}: ours/native per interleaved repeat {paired} "
+                         f"(median {statistics.median(paired):.3f})")
     for w in result["workloads"]:
         sched = w.get("scheduler_ms_per_step") or {}
         if sched.get("ours") and sched.get("native"):
@@ -525,6 +690,10 @@ def main(argv=None) -> int:
                     help="start the engines this many times, alternating (native, ours, native, ...); per "
                          "workload the fastest round counts. Lent hosts drift by up to 1.5x over minutes, so "
                          "alternating rounds keep one engine from getting only the slow stretches")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep both engines alive at once (each with its share of GPU memory) and run every "
+                         "timed repeat on one, then the other, swapping the order each repeat: host drift "
+                         "falls on both alike; also reports each repeat's ours/native ratio")
     ap.add_argument("--warmup-tokens", type=int, default=8, help="output tokens of the warm-up generate (0: none)")
     ap.add_argument("--warmup-requests", type=int, default=0,
                     help="requests in the warm-up generate (default 0: as many as the workload, so the timed "
@@ -541,7 +710,8 @@ def main(argv=None) -> int:
                          "hashing and cache bookkeeping from the host time of each step")
     ap.add_argument("--ours-block-size", type=int, default=None,
                     help="KV-cache block size of our engine (default: make_llm's, the one `check` uses)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="per engine (default 0.85; with --interleave 0.85 shared by the engines)")
     ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
     ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
     ap.add_argument("--profile", action="store_true",
@@ -556,9 +726,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.plan, args.result)
+        worker(args.worker, args.plan, args.result, args.reply_fd)
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines):
@@ -567,6 +738,12 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.interleave and (args.rounds > 1 or args.profile):
+        ap.error("--interleave runs each engine once, unprofiled: drop --rounds/--profile")
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.85 / (len(engines) if args.interleave else 1)
+    elif not 0 < args.gpu_memory_utilization <= 1:
+        ap.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
 
     import torch
 
@@ -607,7 +784,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
         "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
         "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
-        "ours_block_size": args.ours_block_size,
+        "ours_block_size": args.ours_block_size, "interleave": args.interleave,
         "workloads": args.workloads,
     }
     json_out = Path(args.json_out)
@@ -623,7 +800,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="um-bench-") as td:
         plan_path = Path(td) / "plan.json"
         plan_path.write_text(json.dumps(plan))
-        for rnd in range(args.rounds):  # engines alternate: native, ours, native, ours, ...
+        if args.interleave:
+            rounds_res = {e: [r] for e, r in _run_interleaved(engines, plan, plan_path, log_dir, json_out.stem,
+                                                               args.engine_timeout_s).items()}
+        for rnd in range(0 if args.interleave else args.rounds):  # engines alternate: native, ours, ...
             for which in engines:
                 stem = json_out.stem if args.rounds == 1 else f"{json_out.stem}.r{rnd}"
                 r = _run_engine(which, plan, plan_path, log_dir / f"{stem}.{which}.log", args)

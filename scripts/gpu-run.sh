@@ -2,13 +2,14 @@
 # On the H200 (after `.gpu/install.sh a|b|c`): install the project and run one
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
-#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|sync-audit|host-diag   (issue 8; not part of `all`)
+#   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|dense-bench-interleave|sync-audit|host-diag   (issue 8; not part of `all`)
 # perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
 #   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
 #   graphs off, graph replay == eager (~6 min). dense-bench: benchmarks/rollout_throughput.py on
 #   nemotron_h_dense_bench, the three issue-8 workloads, ours vs native alternating twice, best of 2x2, host ms per
-#   engine step by phase (~7 min; UM_BENCH_ARGS=--profile adds the torch/cProfile profiles). host-diag:
+#   engine step by phase (~7 min; UM_BENCH_ARGS=--profile adds the torch/cProfile profiles). dense-bench-interleave:
+#   the same with both engines alive at once, each timed repeat on one then the other (~4-5 min). host-diag:
 #   256x128/512, native + ours and ours with prefix caching off / block size 1024, step timing (~5 min).
 # rl: UM_RL_STEPS (default 100) and extra flags in UM_RL_ARGS (e.g. "--lr 1e-6").
 # hybrid: tests/gpu/test_hybrid_gpu.py = hybrid-peer (peer vs vLLM's native NemotronHForCausalLM,
@@ -85,6 +86,13 @@ if [ "$stage" = dense-bench ]; then
     --rounds 2 --repeats 2 --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 --json "$OUT/rollout_throughput.json" \
     > "$OUT/dense_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench.log" | tail -20
+fi
+if [ "$stage" = dense-bench-interleave ]; then  # both engines alive, repeats alternate (benchmark docstring)
+  nano_checkpoint nemotron_h_dense_bench
+  python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
+    --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
+    --json "$OUT/rollout_throughput_interleaved.json" > "$OUT/dense_bench_interleaved.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench_interleaved.log" | tail -20
 fi
 if [ "$stage" = host-diag ]; then  # 256x128/512, step timing: both engines, then ours with prefix caching off and
   # with block size 1024; UM_DIAG_ARGS="--engines ours --profile" runs that instead, with a chrome trace
