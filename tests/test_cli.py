@@ -107,3 +107,24 @@ def test_out_of_range_flags(argv):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
+def test_temperature_must_be_finite_and_positive(value, capsys):
+    """A NaN temperature used to pass the flag check and fail late with a traceback; an
+    infinite one sampled uniformly and wrote ``Infinity`` into the JSON report."""
+    with pytest.raises(SystemExit) as e:
+        main(["check", f"--temperature={value}"])
+    assert e.value.code == 2
+    assert "--temperature: must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_paths_of_the_wrong_kind_are_named(tmp_path, capsys, tiny_checkpoint):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    assert main(["check", "--model", str(f)]) == 2
+    assert f"model directory {f} is not a directory" in capsys.readouterr().err
+    assert main(["check", "--model", str(tiny_checkpoint), "--prompts", str(tmp_path)]) == 2
+    assert f"prompt file {tmp_path} is not a file" in capsys.readouterr().err
+    assert main(["check", "--model", str(tiny_checkpoint), "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert f"tokenizer directory {tmp_path / 'nope'} does not exist" in capsys.readouterr().err

@@ -31,6 +31,23 @@ def test_bad_prompt_files(tmp_path, content, match):
         load_prompt_texts(p)
 
 
+def test_non_utf8_and_lone_surrogates_name_the_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(PromptError, match=r"p.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_prompt_texts(p)
+    p.write_text('{"prompt": "ok"}\n{"prompt": "lone \\ud800 surrogate"}\n')
+    with pytest.raises(PromptError, match=r"p.jsonl:2: the prompt is not valid Unicode \(surrogates not allowed"):
+        load_prompt_texts(p)
+
+
+def test_tokenizer_directory_is_checked(tmp_path):
+    with pytest.raises(PromptError, match="tokenizer directory .*nope does not exist"):
+        tokenize_prompts(["hi"], tmp_path / "nope", vocab_size=32064)
+    with pytest.raises(PromptError, match=r"holds none of \('tokenizer.json'"):
+        tokenize_prompts(["hi"], tmp_path, vocab_size=32064)
+
+
 def test_missing_file_and_too_few_prompts(tmp_path):
     with pytest.raises(PromptError, match="does not exist"):
         load_prompt_texts(tmp_path / "nope.jsonl")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .dsl import UnifiedModelsError
@@ -14,8 +15,8 @@ def _positive(kind):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {s!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
         return v
     return parse
 

@@ -9,6 +9,8 @@ from pathlib import Path
 from .dsl import PromptError
 
 TEXT_FIELDS = ("prompt", "question", "problem", "text")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""A tokenizer directory holds at least one of these (Hugging Face tokenizer files)."""
 
 
 def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -> list[str]:
@@ -18,15 +20,24 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
     ``problem`` or ``text`` (first found wins), or a JSON string.
 
     Raises:
-        PromptError: file missing, empty, a line that is not JSON, a row without
-            a text field, an empty prompt, or ``num_prompts`` > rows available.
+        PromptError: file missing (or a directory), empty, a line that is not
+            UTF-8 or not JSON, a row without a text field, an empty prompt, a
+            prompt that is not valid Unicode (a lone surrogate escape), or
+            ``num_prompts`` > rows available.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise PromptError(f"prompt file {p} does not exist")
+    if not p.is_file():
+        raise PromptError(f"prompt file {p} is not a file")
     texts: list[str] = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptError(f"{p}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                                  ) from None
             if not line.strip():
                 continue
             try:
@@ -46,6 +57,11 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
                 raise PromptError(f"{p}:{lineno}: the prompt must be a string, got {type(text).__name__}")
             if not text.strip():
                 raise PromptError(f"{p}:{lineno}: empty prompt")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(f"{p}:{lineno}: the prompt is not valid Unicode ({e.reason} at character "
+                                  f"{e.start})") from None
             texts.append(text)
             if num_prompts is not None and len(texts) >= num_prompts:
                 break
@@ -61,13 +77,21 @@ def tokenize_prompts(texts: list[str], tokenizer_dir: str | os.PathLike, *, voca
     """Apply the tokenizer's chat template (if it has one) and encode.
 
     Raises:
-        PromptError: the tokenizer cannot be loaded, an id is outside the
+        PromptError: the tokenizer directory is missing or holds no tokenizer
+            files (:data:`TOKENIZER_FILES`), the tokenizer cannot be loaded, an id is outside the
             model vocabulary, or a prompt is longer than ``max_prompt_tokens``.
     """
     from transformers import AutoTokenizer
 
+    d = Path(tokenizer_dir)
+    if not d.exists():
+        raise PromptError(f"tokenizer directory {d} does not exist")
+    if not d.is_dir():
+        raise PromptError(f"tokenizer directory {d} is not a directory")
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise PromptError(f"tokenizer directory {d} holds none of {TOKENIZER_FILES}")
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok = AutoTokenizer.from_pretrained(str(d))
     except (OSError, ValueError) as e:
         raise PromptError(f"cannot load a tokenizer from {tokenizer_dir}: {e}") from None
     out = []

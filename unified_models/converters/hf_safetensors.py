@@ -27,8 +27,10 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
     from transformers import AutoConfig
 
     d = Path(model_dir)
-    if not d.is_dir():
+    if not d.exists():
         raise CheckpointError(f"model directory {d} does not exist")
+    if not d.is_dir():
+        raise CheckpointError(f"model directory {d} is not a directory")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}/config.json is missing")
     try:

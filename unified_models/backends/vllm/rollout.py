@@ -144,8 +144,8 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
 
                     raise CheckpointError(
                         f"{model_dir}: the model's logprob is NaN at prompt {i} token {j}: a weight or "
-                        "quantization scale makes the forward overflow (e.g. a huge weight_scale_2); "
-                        "check the checkpoint")
+                        "quantization scale makes the forward overflow (e.g. a huge weight_scale_2; check "
+                        "the checkpoint), or the temperature is so small that logits / temperature overflow")
                 if rows:
                     row = rows.get(pos)
                     if row is None:
