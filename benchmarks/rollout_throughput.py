@@ -447,12 +447,22 @@ def worker(which: str, plan_path: str, result_path: str, reply_fd: int | None = 
 
 
 # --------------------------------------------------------------------------- parent
-def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) -> dict:
-    result_path = plan_path.with_name(f"result_{log_path.stem}.json")
+def _worker_command(which: str, plan_path: Path, result_path: Path) -> tuple[list[str], dict]:
+    """``(argv, env)`` of an engine worker subprocess (this file with ``--worker``)."""
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--plan", str(plan_path),
-           "--result", str(result_path)]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--plan", str(plan_path),
+            "--result", str(result_path)], env
+
+
+def _log_tail(log_path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a worker log, indented, for an error message."""
+    return "\n    " + "\n    ".join(log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) -> dict:
+    result_path = plan_path.with_name(f"result_{log_path.stem}.json")
+    cmd, env = _worker_command(which, plan_path, result_path)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         # own process group: a timeout also ends the engine's helpers (e.g. compile workers)
@@ -469,9 +479,8 @@ def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) ->
     res["returncode"] = rc
     res["log"] = str(log_path)
     if rc != 0 and res.get("error") is None:
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
         res["error"] = (f"worker exited with {rc} after {res['process_s']} s" + (" (timeout)" if rc == "timeout" else "")
-                        + "; log tail:\n    " + "\n    ".join(tail))
+                        + "; log tail:" + _log_tail(log_path))
     return res
 
 
@@ -481,10 +490,8 @@ class _EngineProcess:
     def __init__(self, which: str, plan_path: Path, log_path: Path, timeout_s: float):
         self.which, self.log_path, self.timeout_s = which, log_path, timeout_s
         read_fd, write_fd = os.pipe()
-        env = dict(os.environ)
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", which, "--plan", str(plan_path),
-               "--result", str(plan_path.with_name(f"result_{log_path.stem}.json")), "--reply-fd", str(write_fd)]
+        cmd, env = _worker_command(which, plan_path, plan_path.with_name(f"result_{log_path.stem}.json"))
+        cmd += ["--reply-fd", str(write_fd)]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          pass_fds=(write_fd,), start_new_session=True, text=True)
@@ -500,9 +507,8 @@ class _EngineProcess:
         if not ready:
             os.killpg(self.proc.pid, signal.SIGKILL)
         rc = self.proc.wait()
-        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-15:]
         why = f"no reply in {self.timeout_s} s (killed)" if not ready else f"worker exited with {rc}"
-        return {"error": f"{why}; log tail:\n    " + "\n    ".join(tail)}
+        return {"error": f"{why}; log tail:" + _log_tail(self.log_path)}
 
     def call(self, op: str, workload: str, repeat: int = 0) -> dict:
         if self.proc.poll() is not None:
@@ -803,17 +809,18 @@ def main(argv=None) -> int:
         if args.interleave:
             rounds_res = {e: [r] for e, r in _run_interleaved(engines, plan, plan_path, log_dir, json_out.stem,
                                                                args.engine_timeout_s).items()}
-        for rnd in range(0 if args.interleave else args.rounds):  # engines alternate: native, ours, ...
-            for which in engines:
-                stem = json_out.stem if args.rounds == 1 else f"{json_out.stem}.r{rnd}"
-                r = _run_engine(which, plan, plan_path, log_dir / f"{stem}.{which}.log", args)
-                rounds_res[which].append(r)
-                if r.get("error"):
-                    print(f"[{which}] FAILED: {r['error']}", flush=True)
-                else:
-                    print(f"[{which}]{f' round {rnd}' if args.rounds > 1 else ''} engine start {r['start_s']} s, "
-                          + ", ".join(f"{k}: {v['tok_s']:.1f} tok/s" if "tok_s" in v else f"{k}: {v.get('error')}"
-                                      for k, v in r["workloads"].items()), flush=True)
+        else:
+            for rnd in range(args.rounds):  # engines alternate: native, ours, native, ours, ...
+                for which in engines:
+                    stem = json_out.stem if args.rounds == 1 else f"{json_out.stem}.r{rnd}"
+                    r = _run_engine(which, plan, plan_path, log_dir / f"{stem}.{which}.log", args)
+                    rounds_res[which].append(r)
+                    if r.get("error"):
+                        print(f"[{which}] FAILED: {r['error']}", flush=True)
+                    else:
+                        print(f"[{which}]{f' round {rnd}' if args.rounds > 1 else ''} engine start {r['start_s']} s, "
+                              + ", ".join(f"{k}: {v['tok_s']:.1f} tok/s" if "tok_s" in v else f"{k}: {v.get('error')}"
+                                          for k, v in r["workloads"].items()), flush=True)
     engines_res = {which: _merge_rounds(rs) for which, rs in rounds_res.items()}
 
     rows = []
