@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from unified_models.ops.triton import attention as att
+    from unified_models.ops.attention import triton as att
 
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")

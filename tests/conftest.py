@@ -41,3 +41,21 @@ def tiny_model(tiny_checkpoint):
     from unified_models.converters.hf_safetensors import spec_and_state_dict
 
     return spec_and_state_dict(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def peaked_checkpoint(tmp_path_factory):
+    """``name -> (directory, distribution stats)`` of a peaked test checkpoint
+    (``tests/peaked_models.py``: ``"attention"`` ``*-*-`` or ``"hybrid"`` ``M*-E``,
+    vocabulary 1024, written by transformers' ``NemotronHForCausalLM``), each built
+    once per session; building asserts the next-token distribution is peaked."""
+    from peaked_models import build_peaked_checkpoint
+
+    root, built = tmp_path_factory.mktemp("peaked"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_peaked_checkpoint(name, root / name)
+        return built[name]
+
+    return get

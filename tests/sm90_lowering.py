@@ -81,8 +81,14 @@ def main() -> int:
     JITFunction.run = _compile_only(JITFunction.run)
 
     import unified_models.ops.triton as ops_triton
-    from unified_models.ops.triton import (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm,
-                                           rope)
+    from unified_models.ops.activations import triton as activations
+    from unified_models.ops.attention import triton as attention
+    from unified_models.ops.embedding import triton as embedding
+    from unified_models.ops.fp8 import triton as fp8_linear
+    from unified_models.ops.linear import triton as linear
+    from unified_models.ops.logprob import triton as logprob
+    from unified_models.ops.rmsnorm import triton as rmsnorm
+    from unified_models.ops.rope import triton as rope
 
     for mod in (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm, rope):
         mod.check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones: nothing runs

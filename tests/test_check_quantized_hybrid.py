@@ -32,9 +32,9 @@ def test_quantized_checkpoint_declares_every_format(quantized_hybrid):
     algos = {v["quant_algo"] for v in qc["quantized_layers"].values()}
     assert algos == {"W4A16_NVFP4", "FP8"}
     _, spec, sd = spec_and_state_dict(out)
-    kinds = {type(b.mixer) for b in spec.blocks}
+    kinds = {type(b.mixer) for b in spec.sublayers}
     assert kinds >= {AttentionSpec, Mamba2Spec, MoESpec}
-    for b in spec.blocks:
+    for b in spec.sublayers:
         m = b.mixer
         if isinstance(m, Mamba2Spec):
             assert m.proj_quantization == "fp8" and sd[f"{m.name}.in_proj.weight"].dtype == torch.float8_e4m3fn

@@ -4,9 +4,12 @@ import dataclasses
 
 import torch
 
+from numerics_helpers import BF16_LOGPROB_ULPS, logprob_error_ulps
 from unified_models.backends.reference import ReferenceModel
 from unified_models.dsl import AttentionSpec, RopeSpec
-from unified_models.forward import FlatBatch, PrivateKVStore, forward_hidden, forward_logprobs
+from unified_models.forward import forward_hidden, forward_logprobs
+from unified_models.state import FlatBatch
+from unified_models.private_state import PrivateStateStore
 
 
 def _with_rope(spec):
@@ -22,7 +25,7 @@ def _logprobs(spec, sd, seqs, block_size):
     ids = torch.cat(seqs)
     cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
     batch = FlatBatch.from_cu_seqlens(ids, cu)
-    store = PrivateKVStore(spec, [len(s) for s in seqs], block_size=block_size)
+    store = PrivateStateStore(spec, [len(s) for s in seqs], block_size=block_size)
     store.bind(batch)
     lp = forward_logprobs(spec, sd, forward_hidden(spec, sd, batch, store))
     return [lp[int(cu[i]):int(cu[i + 1])] for i in range(len(seqs))]
@@ -40,8 +43,13 @@ def test_packing_invariance_and_oracle_with_rope(tiny_model):
         assert torch.equal(a, b) and torch.equal(a, c)
     ref = ReferenceModel(spec, dtype=torch.float64)
     ref.load_state_dict_hf(sd)
-    err = (packed[2] - ref.logprobs(seqs[2]).float()).abs().max().item()
-    assert err < 0.05
+    # bf16 forward vs fp64 oracle in bf16 ulps at the row's logit scale (tests/numerics_helpers.py):
+    # measured 5.3 here (<= 5.8 on the other sequences). This model is near-uniform (logit std
+    # 0.32), so a forward without RoPE is only 26.7 off here: tests/test_peaked_models.py has the
+    # mutation tests, on models where it is >= 162.
+    ulps = logprob_error_ulps(packed[2], ref.logits(seqs[2])).max().item()
+    print(f"ULPS tiny preset with RoPE, bf16 vs fp64: {ulps:.2f} (bound {BF16_LOGPROB_ULPS})")
+    assert ulps < BF16_LOGPROB_ULPS
     # RoPE really changes the result (positions matter), so the test can fail.
     plain = ReferenceModel(tiny_model[1], dtype=torch.float64)
     plain.load_state_dict_hf(sd)

@@ -47,7 +47,7 @@ def test_every_kernel_fits_an_h200_block(lowered):
 
 
 def test_bf16_gemm_tiers_lower_to_wgmma_with_tma(lowered):
-    from unified_models.ops.triton.linear import FP32_OUT_LAST_TIER, GPU_TIERS
+    from unified_models.ops.linear.triton import FP32_OUT_LAST_TIER, GPU_TIERS
 
     bf16 = [r for r in lowered if r["case"].startswith("linear") and "bf16->" in r["case"]]
     for r in bf16:

@@ -2,13 +2,14 @@
 
 Steps (each shown with progress):
 1. checkpoint: ``--model`` or the built-in preset (built once with transformers);
+   its spec and validated state dict are read once and handed to every engine below;
 2. prompts: JSONL -> chat template -> token ids;
 3. peer: our fp32 reference forward vs transformers' own class on the same
    checkpoint (``max_abs_logit_diff`` within ``--peer-tolerance``);
-4. rollout: ``vllm.LLM`` in-process samples ``--max-new-tokens`` per prompt at
+4. rollout: a :class:`~.backends.vllm.rollout.RolloutEngine` (``vllm.LLM`` in process) samples ``--max-new-tokens`` per prompt at
    ``--temperature`` with per-request seeds, returning the logprob of every
    sampled token (and, through a tap on our model class, the whole row);
-5. trainer: the Megatron module recomputes, from the same token ids and
+5. trainer: a :class:`~.backends.megatron.trainer.Trainer` (the Megatron module) recomputes, from the same token ids and
    weights, packed (THD), the logprob of every sampled token and whole rows;
 6. report: table + JSON; exit 0 only if every diff field is exactly 0 and the
    peer is within tolerance.
@@ -95,7 +96,8 @@ def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
     return tokenizer_dir()
 
 
-def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], tolerance: float) -> dict:
+def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], tolerance: float, *,
+               hf_config=None) -> dict:
     """Our fp32 reference forward vs transformers' own class, fp32, same checkpoint.
 
     Both forwards are plain fp32 torch on the host BLAS (MKL on CPU), so the
@@ -106,36 +108,51 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     A quantized (ModelOpt-format) checkpoint is compared on its dequantized
     model (:func:`~unified_models.converters.modelopt.dequantized_spec`: every
     weight dequantized by ModelOpt's rule, no activation/KV quantization),
-    which transformers runs from a temporary plain checkpoint; the quantizers
-    themselves are checked bit for bit against ModelOpt in ``tests/ops``.
+    which transformers runs from those weights and the checkpoint's config without
+    ``quantization_config``; the quantizers themselves are checked bit for bit
+    against ModelOpt in ``tests/ops``.
+
+    transformers builds its model from ``hf_config`` (default: read from
+    ``model_dir``) and the given ``state_dict`` through its own loading path
+    (``from_pretrained(state_dict=...)``: dtype casts included), so the weights
+    are not read from disk again.
 
     Returns:
         ``{"against", "max_abs_logit_diff", "tolerance", "within_tolerance", "tokens"}``.
     """
     import tempfile
 
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from .backends.reference import ReferenceModel
-    from .converters.modelopt import dequantize_state_dict, dequantized_spec, write_dequantized_checkpoint
+    from .converters.hf_safetensors import load_hf_config
+    from .converters.modelopt import dequantize_state_dict, dequantized_spec
+    from .layers import model_caches
 
     # an FP8 KV cache alone also has no transformers counterpart: compare without it
-    quantized = spec.is_packed or any(b.mixer.kv_fp8 for b in spec.attention_blocks)
+    quantized = spec.is_packed or any(getattr(d, "fp8", False) for d in model_caches(spec).values())
     # On a CUDA host both fp32 forwards run on the GPU (TF32 off): a 3B-parameter model
     # single-threaded on the CPU takes minutes. On CPU hosts nothing changes.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    with tempfile.TemporaryDirectory(prefix="um-peer-") as tmp:
-        if quantized:
-            plain = dequantized_spec(spec)
-            masters = dequantize_state_dict(state_dict, spec)
-            ref = ReferenceModel(plain, dtype=torch.float32, device=dev)
-            ref.load_state_dict_hf({n: masters[n] for n in plain.parameter_shapes()})
-            hf_dir = write_dequantized_checkpoint(model_dir, tmp)
-        else:
-            ref = ReferenceModel(spec, dtype=torch.float32, device=dev)
-            ref.load_state_dict_hf(state_dict)
-            hf_dir = model_dir
-        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(dev)
+    if quantized:
+        plain = dequantized_spec(spec)
+        masters = dequantize_state_dict(state_dict, spec)
+        weights = {n: masters[n] for n in plain.parameter_shapes()}
+        ref = ReferenceModel(plain, dtype=torch.float32, device=dev)
+        # transformers' config of the dequantized model: the checkpoint's without quantization_config
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        with tempfile.TemporaryDirectory(prefix="um-peer-") as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+            hf_config = load_hf_config(tmp)
+    else:
+        weights = dict(state_dict)
+        ref = ReferenceModel(spec, dtype=torch.float32, device=dev)
+        if hf_config is None:
+            hf_config = load_hf_config(model_dir)
+    ref.load_state_dict_hf(weights)
+    hf_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # what AutoModelForCausalLM picks for the config
+    hf = hf_class.from_pretrained(None, config=hf_config, state_dict=dict(weights), dtype=torch.float32).to(dev)
     hf.eval()
     worst, tokens = 0.0, 0
     threads = torch.get_num_threads()
@@ -196,7 +213,8 @@ def run_check(opts: CheckOptions) -> int:
             model_dir = build_preset_checkpoint(opts.preset or DEFAULT_PRESET)
         from .converters.hf_safetensors import spec_and_state_dict
 
-        _, spec, state_dict = spec_and_state_dict(model_dir)
+        # the one read and validation of the checkpoint in this process: every engine below gets these
+        hf_config, spec, state_dict = spec_and_state_dict(model_dir)
     if opts.cuda_graphs:  # refuse before any work (None/False need no check)
         from .backends.vllm.engine import cuda_graph_settings
 
@@ -222,28 +240,35 @@ def run_check(opts: CheckOptions) -> int:
 
     t0 = time.perf_counter()
     with step("peer check against transformers"):
-        peer = peer_check(spec, state_dict, model_dir, prompt_ids[: opts.peer_prompts], opts.peer_tolerance)
+        peer = peer_check(spec, state_dict, model_dir, prompt_ids[: opts.peer_prompts], opts.peer_tolerance,
+                          hf_config=hf_config)
     timings["peer"] = time.perf_counter() - t0
     console.log(f"peer max |logit diff| = {peer['max_abs_logit_diff']:.3g} (tolerance {opts.peer_tolerance:g})")
 
-    from .backends.vllm.rollout import rollout
+    from .backends.vllm.rollout import RolloutEngine, token_budget
 
     t0 = time.perf_counter()
     with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
-        ro = rollout(model_dir, prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                     temperature=opts.temperature,
-                     device=device, stop_at_eos=opts.stop_at_eos, max_num_seqs=opts.max_num_seqs,
-                     full_vocab_rows=opts.full_vocab_rows, cuda_graphs=opts.cuda_graphs)
+        with RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
+                           max_model_len=max(map(len, prompt_ids)) + opts.max_new_tokens,
+                           max_num_seqs=opts.max_num_seqs or len(prompt_ids),
+                           max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
+                           cuda_graphs=opts.cuda_graphs) as engine:
+            ro = engine.generate(prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                                 temperature=opts.temperature, stop_at_eos=opts.stop_at_eos,
+                                 full_vocab_rows=opts.full_vocab_rows)
     timings["rollout"] = time.perf_counter() - t0
     n_gen = sum(len(c) for c in ro.completions)
     console.log(f"rollout: {n_gen} tokens in {timings['rollout']:.1f} s")
 
-    from .backends.megatron.recompute import recompute_logprobs
+    from .backends.megatron.trainer import Trainer
 
     t0 = time.perf_counter()
     with step(f"Megatron recompute ({n_gen} tokens)"):
-        tr = recompute_logprobs(spec, state_dict, prompt_ids, ro.completions, device=device,
-                                temperature=opts.temperature, full_rows_for=ro.full_row_keys)
+        # the engine is closed first: its memory is free for the trainer (as in a colocated RL step)
+        with Trainer(spec, state_dict, device=device) as trainer:
+            tr = trainer.logprobs(prompt_ids, ro.completions, temperature=opts.temperature,
+                                  full_rows_for=ro.full_row_keys)
     timings["trainer"] = time.perf_counter() - t0
 
     rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])

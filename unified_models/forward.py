@@ -3,10 +3,11 @@
 Both engines call :func:`forward_hidden` and :func:`forward_logprobs` with the
 same ops; they differ only in the :class:`~unified_models.state.StateStore`
 (vLLM's paged caches vs the trainer's private ones) and in how they build the
-:class:`~unified_models.state.FlatBatch`. Each block's mixer is computed by
-the layer function that :data:`unified_models.layers.LAYERS` maps its spec
-type to; stateful layers get their KV-cache group's views from the store by
-layer index.
+:class:`~unified_models.state.FlatBatch`. Each sublayer's mixer is computed by
+the forward of its layer family (:func:`unified_models.layers.family_of`);
+stateful sublayers get their caches' views from the store by ``(layer index,
+cache name)``; the model's residual policy (:mod:`unified_models.layers.residual`)
+owns the stream between sublayers.
 
 Shapes: T tokens (flat, all sequences packed, THD), R selected rows, D hidden,
 V vocabulary.
@@ -20,16 +21,15 @@ import torch
 
 from . import ops
 from .dsl import ModelSpec
-from .layers import LayerContext, layer_function
-from .state import AttentionState, FlatBatch, PagedGroup, PrivateKVStore, StateStore
+from .layers import LayerContext, family_of, residual_policy
+from .state import FlatBatch, StateStore
 
-__all__ = ["AttentionState", "FlatBatch", "PagedGroup", "PrivateKVStore", "StateStore", "forward_hidden",
-           "forward_logprobs", "logits_fp32"]
+__all__ = ["forward_hidden", "forward_logprobs", "logits_fp32"]
 
 
 def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: FlatBatch,
                    store: StateStore) -> torch.Tensor:
-    """Embedding -> residual blocks -> final norm.
+    """Embedding -> blocks of sublayers (through the residual policy) -> final norm.
 
     Args:
         spec: the model.
@@ -41,15 +41,18 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
         ``[T, D]`` final hidden states in ``spec.dtype``.
 
     Raises:
-        SpecError: a block's mixer has no layer function (names type and layer).
+        SpecError: a sublayer's mixer has no layer family, or the residual spec no
+            policy (names type and layer).
     """
     ctx = LayerContext(model=spec)
-    layers = [layer_function(blk.mixer, blk.index) for blk in spec.blocks]  # refuse before computing
-    h_TD = ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"])
-    for blk, layer in zip(spec.blocks, layers):
-        x_TD = ops.rms_norm(h_TD, params[blk.norm.name + ".weight"], blk.norm.eps, out_dtype=spec.dtype)
-        y_TD = layer(blk.mixer, blk.index, params, x_TD, batch, store, ctx)
-        h_TD = h_TD + y_TD  # one IEEE rounding of the exact sum (bf16 residual stream, as NemotronHBlock)
+    sublayers = [(sub, family_of(sub.mixer, sub.index).forward) for sub in spec.sublayers]  # refuse first
+    policy, rspec = residual_policy(spec.residual), spec.residual
+    r = policy.expand(rspec, params, ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"]))
+    for sub, forward in sublayers:
+        x_TD = ops.rms_norm(policy.sublayer_input(rspec, params, r, sub), params[sub.norm.name + ".weight"],
+                            sub.norm.eps, out_dtype=spec.dtype)
+        r = policy.add(rspec, params, r, sub, forward(sub.mixer, sub.index, params, x_TD, batch, store, ctx))
+    h_TD = policy.contract(rspec, params, r)
     return ops.rms_norm(h_TD, params[spec.final_norm.name + ".weight"], spec.final_norm.eps, out_dtype=spec.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Parameter storage of a spec, shared by every engine: dtypes and the routed-expert stacks.
+"""Parameter storage of a spec, shared by every engine: dtypes and the stacked groups (routed experts).
 
 Both engines (and the reference) allocate their parameters here, so names,
 shapes and stored dtypes (:meth:`ModelSpec.parameter_dtypes`) cannot drift.
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .dsl import ModelSpec, MoESpec
+from .dsl import ModelSpec
 
 
-def expert_stack_views(spec: ModelSpec, device: torch.device | str | None,
-                       dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
-    """HF name -> ``buf[e]`` view for every routed expert tensor (one ``[E, ...]`` buffer per field).
+def stacked_views(spec: ModelSpec, device: torch.device | str | None,
+                  dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """HF name -> ``buf[j]`` view for every name of a family's stacked group
+    (:attr:`unified_models.layers.LayerFamily.stacked_parameters`: one ``[len(group), ...]``
+    buffer per group; routed experts: one per projection and stored field).
 
     Args:
         spec: the model spec.
@@ -27,28 +29,35 @@ def expert_stack_views(spec: ModelSpec, device: torch.device | str | None,
         dtypes: stored dtype per name (default :meth:`ModelSpec.parameter_dtypes`).
 
     Returns:
-        Uninitialised views; non-expert names are absent.
+        Uninitialised views; names outside every group are absent.
+
+    Raises:
+        SpecError: a group mixes shapes or dtypes.
     """
+    from .dsl import SpecError
+    from .layers import family_of
+
     dtypes = dtypes if dtypes is not None else spec.parameter_dtypes()
+    shapes = spec.parameter_shapes()
     views: dict[str, torch.Tensor] = {}
-    for blk in spec.blocks_of(MoESpec):
-        m = blk.mixer
-        for proj in ("up_proj", "down_proj"):
-            first = m.expert_tensor_names(0, proj)
-            for field, shape in m.expert_proj_shapes(proj).items():
-                buf = torch.empty((m.n_routed_experts, *shape), dtype=dtypes[first[field]], device=device)
-                for e in range(m.n_routed_experts):
-                    views[m.expert_tensor_names(e, proj)[field]] = buf[e]
+    for sub in spec.sublayers:
+        for group in family_of(sub.mixer, sub.index).stacked_parameters(sub.mixer):
+            shape, dtype = shapes[group[0]], dtypes[group[0]]
+            if any(shapes[n] != shape or dtypes[n] != dtype for n in group):
+                raise SpecError(f"stacked parameters {group[0]}...: members differ in shape or dtype")
+            buf = torch.empty((len(group), *shape), dtype=dtype, device=device)
+            for j, name in enumerate(group):
+                views[name] = buf[j]
     return views
 
 
 def allocate_parameters(spec: ModelSpec, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of ``spec`` (HF name -> uninitialised tensor of its stored dtype), in model order.
 
-    Routed experts are views of stacked buffers (:func:`expert_stack_views`).
+    Stacked groups (routed experts) are views of one buffer each (:func:`stacked_views`).
     """
     dtypes = spec.parameter_dtypes()
-    views = expert_stack_views(spec, device, dtypes)
+    views = stacked_views(spec, device, dtypes)
     out = {}
     for name, shape in spec.parameter_shapes().items():
         t = views.get(name)

@@ -5,7 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from unified_models.backends.reference import ReferenceModel
-from unified_models.forward import FlatBatch, PrivateKVStore, forward_hidden, forward_logprobs
+from unified_models.forward import forward_hidden, forward_logprobs
+from unified_models.state import FlatBatch
+from unified_models.private_state import PrivateStateStore
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def test_engine_forward_bf16_close_to_fp32_reference(tiny_model):
     ref.load_state_dict_hf(sd)
     ids = torch.randint(0, 32000, (64,), generator=torch.Generator().manual_seed(1))
     batch = FlatBatch.from_cu_seqlens(ids, torch.tensor([0, 64]))
-    store = PrivateKVStore(spec, [64], block_size=16)
+    store = PrivateStateStore(spec, [64], block_size=16)
     store.bind(batch)
     ours = forward_logprobs(spec, sd, forward_hidden(spec, sd, batch, store))
     oracle = ref.logprobs(ids).float()

@@ -21,7 +21,9 @@ import vllm  # noqa: E402,F401  (a required dependency: a missing install must f
 
 from unified_models.backends.vllm import engine  # noqa: E402
 from unified_models.dsl import CheckpointError  # noqa: E402
-from unified_models.forward import FlatBatch, PrivateKVStore, forward_hidden, forward_logprobs  # noqa: E402
+from unified_models.forward import forward_hidden, forward_logprobs  # noqa: E402
+from unified_models.state import FlatBatch
+from unified_models.private_state import PrivateStateStore
 from unified_models.ops import gather_token_logprobs  # noqa: E402
 
 SamplingParams = vllm.SamplingParams
@@ -81,7 +83,7 @@ def trainer_logprobs(spec, params, seqs: list[tuple[list[int], list[int]]]) -> l
     ids = torch.tensor([t for s in full for t in s], dtype=torch.long, device=DEVICE)
     cu = torch.tensor([0] + lens, device=DEVICE).cumsum(0)
     batch = FlatBatch.from_cu_seqlens(ids, cu)
-    store = PrivateKVStore(spec, lens, block_size=64, device=DEVICE)
+    store = PrivateStateStore(spec, lens, block_size=64, device=DEVICE)
     store.bind(batch)
     hidden = forward_hidden(spec, params, batch, store)
     rows, targets = [], []
@@ -274,7 +276,7 @@ def test_vllm_plugin_registration_and_model_structure(llm, ckpt):
     assert all(p.dtype == torch.bfloat16 for p in names.values())
     ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     attn = [n for n in ctx if n.startswith("backbone.layers.") and n.endswith(".mixer.attn")]
-    assert attn == [f"backbone.layers.{b.index}.mixer.attn" for b in model.spec.attention_blocks]
+    assert attn == [f"backbone.layers.{b.index}.mixer.attn" for b in model.spec.sublayers_of(AttentionSpec)]
     k, v = ctx[attn[0]].kv_views()
     assert k.shape[1:] == (64, 2, 64) and v.shape == k.shape
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()

@@ -48,7 +48,9 @@ from unified_models.backends.vllm import engine
 from unified_models.backends.vllm.rollout import rollout
 from unified_models.converters.hf_safetensors import spec_and_state_dict
 from unified_models.dsl import AttentionSpec, CheckpointError, SpecError
-from unified_models.forward import FlatBatch, PrivateKVStore, forward_hidden
+from unified_models.forward import forward_hidden
+from unified_models.state import FlatBatch
+from unified_models.private_state import PrivateStateStore
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 512
@@ -91,14 +93,14 @@ def fp8_model(fp8_dir):
 
 
 def _scale_names(spec) -> list[str]:
-    return [n for blk in spec.attention_blocks for n in blk.mixer.kv_scale_names()]
+    return [n for blk in spec.sublayers_of(AttentionSpec) for n in blk.mixer.kv_scale_names()]
 
 
 def test_checkpoint_declares_fp8_kv_and_stores_scales(fp8_dir, fp8_model, bf16_dir):
     spec, sd = fp8_model
     qc = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "modelopt" and qc["kv_cache_quant_algo"] == "FP8"
-    assert [b.mixer.kv_cache_dtype for b in spec.attention_blocks] == ["fp8_e4m3", "fp8_e4m3"]
+    assert [b.mixer.kv_cache_dtype for b in spec.sublayers_of(AttentionSpec)] == ["fp8_e4m3", "fp8_e4m3"]
     names = _scale_names(spec)
     assert names == ["backbone.layers.0.mixer.k_proj.k_scale", "backbone.layers.0.mixer.v_proj.v_scale",
                      "backbone.layers.2.mixer.k_proj.k_scale", "backbone.layers.2.mixer.v_proj.v_scale"]
@@ -204,7 +206,7 @@ def test_vllm_runs_an_fp8_cache(llm, fp8_model):
     spec, _ = fp8_model
     assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8_e4m3"
     model = engine.get_model(llm)
-    for i, layer in model._attn.items():
+    for (i, name), layer in model._caches.items():
         assert layer.kv_cache.dtype == torch.uint8  # as vLLM allocates fp8 pages
         k, v = layer.kv_views()
         assert k.dtype == v.dtype == torch.float8_e4m3fn
@@ -231,7 +233,7 @@ def test_vllm_prefill_rescore_equals_decode_and_cache_codes_equal_the_trainers(l
     tap2 = _WriteTap(monkeypatch)
     ids = torch.tensor(full, device=DEVICE)
     batch = FlatBatch.from_cu_seqlens(ids, torch.tensor([0, len(full)], device=DEVICE))
-    store = PrivateKVStore(spec, [len(full)], block_size=16, device=DEVICE)
+    store = PrivateStateStore(spec, [len(full)], block_size=16, device=DEVICE)
     store.bind(batch)
     with torch.no_grad():
         forward_hidden(spec, {n: t.to(DEVICE) for n, t in sd.items()}, batch, store)
@@ -258,7 +260,11 @@ def test_conflicting_kv_cache_dtype_is_refused(fp8_dir, bf16_dir):
 
 def test_attention_cache_layer_refuses_another_vllm_cache_dtype():
     """A vllm.LLM built without make_llm (e.g. kv_cache_dtype left at "auto") fails at model construction."""
-    from unified_models.backends.vllm.model import UnifiedAttentionCache
+    from unified_models.backends.vllm.caches import UnifiedAttentionCache
+    from unified_models.layers import family_of
+
+    def decl(attn):
+        return family_of(attn).caches(attn, torch.bfloat16)["attn"]
 
     a = AttentionSpec(name="backbone.layers.0.mixer", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                       kv_cache_dtype="fp8_e4m3")
@@ -268,15 +274,15 @@ def test_attention_cache_layer_refuses_another_vllm_cache_dtype():
                                cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=64),
                                compilation_config=SimpleNamespace(static_forward_context={}))
 
-    with pytest.raises(SpecError, match="backbone.layers.0.mixer: the checkpoint declares kv_cache_dtype='fp8_e4m3' "
-                                        "but vLLM runs with kv_cache_dtype='auto'"):
-        UnifiedAttentionCache(a, "x.attn", cfg("auto"))
-    layer = UnifiedAttentionCache(a, "x.attn", cfg("fp8"))
+    with pytest.raises(SpecError, match="backbone.layers.0.mixer.attn: the checkpoint declares "
+                                        "kv_cache_dtype='fp8_e4m3' but vLLM runs with kv_cache_dtype='auto'"):
+        UnifiedAttentionCache(decl(a), "backbone.layers.0.mixer.attn", cfg("auto"))
+    layer = UnifiedAttentionCache(decl(a), "backbone.layers.0.mixer.attn", cfg("fp8"))
     spec = layer.get_kv_cache_spec(cfg("fp8"))
     assert spec.dtype == torch.uint8 and spec.page_size_bytes == 64 * 2 * 2 * 16  # one byte per element
     plain = AttentionSpec(name="m", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
-    with pytest.raises(SpecError, match="m: the checkpoint declares kv_cache_dtype='auto'"):
-        UnifiedAttentionCache(plain, "y.attn", cfg("fp8_e4m3"))
+    with pytest.raises(SpecError, match="m.attn: the checkpoint declares kv_cache_dtype='auto'"):
+        UnifiedAttentionCache(decl(plain), "m.attn", cfg("fp8_e4m3"))
 
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:

@@ -114,10 +114,10 @@ def test_hybrid_state_layout_and_class_methods(hybrid_ckpt, hybrid_model):
     from unified_models.converters.hf_safetensors import load_hf_config
 
     spec, _ = hybrid_model
-    assert spec.mamba_blocks and spec.attention_blocks
+    assert spec.sublayers_of(Mamba2Spec) and spec.sublayers_of(AttentionSpec)
     layout = model_state_layout(spec, torch.bfloat16)
     assert [n for n, _, _ in layout] == list(STATE_ORDER) == ["ssm", "dt", "conv", "x", "B"]
-    m = spec.mamba_blocks[0].mixer
+    m = spec.sublayers_of(Mamba2Spec)[0].mixer
     want = Mamba2State.shapes(**m.state_kwargs())
     for name, shape, dtype in layout:
         assert shape == want[name][0]
@@ -213,7 +213,7 @@ def test_hybrid_rollout_chunked_prefill_diff_zero(hybrid_ckpt, hybrid_model, mon
 
     # the schedule really was what the test claims
     assert steps, "no step reached the Mamba layers"
-    assert recorder.mamba_groups == {len(spec.mamba_blocks)}  # one Mamba group per Mamba layer here
+    assert recorder.mamba_groups == {len(spec.sublayers_of(Mamba2Spec))}  # one Mamba group per Mamba layer here
     assert max(len(s) for s, _, _ in steps) <= 2  # max_num_seqs
     assert any(len([x for x in s if x >= 0]) == 2 for s, _, _ in steps)  # batches of two requests
     qlens = [[cu[i + 1] - cu[i] for i in range(len(s))] for s, _, cu in steps]
@@ -255,7 +255,7 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
     from unified_models.backends.megatron.recompute import recompute_logprobs
 
     spec, sd = hybrid_model
-    width = spec.mamba_blocks[0].mixer.conv_kernel
+    width = spec.sublayers_of(Mamba2Spec)[0].mixer.conv_kernel
     steps = _StepRecorder(monkeypatch).steps
     llm = engine.make_llm(hybrid_ckpt, seed=0, max_model_len=640, max_num_seqs=2, gpu=DEVICE == "cuda",
                           enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=96,
@@ -276,8 +276,8 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
         assert m_spec.page_size_bytes == a_spec.page_size_bytes  # padded to the attention page
         mamba_layers = [n for g in kv_cfg.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)
                         for n in g.layer_names]
-        assert sorted(mamba_layers) == [f"backbone.layers.{b.index}.mixer.state_cache" for b in spec.mamba_blocks]
-        views = engine.get_model(llm)._mamba[spec.mamba_blocks[0].index].state_views()
+        assert sorted(mamba_layers) == [f"backbone.layers.{b.index}.mixer.state_cache" for b in spec.sublayers_of(Mamba2Spec)]
+        views = engine.get_model(llm)._caches[(spec.sublayers_of(Mamba2Spec)[0].index, "state_cache")].state_views()
         assert views.ssm.dtype == torch.float32 and views.conv.dtype == torch.bfloat16
 
         prefix = _ids(2 * bs, 100)

@@ -1,9 +1,10 @@
 """Trainer -> vLLM weight sync in place: data pointers kept, next rollout equals the trainer bitwise.
 
-One engine on the tiny preset and the Megatron module in the same process (as
-the RL loop runs them): roll out, update the trainer with the optimizer, sync,
-roll out again; the engine's logprobs equal the Megatron module's recompute with
-the new weights, bit for bit, and differ from the old weights' numbers.
+One :class:`RolloutEngine` on the tiny preset (started from the state dict read
+once, on vLLM's dummy weights) and one :class:`Trainer` in the same process (as
+the RL loop runs them): generate, one optimizer step, sync, generate again; the
+engine's logprobs and whole rows equal the trainer's recompute with the new
+weights, bit for bit, and differ from the old weights' numbers.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 import vllm  # noqa: F401  (a required dependency: a missing install must fail, not skip)
 
-from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state
-from unified_models.backends.megatron.optimizer import OptimizerConfig, build_optimizer
+from unified_models.backends.megatron.optimizer import OptimizerConfig
+from unified_models.backends.megatron.trainer import Trainer, TrainerOptions
 from unified_models.backends.vllm import engine
+from unified_models.backends.vllm.rollout import RolloutEngine
 from unified_models.backends.vllm.weight_sync import sync_weights
 from unified_models.dsl import CheckpointError
 
@@ -28,65 +30,61 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_checkpoint):
-    init_parallel_state()
-    model = UnifiedMegatronModel.from_pretrained(tiny_checkpoint, device=DEVICE)
-    opt = build_optimizer(model, OptimizerConfig(lr=2e-3, clip_grad=1.0))
-    yield model, opt
-    opt.close()
+def trainer(tiny_model):
+    _, spec, sd = tiny_model
+    tr = Trainer(spec, sd, device=DEVICE, options=TrainerOptions(optimizer=OptimizerConfig(lr=2e-3, clip_grad=1.0)))
+    yield tr
+    tr.close()
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoint, trainer):
-    llm = engine.make_llm(tiny_checkpoint, seed=0, max_model_len=128, max_num_seqs=4, max_logprobs=0,
-                          skip_tokenizer_init=True, gpu=DEVICE == "cuda", gpu_memory_utilization=0.3)
-    yield llm
-    engine.shutdown_llm(llm)
-    del llm
+def rollout_engine(tiny_checkpoint, tiny_model, trainer):
+    _, spec, sd = tiny_model
+    eng = RolloutEngine(spec, tiny_checkpoint, state_dict=sd, device=DEVICE, seed=0, max_model_len=128,
+                        max_num_seqs=4, gpu_memory_utilization=0.3)
+    yield eng
+    eng.close()
     gc.collect()
 
 
-def _rollout(llm) -> tuple[list[list[int]], list[torch.Tensor]]:
-    params = [engine.sampling_params(seed=40 + i, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0,
-                                     detokenize=False) for i in range(len(PROMPTS))]
-    outs = engine.generate_token_ids(llm, PROMPTS, params)
-    toks = [list(o.outputs[0].token_ids) for o in outs]
-    lps = [torch.tensor([step[t].logprob for t, step in zip(tk, o.outputs[0].logprobs)], dtype=torch.float32)
-           for tk, o in zip(toks, outs)]
-    return toks, lps
+@pytest.fixture(scope="module")
+def llm(rollout_engine):
+    return rollout_engine.llm
 
 
-def _recompute(model, completions, grad: bool = False) -> list[torch.Tensor]:
-    """The Megatron module's logprob of every sampled token (all sequences packed, THD)."""
-    seqs = [p + c for p, c in zip(PROMPTS, completions)]
-    ids = torch.tensor([t for s in seqs for t in s], device=DEVICE)
-    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
-    rows = [int(cu[i]) + len(p) - 1 + j for i, (p, c) in enumerate(zip(PROMPTS, completions)) for j in range(len(c))]
-    with torch.set_grad_enabled(grad):
-        lp = model.token_logprobs(ids, cu.to(DEVICE), torch.tensor(rows, device=DEVICE))
-    return list((lp if grad else lp.cpu()).split([len(c) for c in completions]))
+def _generate(eng, **rows):
+    ro = eng.generate(PROMPTS, max_new_tokens=MAX_TOKENS, seed=40, **rows)
+    assert [len(c) for c in ro.completions] == [MAX_TOKENS] * len(PROMPTS)
+    return ro
 
 
-def _train_step(model, opt, completions) -> None:
-    """A policy-gradient step on the rollout: push the sampled tokens' logprobs up."""
-    opt.zero_grad()
-    loss = -torch.cat(_recompute(model, completions, grad=True)).sum()
-    loss.backward()
-    assert opt.step()["update_successful"]
+def _assert_trainer_equals_rollout(trainer, ro) -> list[torch.Tensor]:
+    tr = trainer.logprobs(PROMPTS, ro.completions, full_rows_for=ro.full_row_keys)
+    for i, (a, b) in enumerate(zip(ro.logprobs, tr.logprobs)):
+        a = torch.tensor(a, dtype=torch.float32)
+        assert torch.equal(a, b), f"prompt {i}: max |diff| {float((a - b).abs().max()):.3e}"
+    assert ro.full_row_keys and set(tr.full_rows) == set(ro.full_row_keys)
+    for k in ro.full_row_keys:
+        assert torch.equal(ro.full_rows[k], tr.full_rows[k]), k
+    return tr.logprobs
 
 
-def test_sync_keeps_pointers_and_next_rollout_equals_trainer(llm, trainer):
-    model, opt = trainer
+def test_sync_keeps_pointers_and_next_rollout_equals_trainer(rollout_engine, llm, trainer):
+    model = trainer.model
     live = engine.get_model(llm).params()
     ptrs = {n: p.data_ptr() for n, p in live.items()}
+    # the engine started on dummy weights and got the state dict in place: it holds the checkpoint's
+    assert all(torch.equal(live[n], p.detach()) for n, p in model.named_parameters())
 
-    toks, lps = _rollout(llm)
-    for a, b in zip(lps, _recompute(model, toks)):
-        assert torch.equal(a, b)
+    ro = _generate(rollout_engine, full_vocab_rows=-1)
+    assert len(ro.full_row_keys) == len(PROMPTS) * MAX_TOKENS
+    _assert_trainer_equals_rollout(trainer, ro)
 
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _train_step(model, opt, toks)
-    report = sync_weights(llm, model.named_parameters())
+    # a policy-gradient step on the rollout: push the sampled tokens' logprobs up
+    stats = trainer.step(PROMPTS, ro.completions, lambda tb: -tb.logprobs.sum())
+    assert stats["update_successful"] and stats["iteration"] == 1
+    report = rollout_engine.sync_weights(trainer.named_weights())
 
     assert set(report.copied) | set(report.unchanged) == set(live) and len(report.copied) > len(live) // 2
     assert all(not torch.equal(old[n], dict(model.named_parameters())[n]) for n in report.copied)
@@ -96,21 +94,22 @@ def test_sync_keeps_pointers_and_next_rollout_equals_trainer(llm, trainer):
         assert live[n].data_ptr() == ptrs[n], f"{n}: storage moved"
         assert torch.equal(live[n], p.detach()), n
 
-    toks2, lps2 = _rollout(llm)
-    for i, (a, b) in enumerate(zip(lps2, _recompute(model, toks2))):
-        assert torch.equal(a, b), f"prompt {i}: max |diff| {float((a - b).abs().max()):.3e}"
+    # whole rows of the first two requests only (what rl keeps)
+    ro2 = _generate(rollout_engine, full_row_requests=2)
+    assert {i for i, _ in ro2.full_row_keys} == {0, 1} and len(ro2.full_row_keys) == 2 * MAX_TOKENS
+    lps2 = _assert_trainer_equals_rollout(trainer, ro2)
     # the engine really computes with the new weights: the old weights score the new tokens differently
     new = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.load_hf_state_dict(old)
-    assert not all(torch.equal(a, b) for a, b in zip(lps2, _recompute(model, toks2)))
+    assert not all(torch.equal(a, b) for a, b in zip(lps2, trainer.logprobs(PROMPTS, ro2.completions).logprobs))
     model.load_hf_state_dict(new)
 
-    again = sync_weights(llm, dict(model.named_parameters()))  # nothing changed since
+    again = rollout_engine.sync_weights(dict(trainer.named_weights()))  # nothing changed since
     assert again.copied == () and not again.prefix_cache_reset
 
 
 def test_bad_syncs_change_nothing(llm, trainer):
-    model, _ = trainer
+    model = trainer.model
     live = engine.get_model(llm).params()
     before = {n: p.clone() for n, p in live.items()}
     good = {n: p.detach() for n, p in model.named_parameters()}

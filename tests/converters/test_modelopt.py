@@ -50,7 +50,7 @@ def test_export_writes_modelopt_layout_and_codes_equal_the_quantizer(hybrid_bf16
     assert json.loads((nvfp4_dir / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
 
     _, spec, stored = spec_and_state_dict(nvfp4_dir)
-    moe = [b.mixer for b in spec.blocks if isinstance(b.mixer, MoESpec)]
+    moe = [b.mixer for b in spec.sublayers_of(MoESpec)]
     assert moe and all(m.packed and m.quantization == "nvfp4" for m in moe)
     m = moe[0]
     for e in (0, 5):
@@ -124,7 +124,7 @@ def test_masters_requantize_to_the_trainer_forward_codes(nvfp4_dir):
     masters = dequantize_state_dict(stored, spec)
     assert set(masters) == set(mspec.parameter_shapes())
     requant = quantize_state_dict(masters, spec)
-    m = next(b.mixer for b in spec.blocks if isinstance(b.mixer, MoESpec))
+    m = spec.sublayers_of(MoESpec)[0].mixer
     up_m = torch.stack([masters[m.expert_weight_name(e, "up_proj")] for e in range(m.n_routed_experts)])
     down_m = torch.stack([masters[m.expert_weight_name(e, "down_proj")] for e in range(m.n_routed_experts)])
 

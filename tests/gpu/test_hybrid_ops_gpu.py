@@ -74,7 +74,7 @@ from unified_models.ops.mamba2 import (causal_conv1d_reference, gated_rms_norm_r
                                        ssd_reference)
 from unified_models.ops.moe import moe_select
 from unified_models.ops.nvfp4 import NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, nvfp4_scale_2
-from unified_models.ops.triton.moe import _w_tile
+from unified_models.ops.moe.triton import _w_tile
 
 _OPS_TESTS = str(Path(__file__).resolve().parents[1] / "ops")
 if _OPS_TESTS not in sys.path:

@@ -80,7 +80,7 @@ LINEAR_SHAPES = [(4096, 4096), (7168, 2048), (2048, 7168), (4096, 64), (7168, 64
 
 @pytest.mark.parametrize("K,N", LINEAR_SHAPES)
 def test_linear_batch_invariant(K, N, gen):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.randn(2048, K, generator=gen).to(DEV, torch.bfloat16)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, torch.bfloat16)
@@ -92,7 +92,7 @@ def test_linear_batch_invariant(K, N, gen):
 @pytest.mark.parametrize("K", [4096, 5120, 7168])
 def test_linear_prefix_rows_equal_full_batch(K, gen):
     """``linear(x[:m]) == linear(x)[:m]`` for small outputs, where cuBLAS bf16 differs on the H200."""
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.randn(2048, K, generator=gen).to(DEV, torch.bfloat16)
     w = torch.randn(64, K, generator=gen).to(DEV, torch.bfloat16)
@@ -106,7 +106,7 @@ def test_linear_prefix_rows_equal_full_batch(K, gen):
 @pytest.mark.parametrize("K,N", [(4096, 4096), (7168, 2048), (7168, 64)])
 def test_linear_vs_reference(K, N, gen):
     from unified_models.ops.linear import linear_reference
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.randn(511, K, generator=gen).to(DEV, torch.bfloat16)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(DEV, torch.bfloat16)
@@ -123,7 +123,7 @@ def test_linear_vs_reference(K, N, gen):
 
 def test_linear_fp32_router(gen):
     """fp32 operands (router GEMM style) use IEEE fp32, batch-invariant."""
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.randn(2048, 2048, generator=gen).to(DEV)
     w = torch.randn(256, 2048, generator=gen).to(DEV) / 45.0
@@ -132,7 +132,7 @@ def test_linear_fp32_router(gen):
 
 
 def test_linear_cuda_graph_equals_eager(gen):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.randn(64, 4096, generator=gen).to(DEV, torch.bfloat16)
     w = torch.randn(4096, 4096, generator=gen).to(DEV, torch.bfloat16)
@@ -151,7 +151,7 @@ def test_linear_cuda_graph_equals_eager(gen):
 
 @pytest.mark.parametrize("D", [2048, 4096, 7168])
 def test_rms_norm(D, gen):
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     x = (torch.randn(2048, D, generator=gen) * 3).to(DEV, torch.bfloat16)
     w = (1 + 0.5 * torch.randn(D, generator=gen)).to(DEV, torch.bfloat16)
@@ -165,7 +165,7 @@ def test_rms_norm(D, gen):
 
 @pytest.mark.parametrize("F", [2048, 7168])
 def test_activations(F, gen):
-    from unified_models.ops.triton.activations import relu2_triton, swiglu_triton
+    from unified_models.ops.activations.triton import relu2_triton, swiglu_triton
 
     g = (torch.randn(2048, F, generator=gen) * 4).to(DEV, torch.bfloat16)
     u = (torch.randn(2048, F, generator=gen) * 4).to(DEV, torch.bfloat16)
@@ -178,7 +178,7 @@ def test_activations(F, gen):
 
 
 def test_embedding(gen):
-    from unified_models.ops.triton.embedding import embedding_triton
+    from unified_models.ops.embedding.triton import embedding_triton
 
     w = torch.randn(131072, 4096, generator=gen).to(DEV, torch.bfloat16)
     ids = torch.randint(0, 131072, (2048,), generator=gen).to(DEV)
@@ -191,7 +191,7 @@ def test_embedding(gen):
 @pytest.mark.parametrize("V", [32064, 131072])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs(V, temperature, gen):
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     x = (torch.randn(2048, V, generator=gen) * 4).to(DEV)
     full = check_rows(lambda a: logprobs_triton(a, temperature), x, gen, f"logprobs V={V}")
@@ -217,7 +217,7 @@ class Paged:
     NaN-filled allocation) and the per-token outputs of a schedule of steps."""
 
     def __init__(self, seqs, S, gen):
-        from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
+        from unified_models.ops.attention.triton import paged_attention_triton, write_kv_cache_triton
 
         self.write, self.attend = write_kv_cache_triton, paged_attention_triton
         self.seqs, self.S, self.gen = seqs, S, gen
@@ -308,7 +308,7 @@ def test_attention_prefill_launch_never_syncs(attn_seqs, gen):
     from host-known shapes, so vLLM's async scheduling keeps overlapping host and GPU.
     The same batch under the default grid and with programs capped to 7 (each walks many
     tiles) gives the same bits."""
-    from unified_models.ops.triton.attention import AttentionLaunch, paged_attention_triton
+    from unified_models.ops.attention.triton import AttentionLaunch, paged_attention_triton
 
     run = Paged(attn_seqs, 16, gen)
     run.prefill()
@@ -380,7 +380,7 @@ class FlatPaged:
     def __init__(self, seqs, S, gen, launch=None):
         from functools import partial
 
-        from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
+        from unified_models.ops.attention.triton import paged_attention_triton, write_kv_cache_triton
 
         self.write, self.attend = write_kv_cache_triton, partial(paged_attention_triton, launch=launch)
         self.seqs, self.S, self.gen = seqs, S, gen
@@ -423,7 +423,7 @@ class FlatPaged:
 
 
 def test_attention_constants_are_model_constants():
-    from unified_models.ops.triton import attention as tri
+    from unified_models.ops.attention import triton as tri
 
     assert tri.SPLIT_KV == 1024 and tri.BLOCK_KV == 64 and tri.SPLIT_KV % tri.BLOCK_KV == 0
     assert tri.tile_shape(32, 8) == (4, 64, 16) and tri.tile_shape(32, 2) == (16, 64, 4)
@@ -500,8 +500,8 @@ def test_attention_cuda_graph_decode_step_long(width, batch, S, gen):
     block size 16 (pointer-gathered K/V tiles) and 64 (TMA K/V tiles, ``kv_tma=True``)."""
     from functools import partial
 
-    from unified_models.ops.triton.attention import AttentionLaunch
-    from unified_models.ops.triton.attention import paged_attention_triton as attend
+    from unified_models.ops.attention.triton import AttentionLaunch
+    from unified_models.ops.attention.triton import paged_attention_triton as attend
 
     paged_attention_triton = partial(attend, launch=AttentionLaunch(kv_tma=True)) if S == 64 else attend
 
@@ -560,7 +560,7 @@ def test_attention_kv_tma_equals_pointer_gathers(width, gen):
     sequence and 7 others at block sizes 64 and 128 (NaN-filled cache, stale block ids) equal the
     block-size-16 run, and one mixed decode + prefill step with ``kv_tma`` forced on and off is
     bitwise equal (forcing it on raises if TMA did not apply, so both paths really ran)."""
-    from unified_models.ops.triton.attention import AttentionLaunch, paged_attention_triton
+    from unified_models.ops.attention.triton import AttentionLaunch, paged_attention_triton
 
     Hq, Gk = WIDTHS[width]
     lens = [LONG, 17, 64, 500, 1023, 1025, 2048, 2111]
@@ -640,7 +640,7 @@ def test_linear_tiers_give_identical_bits(N, K, out_dtype, gen):
     row's bits are only independent of the batch if all tiers agree bit for bit.
     A new tier must pass this test.
     """
-    from unified_models.ops.triton.linear import FP32_OUT_LAST_TIER, GPU_TIERS, gemm_config, linear_triton
+    from unified_models.ops.linear.triton import FP32_OUT_LAST_TIER, GPU_TIERS, gemm_config, linear_triton
 
     tiers = [cfg for _, cfg in GPU_TIERS]
     if out_dtype == torch.float32:  # (a 128x256 fp32 output tile does not fit in shared memory)
@@ -671,7 +671,7 @@ def test_linear_tiers_give_identical_bits(N, K, out_dtype, gen):
 
 def test_linear_tiers_give_identical_bits_fp32_operands(gen):
     """fp32 operands (router GEMM, IEEE dot) give the same bits in every fp32-operand tier too."""
-    from unified_models.ops.triton.linear import FP32_OPERAND_TIERS, linear_triton
+    from unified_models.ops.linear.triton import FP32_OPERAND_TIERS, linear_triton
 
     w = torch.randn(128, 2688, generator=gen).to(DEV) / 50.0
     for T in TIER_ROWS:

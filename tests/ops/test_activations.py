@@ -25,7 +25,7 @@ def _pad(n_inputs, dtype, gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_relu2_triton(dtype, device, gen, inv):
-    from unified_models.ops.triton.activations import relu2_triton
+    from unified_models.ops.activations.triton import relu2_triton
 
     x = _x(29, dtype, gen)
     out = inv.check_rows(lambda a: relu2_triton(a), (x.to(device),), _pad(1, dtype, gen), gen, what="relu2_triton")
@@ -37,7 +37,7 @@ def test_relu2_triton(dtype, device, gen, inv):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swiglu_triton(dtype, device, gen, inv):
-    from unified_models.ops.triton.activations import swiglu_triton
+    from unified_models.ops.activations.triton import swiglu_triton
 
     g, u = _x(29, dtype, gen), _x(29, dtype, gen)
     out = inv.check_rows(lambda a, b: swiglu_triton(a, b), (g.to(device), u.to(device)), _pad(2, dtype, gen), gen,
@@ -50,7 +50,7 @@ def test_swiglu_triton(dtype, device, gen, inv):
 
 
 def test_activations_noncontiguous(device, gen, inv):
-    from unified_models.ops.triton.activations import relu2_triton, swiglu_triton
+    from unified_models.ops.activations.triton import relu2_triton, swiglu_triton
 
     gu = _x(11, torch.bfloat16, gen).repeat(1, 2).to(device)
     g, u = gu[:, :F], gu[:, F:] * 0.5  # g is a strided view
@@ -59,7 +59,7 @@ def test_activations_noncontiguous(device, gen, inv):
 
 
 def test_activation_errors(device):
-    from unified_models.ops.triton.activations import relu2_triton, swiglu_triton
+    from unified_models.ops.activations.triton import relu2_triton, swiglu_triton
 
     with pytest.raises(ValueError, match="differ"):
         swiglu_triton(torch.zeros(2, 4, device=device), torch.zeros(2, 5, device=device))

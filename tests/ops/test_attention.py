@@ -30,7 +30,7 @@ SCALE = E ** -0.5
 
 
 def _triton_impl():
-    from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
+    from unified_models.ops.attention.triton import paged_attention_triton, write_kv_cache_triton
 
     return write_kv_cache_triton, paged_attention_triton
 
@@ -216,7 +216,7 @@ def test_triton_errors(device):
         attend(torch.zeros(3, 8, E, device=device), kc[0], kc, bt, idx, idx, SCALE)
     with pytest.raises(ValueError, match="slot_mapping"):
         write(torch.zeros(3, 4, E, device=device), torch.zeros(3, 4, E, device=device), kc, kc, idx[:2])
-    from unified_models.ops.triton.attention import AttentionLaunch
+    from unified_models.ops.attention.triton import AttentionLaunch
 
     # fp32 cache (and, on CPU, the interpreter): TMA K/V loads do not apply, and asking for them says so
     with pytest.raises(ValueError, match="kv_tma=True"):
@@ -237,7 +237,7 @@ def test_torch_prefill_chunked_decode_block_sizes(H, G, gen, inv):
 
 
 def _tri():
-    from unified_models.ops.triton import attention as tri
+    from unified_models.ops.attention import triton as tri
 
     return tri
 

@@ -39,7 +39,7 @@ BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
 def _triton_impl():
-    from unified_models.ops.triton.attention import paged_attention_triton, write_kv_cache_triton
+    from unified_models.ops.attention.triton import paged_attention_triton, write_kv_cache_triton
 
     return write_kv_cache_triton, paged_attention_triton
 

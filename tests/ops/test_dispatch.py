@@ -15,11 +15,11 @@ def _inputs(gen, device):
 
 
 def test_public_ops_call_triton_when_forced(monkeypatch, device, gen, inv):
-    from unified_models.ops.triton.activations import relu2_triton, swiglu_triton
-    from unified_models.ops.triton.embedding import embedding_triton
-    from unified_models.ops.triton.linear import linear_triton
-    from unified_models.ops.triton.logprob import logprobs_triton
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.activations.triton import relu2_triton, swiglu_triton
+    from unified_models.ops.embedding.triton import embedding_triton
+    from unified_models.ops.linear.triton import linear_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     monkeypatch.setenv("UM_OPS_BACKEND", "triton")
     x, w = _inputs(gen, device)

@@ -17,7 +17,7 @@ def _table(dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_triton_exact_copy_and_invariant(dtype, id_dtype, device, gen, inv):
-    from unified_models.ops.triton.embedding import embedding_triton
+    from unified_models.ops.embedding.triton import embedding_triton
 
     w = _table(dtype, gen).to(device)
     ids = torch.randint(0, V, (37,), generator=gen).to(id_dtype)
@@ -29,7 +29,7 @@ def test_triton_exact_copy_and_invariant(dtype, id_dtype, device, gen, inv):
 
 
 def test_triton_strided_table(device, gen, inv):
-    from unified_models.ops.triton.embedding import embedding_triton
+    from unified_models.ops.embedding.triton import embedding_triton
 
     big = torch.randn(V, 2 * D, generator=gen).to(torch.bfloat16).to(device)
     w = big[:, 1::2]  # non-contiguous columns
@@ -38,7 +38,7 @@ def test_triton_strided_table(device, gen, inv):
 
 
 def test_triton_errors(device):
-    from unified_models.ops.triton.embedding import embedding_triton
+    from unified_models.ops.embedding.triton import embedding_triton
 
     w = torch.zeros(V, D, device=device)
     with pytest.raises(ValueError, match="int32/int64"):
@@ -51,7 +51,7 @@ def test_triton_errors(device):
 
 
 def test_triton_empty(device):
-    from unified_models.ops.triton.embedding import embedding_triton
+    from unified_models.ops.embedding.triton import embedding_triton
 
     out = embedding_triton(torch.zeros(0, dtype=torch.int64, device=device), torch.ones(V, D, device=device))
     assert out.shape == (0, D)

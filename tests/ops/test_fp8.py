@@ -205,7 +205,7 @@ def test_input_scale_matches_modelopt(amax):
 
 
 def _quantizers(device):
-    from unified_models.ops.triton.fp8_linear import fp8_quantize_activation_triton
+    from unified_models.ops.fp8.triton import fp8_quantize_activation_triton
 
     return {
         "torch": lambda x, s: fp8_quantize_activation_torch(x, s),
@@ -225,7 +225,7 @@ def test_activation_rounding_is_rne_everywhere(impl, device):
 
 
 def test_activation_triton_reciprocal_sensitive(device):
-    from unified_models.ops.triton.fp8_linear import fp8_quantize_activation_triton
+    from unified_models.ops.fp8.triton import fp8_quantize_activation_triton
 
     s = torch.tensor(0.0371)
     x = _reciprocal_sensitive(s).reshape(1, -1)
@@ -324,7 +324,7 @@ def test_activation_matches_vllm_native(dtype, gen):
 
 
 def test_activation_triton_equals_torch(device, gen):
-    from unified_models.ops.triton.fp8_linear import fp8_quantize_activation_triton
+    from unified_models.ops.fp8.triton import fp8_quantize_activation_triton
 
     x = (torch.randn(70, 300, generator=gen) * 30).bfloat16()
     s = torch.tensor(0.05)
@@ -350,7 +350,7 @@ def _tol_check(out, ref, x, q):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_linear_vs_reference(with_bias, out_dtype, device, gen):
-    from unified_models.ops.triton.fp8_linear import fp8_linear_triton
+    from unified_models.ops.fp8.triton import fp8_linear_triton
 
     x, w, b = _inputs(70, gen)
     b = b if with_bias else None
@@ -390,7 +390,7 @@ def test_interpreter_equals_torch_impl(out_dtype, device, gen, inv):
     epilogue, i.e. the CPU torch implementation bit for bit."""
     if device != "cpu":
         pytest.skip("the interpreter path exists only on CPU (GPU tiles accumulate in fp32)")
-    from unified_models.ops.triton.fp8_linear import fp8_linear_triton
+    from unified_models.ops.fp8.triton import fp8_linear_triton
 
     x, w, b = _inputs(70, gen)
     x[3] = 0.0
@@ -417,7 +417,7 @@ def test_torch_impl_batch_invariant(gen, inv):
 
 
 def test_triton_batch_invariant(device, gen, inv):
-    from unified_models.ops.triton.fp8_linear import fp8_linear_triton
+    from unified_models.ops.fp8.triton import fp8_linear_triton
 
     x, w, b = _inputs(40, gen)
     q = fp8_quantize(w, _in_scale(x, 0.8)).to(device)
@@ -433,7 +433,7 @@ def test_triton_batch_invariant(device, gen, inv):
 
 
 def test_triton_strided_and_errors(device, gen, inv):
-    from unified_models.ops.triton.fp8_linear import fp8_linear_triton
+    from unified_models.ops.fp8.triton import fp8_linear_triton
 
     x, w, b = _inputs(9, gen, k=64, n=48)
     q = fp8_quantize(w, _in_scale(x)).to(device)

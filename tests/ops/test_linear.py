@@ -36,7 +36,7 @@ def _tol(out_dtype):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                              (torch.float32, torch.float32)])
 def test_triton_vs_reference(with_bias, dtype, out_dtype, device, gen):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x, w, b = _inputs(70, gen, dtype)
     b = b if with_bias else None
@@ -49,7 +49,7 @@ def test_triton_vs_reference(with_bias, dtype, out_dtype, device, gen):
 
 def test_triton_rounds_once_to_nearest_even(device, gen, inv):
     """bf16 output == the fp32 output (bias included) rounded by torch (RTNE)."""
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x, w, b = (t.to(device) for t in _inputs(20, gen))
     inv.assert_bitwise(linear_triton(x, w, b, torch.bfloat16),
@@ -58,7 +58,7 @@ def test_triton_rounds_once_to_nearest_even(device, gen, inv):
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_triton_batch_invariant(out_dtype, device, gen, inv):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x, w, b = _inputs(48, gen)
     wd, bd = w.to(device), b.to(device)
@@ -70,7 +70,7 @@ def test_triton_batch_invariant(out_dtype, device, gen, inv):
 
 
 def test_triton_strided_operands(device, gen, inv):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x, w, b = _inputs(9, gen)
     xb = torch.randn(9, 2 * K, generator=gen).to(torch.bfloat16)
@@ -81,7 +81,7 @@ def test_triton_strided_operands(device, gen, inv):
 
 
 def test_triton_errors(device):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x = torch.zeros(2, 8, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="do not match"):
@@ -96,7 +96,7 @@ def test_triton_errors(device):
 
 
 def test_triton_empty_batch(device):
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     out = linear_triton(torch.zeros(0, 8, dtype=torch.bfloat16, device=device),
                         torch.zeros(4, 8, dtype=torch.bfloat16, device=device), None, torch.float32)
@@ -118,7 +118,7 @@ def test_interpreter_equals_torch_impl(out_dtype, device, gen, inv):
     i.e. the CPU torch implementation bit for bit (neither depends on the host's BLAS)."""
     if device != "cpu":
         pytest.skip("the interpreter path exists only on CPU (GPU tiles accumulate in fp32)")
-    from unified_models.ops.triton.linear import linear_triton
+    from unified_models.ops.linear.triton import linear_triton
 
     x, w, b = _inputs(70, gen)
     x[3] = 0.0  # an all-zero row, and rows of very different scale
@@ -131,7 +131,7 @@ def test_gpu_tier_selection(monkeypatch):
     """The GPU tier table as ``linear_triton`` reads it (checked here on the CPU): tier
     boundaries, the fp32-output last tier, the fp32-operand tiers, and that launching
     ``tier_probe_rows`` touches every tier (the load-time compilation relies on it)."""
-    from unified_models.ops.triton import linear as lin
+    from unified_models.ops.linear import triton as lin
 
     monkeypatch.setattr(lin, "INTERPRET", False)
     bf16, f32 = torch.bfloat16, torch.float32

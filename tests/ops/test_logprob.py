@@ -28,7 +28,7 @@ TOL = dict(rtol=1e-5, atol=5e-5)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_triton_vs_reference(dtype, temperature, device, gen):
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     x = _logits(19, dtype, gen)
     out = logprobs_triton(x.to(device), temperature)
@@ -44,7 +44,7 @@ def test_triton_vs_reference(dtype, temperature, device, gen):
 @pytest.mark.parametrize("temperature", [0.3, 0.7, 1.7])
 def test_triton_temperature_is_ieee_fp32_division(temperature, device, gen, inv):
     """Dividing inside the kernel == torch's IEEE fp32 ``x / t`` fed at temperature 1 (bitwise)."""
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     x = _logits(5, torch.float32, gen)
     q = x / torch.tensor(temperature, dtype=torch.float32)
@@ -54,7 +54,7 @@ def test_triton_temperature_is_ieee_fp32_division(temperature, device, gen, inv)
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_triton_batch_invariant(temperature, device, gen, inv):
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     x = _logits(24, torch.float32, gen)
     inv.check_rows(lambda a: logprobs_triton(a, temperature), (x.to(device),), _pad(torch.float32, gen), gen,
@@ -62,7 +62,7 @@ def test_triton_batch_invariant(temperature, device, gen, inv):
 
 
 def test_triton_masked_vocab_and_strided(device, gen, inv):
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     x = _logits(4, torch.float32, gen)
     x[:, :1500] = float("-inf")  # a whole leading chunk of masked logits
@@ -75,7 +75,7 @@ def test_triton_masked_vocab_and_strided(device, gen, inv):
 
 
 def test_triton_errors(device):
-    from unified_models.ops.triton.logprob import logprobs_triton
+    from unified_models.ops.logprob.triton import logprobs_triton
 
     with pytest.raises(ValueError, match="temperature"):
         logprobs_triton(torch.zeros(2, 8, device=device), 0.0)

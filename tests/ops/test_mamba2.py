@@ -316,7 +316,7 @@ def test_dispatch(monkeypatch, device, gen, inv):
     if device == "cuda":
         pytest.skip("compares the CPU torch path with the interpreter on CPU tensors; the CUDA kernel runs in the other tests")
     from unified_models.ops.mamba2 import ssd_chunk_scan_torch
-    from unified_models.ops.triton.mamba2 import ssd_chunk_scan_triton
+    from unified_models.ops.mamba2.triton import ssd_chunk_scan_triton
 
     T = 2 * Q + 1
     meta = mamba2_metadata(torch.tensor([0, T]), torch.tensor([0]), Q)

@@ -194,7 +194,7 @@ def test_interpreter_equals_torch_impl(device, gen, inv):
     bit for bit (exact sums rounded once; fp32 elementwise combine), for bf16 and NVFP4 weights."""
     if device != "cpu":
         pytest.skip("the interpreter path exists only on CPU")
-    from unified_models.ops.triton.moe import moe_combine_triton, moe_expert_outputs_triton
+    from unified_models.ops.moe.triton import moe_combine_triton, moe_expert_outputs_triton
 
     w = _weights(gen)
     x = torch.randn(T, D, generator=gen).bfloat16()

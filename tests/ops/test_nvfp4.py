@@ -25,7 +25,7 @@ from unified_models.ops.nvfp4 import (
     validate_nvfp4_experts,
 )
 from unified_models.ops.triton._common import e4m3_bits_to_f32 as _e4m3_to_f32
-from unified_models.ops.triton.moe import _e2m1_to_f32
+from unified_models.ops.moe.triton import _e2m1_to_f32
 
 
 def _modelopt():

@@ -30,7 +30,7 @@ def _tol(out_dtype):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                              (torch.bfloat16, torch.float32)])
 def test_triton_vs_reference(D, dtype, out_dtype, device, gen):
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     x, w = _inputs(23, D, dtype, gen)
     out = rms_norm_triton(x.to(device), w.to(device), EPS, out_dtype)
@@ -43,7 +43,7 @@ def test_triton_vs_reference(D, dtype, out_dtype, device, gen):
 
 def test_triton_rounds_once_to_nearest_even(device, gen, inv):
     """bf16 output == the fp32 output rounded by torch (RTNE): one rounding, no truncation."""
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     x, w = _inputs(16, 200, torch.bfloat16, gen)
     xd, wd = x.to(device), w.to(device)
@@ -53,7 +53,7 @@ def test_triton_rounds_once_to_nearest_even(device, gen, inv):
 
 @pytest.mark.parametrize("D", [64, 200])
 def test_triton_batch_invariant(D, device, gen, inv):
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     x, w = _inputs(31, D, torch.bfloat16, gen)
     wd = w.to(device)
@@ -62,7 +62,7 @@ def test_triton_batch_invariant(D, device, gen, inv):
 
 
 def test_triton_strided_input(device, gen, inv):
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     x, w = _inputs(12, 2 * 96, torch.bfloat16, gen)
     xs = x.to(device)[:, ::2]
@@ -72,7 +72,7 @@ def test_triton_strided_input(device, gen, inv):
 
 
 def test_triton_errors(device):
-    from unified_models.ops.triton.rmsnorm import rms_norm_triton
+    from unified_models.ops.rmsnorm.triton import rms_norm_triton
 
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm_triton(torch.zeros(2, 8, device=device), torch.zeros(9, device=device), EPS, torch.float32)

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..dsl import CheckpointError, ModelSpec, SpecError
+from .quantized import validate_quantized
 
 
 def load_hf_config(model_dir: str | os.PathLike) -> Any:
@@ -93,7 +94,7 @@ def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_fini
     Tensors are cast to their stored dtype (:meth:`ModelSpec.parameter_dtypes`:
     ``spec.dtype`` for weights, fp32 for scales and the router bias); quantized
     codes (uint8 / float8_e4m3fn) must already have that dtype. Quantized
-    tensors are checked by :func:`unified_models.converters.modelopt.validate_quantized`
+    tensors are checked by :func:`unified_models.converters.quantized.validate_quantized`
     (zero / NaN / Inf scales name the layer and expert). Nothing is returned
     unless every check passes.
 
@@ -129,8 +130,6 @@ def cast_to_stored_dtypes(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, 
     if bad:
         raise CheckpointError(f"checkpoint {source}: tensors of the wrong dtype: {bad}")
     if spec.is_packed or any(d != spec.dtype for d in dtypes.values()):
-        from .modelopt import validate_quantized
-
         validate_quantized(out, spec, source=source)
     return out
 

@@ -38,64 +38,11 @@ from typing import Iterable, Mapping
 import torch
 
 from ..dsl import AttentionSpec, CheckpointError, Mamba2Spec, ModelSpec, MoESpec, SpecError
+from .hf_safetensors import save_state_dict, spec_and_state_dict
+from .quantized import kv_scale_names, validate_quantized
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 """What :func:`export_modelopt` writes as ``producer`` (the ModelOpt release whose rules ops/ transcribe)."""
-
-
-# ----------------------------------------------------------------------------- validation
-
-def _scalar_problems(name: str, t: torch.Tensor | None) -> list[str]:
-    from ..ops.scales import scalar_scale_problems
-
-    return scalar_scale_problems(name, t, required=True)
-
-
-def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str) -> None:
-    """Check every quantized tensor of ``state`` against ``spec``: NVFP4 experts, FP8 Mamba projections,
-    FP8 KV scales.
-
-    Raises:
-        CheckpointError: one message listing every bad tensor: missing, zero,
-            negative, NaN or Inf scales (the NVFP4 part names the layer and the
-            expert ids, e.g. ``layer 3: bad expert ids [5]: expert 5 up_proj:
-            weight_scale_2 is zero``), NaN e4m3 codes.
-    """
-    from ..ops.nvfp4 import NVFP4Error, validate_nvfp4_experts
-
-    problems: list[str] = []
-    for blk in spec.blocks:
-        m = blk.mixer
-        if isinstance(m, MoESpec) and m.packed:
-            experts = {e: {proj: {f: state.get(n) for f, n in m.expert_tensor_names(e, proj).items()}
-                           for proj in ("up_proj", "down_proj")} for e in range(m.n_routed_experts)}
-            shapes = {"up_proj": (m.intermediate_size, m.hidden_size), "down_proj": (m.hidden_size, m.intermediate_size)}
-            try:
-                validate_nvfp4_experts(blk.index, experts, num_experts=m.n_routed_experts, shapes=shapes,
-                                       require_input_scale=m.expert_input_scale)
-            except NVFP4Error as e:
-                problems.append(str(e))
-        elif isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
-            for proj in ("in_proj", "out_proj"):
-                base = f"{m.name}.{proj}"
-                problems += _scalar_problems(f"{base}.input_scale", state.get(f"{base}.input_scale"))
-                if m.checkpoint_format == "modelopt":
-                    problems += _scalar_problems(f"{base}.weight_scale", state.get(f"{base}.weight_scale"))
-                    w = state.get(f"{base}.weight")
-                    if w is not None and w.dtype == torch.float8_e4m3fn:
-                        nan = int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum())
-                        if nan:
-                            problems.append(f"{base}.weight holds {nan} NaN e4m3 code(s)")
-        elif isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
-            for n in kv_scale_names(m):
-                problems += _scalar_problems(n, state.get(n))
-    if problems:
-        raise CheckpointError(f"checkpoint {source}: bad quantized tensors: " + "; ".join(problems))
-
-
-def kv_scale_names(spec: AttentionSpec) -> tuple[str, str]:
-    """HF names of an FP8-KV attention layer's ``k_scale`` and ``v_scale`` (ModelOpt's export names)."""
-    return f"{spec.name}.k_proj.k_scale", f"{spec.name}.v_proj.v_scale"
 
 
 # ----------------------------------------------------------------------------- masters <-> stored format
@@ -104,33 +51,31 @@ def master_spec(spec: ModelSpec) -> ModelSpec:
     """The same model with model-dtype master weights (what a trainer trains): every
     ``checkpoint_format = "modelopt"`` mixer becomes ``"master"``; quantization
     recipes (NVFP4 experts, FP8 projections, FP8 KV) are kept."""
-    blocks = []
-    for blk in spec.blocks:
-        m = blk.mixer
-        if getattr(m, "checkpoint_format", "master") == "modelopt":
-            changes = {"checkpoint_format": "master"}
-            if isinstance(m, MoESpec):
-                changes["expert_input_scale"] = False
-            m = dataclasses.replace(m, **changes)
-        blocks.append(dataclasses.replace(blk, mixer=m))
-    return spec.replace(blocks=tuple(blocks))
+    def master(m):
+        if getattr(m, "checkpoint_format", "master") != "modelopt":
+            return m
+        changes = {"checkpoint_format": "master"}
+        if isinstance(m, MoESpec):
+            changes["expert_input_scale"] = False
+        return dataclasses.replace(m, **changes)
+
+    return spec.map_mixers(master)
 
 
 def dequantized_spec(spec: ModelSpec) -> ModelSpec:
     """The plain model-dtype model a quantized checkpoint stands for: every weight
     dequantized, no activation or KV quantization (what transformers runs when
     handed the dequantized weights; the peer check's common ground)."""
-    blocks = []
-    for blk in master_spec(spec).blocks:
-        m = blk.mixer
+    def plain(m):
         if isinstance(m, MoESpec) and m.quantization != "bf16":
-            m = dataclasses.replace(m, quantization="bf16")
-        elif isinstance(m, Mamba2Spec) and m.proj_quantization != "bf16":
-            m = dataclasses.replace(m, proj_quantization="bf16")
-        elif isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
-            m = dataclasses.replace(m, kv_cache_dtype="auto")
-        blocks.append(dataclasses.replace(blk, mixer=m))
-    return spec.replace(blocks=tuple(blocks))
+            return dataclasses.replace(m, quantization="bf16")
+        if isinstance(m, Mamba2Spec) and m.proj_quantization != "bf16":
+            return dataclasses.replace(m, proj_quantization="bf16")
+        if isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
+            return dataclasses.replace(m, kv_cache_dtype="auto")
+        return m
+
+    return master_spec(spec).map_mixers(plain)
 
 
 def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -141,8 +86,6 @@ def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os
     Raises:
         CheckpointError / SpecError: as :func:`~.hf_safetensors.spec_and_state_dict`.
     """
-    from .hf_safetensors import save_state_dict, spec_and_state_dict
-
     _, spec, state = spec_and_state_dict(model_dir)
     plain = dequantized_spec(spec)
     masters = dequantize_state_dict(state, spec)
@@ -162,7 +105,7 @@ def dequantize_state_dict(state: Mapping[str, torch.Tensor], spec: ModelSpec) ->
     from ..ops.nvfp4 import NVFP4Weight, nvfp4_dequantize
 
     out = dict(state)
-    for blk in spec.blocks:
+    for blk in spec.sublayers:
         m = blk.mixer
         if isinstance(m, MoESpec) and m.packed:
             for e in range(m.n_routed_experts):
@@ -206,7 +149,7 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
     wanted = set(only) if only is not None else set(masters)
     out: dict[str, torch.Tensor] = {}
     derived: set[str] = set()
-    for blk in spec.blocks:
+    for blk in spec.sublayers:
         m = blk.mixer
         if isinstance(m, MoESpec) and m.packed:
             for e in range(m.n_routed_experts):
@@ -244,7 +187,7 @@ def quant_config_dict(spec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
     ``quantized_layers`` table (NVFP4 experts with ``group_size`` 16, FP8 Mamba
     in/out projections), ``kv_cache_quant_algo`` FP8 or None."""
     layers: dict[str, dict] = {}
-    for blk in spec.blocks:
+    for blk in spec.sublayers:
         m = blk.mixer
         if isinstance(m, MoESpec) and m.quantization == "nvfp4":
             algo = "NVFP4" if m.expert_input_scale else "W4A16_NVFP4"
@@ -275,7 +218,7 @@ def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], *, 
         amax[name] = torch.maximum(amax[name], a) if name in amax else a
 
     hooks = []
-    for blk in spec.blocks:
+    for blk in spec.sublayers:
         m = blk.mixer
         mod = model.get_submodule(m.name.replace("backbone.", "model.", 1)) if not hasattr(model, "backbone") \
             else model.get_submodule(m.name)
@@ -328,8 +271,6 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
             exists without ``overwrite``, calibration missing or degenerate.
         SpecError: widths not divisible by the NVFP4 block (16).
     """
-    from .hf_safetensors import load_hf_config, read_tensors, save_state_dict, spec_and_state_dict
-
     src, dst = Path(src_dir), Path(out_dir)
     for what, v, ok in (("experts", experts, ("nvfp4", None)), ("mamba_proj", mamba_proj, ("fp8", None)),
                         ("kv_cache", kv_cache, ("fp8", None))):
@@ -343,17 +284,16 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     if (mamba_proj or kv_cache) and not calibration_token_ids:
         raise CheckpointError("export_modelopt: FP8 input/KV scales need calibration_token_ids (static scales, "
                               "ModelOpt 'max' calibration)")
-    qspec_blocks = []
-    for blk in spec.blocks:
-        m = blk.mixer
+    def quantized(m):
         if isinstance(m, MoESpec) and experts:
-            m = dataclasses.replace(m, quantization="nvfp4", checkpoint_format="modelopt")
-        elif isinstance(m, Mamba2Spec) and mamba_proj:
-            m = dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
-        elif isinstance(m, AttentionSpec) and kv_cache:
-            m = dataclasses.replace(m, kv_cache_dtype="fp8_e4m3")
-        qspec_blocks.append(dataclasses.replace(blk, mixer=m))
-    qspec = spec.replace(blocks=tuple(qspec_blocks))
+            return dataclasses.replace(m, quantization="nvfp4", checkpoint_format="modelopt")
+        if isinstance(m, Mamba2Spec) and mamba_proj:
+            return dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
+        if isinstance(m, AttentionSpec) and kv_cache:
+            return dataclasses.replace(m, kv_cache_dtype="fp8_e4m3")
+        return m
+
+    qspec = spec.map_mixers(quantized)
     scales = _calibrate(src, qspec, calibration_token_ids or [], mamba=bool(mamba_proj), kv=bool(kv_cache)) \
         if (mamba_proj or kv_cache) else {}
     stored = quantize_state_dict({**masters, **scales}, qspec)

@@ -11,8 +11,9 @@ names or shapes.
 One module per family: :mod:`.attention` (``AttentionSpec``, ``RopeSpec``),
 :mod:`.mlp` (``MLPSpec``), :mod:`.mamba2` (``Mamba2Spec``), :mod:`.moe`
 (``MoESpec``), :mod:`.norm` (``RMSNormSpec``), :mod:`.embedding`
-(``EmbeddingSpec``, ``LMHeadSpec``), :mod:`.model` (``ResidualBlockSpec``,
-``ModelSpec``, the ``Mixer`` union); :mod:`.errors`.
+(``EmbeddingSpec``, ``LMHeadSpec``), :mod:`.model` (``BlockSpec``, ``SublayerSpec``,
+``ModelSpec``, the ``Mixer`` union), :mod:`.residual` (residual-stream
+policies); :mod:`.errors`.
 
 Axis legend used in names and docstrings across the package:
 T tokens (flat, packed), B sequences, H query heads, G kv heads, E head dim,
@@ -32,12 +33,13 @@ from .errors import (
 from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
 from .moe import MoESpec
-from .model import Mixer, ModelSpec, ResidualBlockSpec
+from .model import BlockSpec, Mixer, ModelSpec, SublayerSpec
+from .residual import PLAIN_RESIDUAL, PlainResidualSpec
 from .norm import RMSNormSpec
 
 __all__ = [
     "AttentionSpec", "EmbeddingSpec", "LMHeadSpec", "MLPSpec", "ModelSpec",
-    "ResidualBlockSpec", "RMSNormSpec", "RopeSpec", "CheckpointError",
+    "BlockSpec", "SublayerSpec", "PlainResidualSpec", "PLAIN_RESIDUAL", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
     "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec",
 ]

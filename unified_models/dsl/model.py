@@ -1,10 +1,12 @@
-"""The whole-model spec: embedding -> residual blocks -> final norm -> LM head.
+"""The whole-model spec: embedding -> blocks of sublayers -> final norm -> LM head.
 
-A block's ``mixer`` is one layer family's spec (one module each:
-:mod:`.attention`, :mod:`.mlp`, :mod:`.mamba2`, :mod:`.moe`, ...). The forward of
-each family is the function :data:`unified_models.layers.LAYERS` maps its spec
-type to; adding a family = a spec module here, a layer module there, one entry
-in :data:`Mixer` and one in that table.
+A block (:class:`BlockSpec`, one per layer) is an ordered tuple of sublayers
+(:class:`SublayerSpec`: a norm and a mixer); the model's residual policy
+(:mod:`.residual`) owns the stream between them. A sublayer's ``mixer`` is one
+layer family's spec (one module each: :mod:`.attention`, :mod:`.mlp`,
+:mod:`.mamba2`, :mod:`.moe`, ...); everything an engine needs to know about a
+family (its forward, oracle, caches, init, Megatron fields) is the
+:class:`unified_models.layers.LayerFamily` registered for its spec type.
 
 Axis legend used in names and docstrings across the package:
 T tokens (flat, packed), B sequences, H query heads, G kv heads, E head dim,
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -26,30 +28,68 @@ from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
 from .moe import MoESpec
 from .norm import RMSNormSpec
+from .residual import PLAIN_RESIDUAL
 
 Mixer = Union[AttentionSpec, MLPSpec, Mamba2Spec, MoESpec]
-"""The layer families a residual block may hold (each has a function in ``layers.LAYERS``)."""
+"""The layer families of this package (each registered in ``layers.FAMILIES``). A
+sublayer may hold any spec whose type has a registered family, also one defined
+outside the package (``layers.register_family``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class ResidualBlockSpec:
-    """Pre-norm residual block: ``x + mixer(norm(x))`` (one rounding of the add).
+class SublayerSpec:
+    """One pre-norm sublayer of a block: ``mixer(norm(x))``, folded into the residual
+    stream by the model's residual policy (:mod:`.residual`).
 
-    ``index`` is the layer index: the key of the layer's parameters' HF names
-    and of its state in the state store.
+    ``index`` is the layer index of its block: the key of its state in the state
+    store (together with the cache names its family declares) and of its HF names.
     """
 
     index: int
     norm: RMSNormSpec
-    mixer: Mixer
+    mixer: Any
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         return {**self.norm.parameter_shapes(), **self.mixer.parameter_shapes()}
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlockSpec:
+    """One layer: an ordered tuple of sublayers (Nemotron-H: one mixer; DeepSeek-V4:
+    attention, then the FFN), each with its norm. How their outputs enter the
+    residual stream is the model's :attr:`ModelSpec.residual` policy.
+
+    Raises:
+        SpecError: no sublayer, or a sublayer whose ``index`` is not the block's.
+    """
+
+    index: int
+    sublayers: tuple[SublayerSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sublayers:
+            raise SpecError(f"block {self.index} has no sublayer")
+        for sub in self.sublayers:
+            if sub.index != self.index:
+                raise SpecError(f"block {self.index} holds a sublayer of layer {sub.index}")
+
+    @staticmethod
+    def single(index: int, norm: RMSNormSpec, mixer: Any) -> "BlockSpec":
+        """A block of one pre-norm sublayer (``x + mixer(norm(x))`` under the plain policy)."""
+        return BlockSpec(index=index, sublayers=(SublayerSpec(index=index, norm=norm, mixer=mixer),))
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for sub in self.sublayers:
+            out.update(sub.parameter_shapes())
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A whole causal LM: embedding -> residual blocks -> final norm -> LM head.
+    """A whole causal LM: embedding -> blocks of sublayers -> final norm -> LM head.
+
+    ``residual`` is the residual-stream policy spec (default: one plain stream).
 
     ``architecture`` is the name our vLLM plugin registers; ``hf_model_type``
     and ``hf_architecture`` say which transformers class is the peer.
@@ -60,9 +100,10 @@ class ModelSpec:
     hf_model_type: str
     hf_architecture: str
     embedding: EmbeddingSpec
-    blocks: tuple[ResidualBlockSpec, ...]
+    blocks: tuple[BlockSpec, ...]
     final_norm: RMSNormSpec
     lm_head: LMHeadSpec
+    residual: Any = PLAIN_RESIDUAL
     dtype: torch.dtype = torch.bfloat16
     max_position_embeddings: int = 4096
     extra: dict = field(default_factory=dict)
@@ -80,21 +121,24 @@ class ModelSpec:
     def hidden_size(self) -> int:
         return self.embedding.hidden_size
 
-    def blocks_of(self, mixer_type: type) -> tuple[ResidualBlockSpec, ...]:
-        """The blocks whose mixer is a ``mixer_type`` (subclasses included), in layer order."""
-        return tuple(b for b in self.blocks if isinstance(b.mixer, mixer_type))
-
     @property
-    def attention_blocks(self) -> tuple[ResidualBlockSpec, ...]:
-        return self.blocks_of(AttentionSpec)
+    def sublayers(self) -> tuple[SublayerSpec, ...]:
+        """Every sublayer of every block, in forward order."""
+        return tuple(sub for blk in self.blocks for sub in blk.sublayers)
 
-    @property
-    def mamba_blocks(self) -> tuple[ResidualBlockSpec, ...]:
-        return self.blocks_of(Mamba2Spec)
+    def sublayers_of(self, mixer_type: type) -> tuple[SublayerSpec, ...]:
+        """The sublayers whose mixer is a ``mixer_type`` (subclasses included), in forward order.
 
-    @property
-    def moe_blocks(self) -> tuple[ResidualBlockSpec, ...]:
-        return self.blocks_of(MoESpec)
+        For tests and a family's own modules; engines iterate over the families'
+        declarations (``unified_models.layers``) instead of switching on spec types.
+        """
+        return tuple(s for s in self.sublayers if isinstance(s.mixer, mixer_type))
+
+    def map_mixers(self, fn) -> "ModelSpec":
+        """A copy whose every sublayer's mixer is ``fn(mixer)`` (``fn`` returns it unchanged to keep it)."""
+        return self.replace(blocks=tuple(
+            dataclasses.replace(b, sublayers=tuple(dataclasses.replace(s, mixer=fn(s.mixer)) for s in b.sublayers))
+            for b in self.blocks))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """All parameters, HF name -> shape, in model order.
@@ -103,7 +147,7 @@ class ModelSpec:
             SpecError: two components declare the same parameter name.
         """
         shapes: dict[str, tuple[int, ...]] = {}
-        parts = [self.embedding, *self.blocks, self.final_norm, self.lm_head]
+        parts = [self.embedding, *self.blocks, self.residual, self.final_norm, self.lm_head]
         for part in parts:
             for name, shape in part.parameter_shapes().items():
                 if name in shapes:
@@ -116,19 +160,21 @@ class ModelSpec:
         component's ``parameter_dtypes()`` says otherwise (fp32 scales and
         router bias, ModelOpt-format uint8 / float8_e4m3fn tensors)."""
         out = {n: self.dtype for n in self.parameter_shapes()}
-        for blk in self.blocks:
-            for part in (blk.norm, blk.mixer):
-                declared = getattr(part, "parameter_dtypes", None)
-                if declared is not None:
-                    out.update(declared())
+        for part in self._declaring_parts():
+            declared = getattr(part, "parameter_dtypes", None)
+            if declared is not None:
+                out.update(declared())
         return out
+
+    def _declaring_parts(self) -> list[Any]:
+        return [self.residual, *(p for sub in self.sublayers for p in (sub.norm, sub.mixer))]
 
     def frozen_parameter_names(self) -> set[str]:
         """Parameters that are never trained: everything a component stores in a
         dtype of its own (router correction bias, quantization scales, ModelOpt codes)."""
         out: set[str] = set()
-        for blk in self.blocks:
-            declared = getattr(blk.mixer, "parameter_dtypes", None)
+        for part in self._declaring_parts():
+            declared = getattr(part, "parameter_dtypes", None)
             if declared is not None:
                 out.update(declared())
         return out
@@ -136,7 +182,7 @@ class ModelSpec:
     @property
     def is_packed(self) -> bool:
         """True when some weights are stored in ModelOpt's quantized format (not masters)."""
-        return any(getattr(b.mixer, "checkpoint_format", "master") == "modelopt" for b in self.blocks)
+        return any(getattr(s.mixer, "checkpoint_format", "master") == "modelopt" for s in self.sublayers)
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

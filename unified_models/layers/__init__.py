@@ -1,57 +1,31 @@
-"""Layer families: each mixer spec's forward over :mod:`unified_models.ops`.
+"""Layer families: each sublayer spec's forward over :mod:`unified_models.ops`, its
+oracle and its declarations (:class:`~.family.LayerFamily`), and the residual policies.
 
 One module per family (:mod:`.attention`, :mod:`.mlp`, :mod:`.mamba2`,
-:mod:`.moe`; next ``dsv4_attention``) and **one table**, :data:`LAYERS`, from spec
-type to layer function; :func:`unified_models.forward.forward_hidden` looks
-each block's function up here. Every function has the signature of
-:data:`~.common.LayerFn`::
+:mod:`.moe`), each ending in its ``FAMILY``, registered below, one line each
+(registration order = the order Megatron fields merge). Every forward has the
+signature of :data:`~.common.LayerFn`::
 
     fn(spec, layer_index, params, x_TD, batch, store, ctx) -> y_TD
 
-Adding a family: a spec module in ``dsl/`` (added to ``dsl.model.Mixer``),
-a layer module here, and one line in :data:`LAYERS`. Mamba-2
-(:mod:`.mamba2`) reads its per-request state slots through
-``store.mamba_state(layer_index)`` (see :mod:`unified_models.state`); MoE
-(:mod:`.moe`) is stateless like the MLP.
+Adding a family: a spec dataclass in ``dsl/``, a layer module here with its
+forward, oracle and declarations, and one :func:`register_family` line (see
+``docs/architecture.md``). Residual policies: :mod:`.residual`.
 
 Shapes: T tokens, D hidden.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..dsl import AttentionSpec, Mamba2Spec, MLPSpec, MoESpec, SpecError
-from .attention import attention_forward
+from . import attention, mamba2, mlp, moe
 from .common import LayerContext, LayerFn, bias_getter
-from .mamba2 import mamba2_forward
-from .mlp import mlp_forward
-from .moe import moe_forward
+from .family import (FAMILIES, LayerFamily, OracleFn, declares_slot_state, families_in_order, family_of, megatron_fields, model_caches,
+                     register_family)
+from .residual import PlainResidual, ResidualPolicy, register_residual, residual_policy
 
-LAYERS: dict[type, LayerFn] = {
-    AttentionSpec: attention_forward,
-    MLPSpec: mlp_forward,
-    Mamba2Spec: mamba2_forward,
-    MoESpec: moe_forward,
-}
-"""Spec type -> layer function. The only place a spec type meets its forward."""
+for _module in (attention, mlp, mamba2, moe):
+    register_family(_module.FAMILY)
 
-
-def layer_function(spec: Any, layer_index: int) -> LayerFn:
-    """The layer function of ``spec`` (looked up by its type, then its base classes).
-
-    Raises:
-        SpecError: no layer function for this spec type; names the type and
-            the layer index.
-    """
-    for cls in type(spec).__mro__:
-        fn = LAYERS.get(cls)
-        if fn is not None:
-            return fn
-    known = ", ".join(sorted(c.__name__ for c in LAYERS))
-    raise SpecError(f"layer {layer_index}: no layer function for spec type {type(spec).__name__} "
-                    f"(known: {known})")
-
-
-__all__ = ["LAYERS", "LayerContext", "LayerFn", "attention_forward", "bias_getter", "layer_function",
-           "mamba2_forward", "mlp_forward", "moe_forward"]
+__all__ = ["FAMILIES", "LayerContext", "LayerFamily", "LayerFn", "OracleFn", "PlainResidual", "ResidualPolicy",
+           "bias_getter", "declares_slot_state", "families_in_order", "family_of", "megatron_fields", "model_caches", "register_family",
+           "register_residual", "residual_policy"]

@@ -11,9 +11,17 @@ from typing import Mapping
 import torch
 
 from .. import ops
+from ..caches import PagedKVCache
 from ..dsl import AttentionSpec
+from ..ops.attention import kv_fp8_roundtrip
+from ..ops.rope import apply_rope_reference
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
+from .family import LayerFamily
+from .oracle import linear_oracle
+
+CACHE = "attn"
+"""The layer's one cache: paged K/V (forward-context name ``<mixer>.attn`` in vLLM)."""
 
 
 def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
@@ -22,7 +30,7 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
     group at ``slot_mapping``, paged attention read through the group's
     ``block_table``, o projection: ``[T, D] -> [T, D]``.
 
-    In profiling runs (``store.attention_state`` gives ``None``) the attention
+    In profiling runs (``store.state(layer_index, "attn")`` gives ``None``) the attention
     output is zeros and no cache is touched.
 
     FP8 KV cache (``spec.kv_cache_dtype == "fp8_e4m3"``): the store hands
@@ -40,7 +48,7 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
         cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.rope.rotary_dim, spec.rope.theta, x_TD.device)
         q_THE = ops.apply_rope(q_THE, batch.positions, cos, sin)
         k_TGE = ops.apply_rope(k_TGE, batch.positions, cos, sin)
-    state = store.attention_state(layer_index)
+    state = store.state(layer_index, CACHE)
     if state is None:  # profiling / dummy run: no cache bound yet
         o_THE = torch.zeros_like(q_THE)
     else:
@@ -66,3 +74,45 @@ def kv_scales(spec: AttentionSpec, params: Mapping[str, torch.Tensor]
         raise KeyError(f"{spec.name}: FP8 KV cache (kv_cache_dtype='fp8_e4m3') needs the scale parameters "
                        f"{missing}")
     return params[names[0]], params[names[1]]
+
+
+def attention_caches(spec: AttentionSpec, model_dtype: torch.dtype) -> dict[str, PagedKVCache]:
+    """One paged K/V cache, full attention, separate K and V; FP8 pages for an FP8-KV layer."""
+    return {CACHE: PagedKVCache(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, fp8=spec.kv_fp8)}
+
+
+def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
+    """Dense causal softmax attention of one sequence from position 0 in ``x_TD.dtype``.
+
+    FP8 KV cache: K and V pass through the cache's write-then-read rule
+    (``ops.attention.kv_fp8_roundtrip`` with the layer's scales), gradients straight through.
+    """
+    t = x_TD.shape[0]
+    q = linear_oracle(x_TD, params, a.name + ".q_proj", a.bias).view(t, a.num_heads, a.head_dim)
+    k = linear_oracle(x_TD, params, a.name + ".k_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
+    v = linear_oracle(x_TD, params, a.name + ".v_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
+    if a.rope is not None:
+        pos = torch.arange(t, device=x_TD.device)
+        q = apply_rope_reference(q, pos, a.rope.rotary_dim, a.rope.theta).to(x_TD.dtype)
+        k = apply_rope_reference(k, pos, a.rope.rotary_dim, a.rope.theta).to(x_TD.dtype)
+    if a.kv_fp8:  # the FP8 KV cache's write-then-read rule, straight-through to k and v
+        ks, vs = (params[n].detach().float() for n in a.kv_scale_names())
+        k = k + (kv_fp8_roundtrip(k.detach(), ks, k.dtype) - k).detach()
+        v = v + (kv_fp8_roundtrip(v.detach(), vs, v.dtype) - v).detach()
+    rep = a.num_heads // a.num_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("the,she->hts", q, k) * a.scale
+    mask = torch.ones(t, t, dtype=torch.bool, device=x_TD.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("hts,she->the", torch.softmax(s, -1), v).reshape(t, -1)
+    return linear_oracle(o, params, a.name + ".o_proj", a.bias)
+
+
+def attention_megatron_fields(a: AttentionSpec) -> dict:
+    """Megatron's attention sizes: heads, query groups, head dim (``kv_channels``), bias."""
+    return dict(num_attention_heads=a.num_heads, num_query_groups=a.num_kv_heads, kv_channels=a.head_dim,
+                add_bias_linear=a.bias)
+
+
+FAMILY = LayerFamily(spec_type=AttentionSpec, forward=attention_forward, oracle=attention_oracle,
+                     caches=attention_caches, megatron_fields=attention_megatron_fields)

@@ -9,7 +9,7 @@ give the same bits).
 
 The batch description (:class:`~unified_models.ops.Mamba2Metadata`) is built
 once per forward from the Mamba group's ``slots_B`` / ``start_B`` /
-``cu_seqlens_B1`` (:class:`~unified_models.state.MambaState`) and kept in
+``cu_seqlens_B1`` (:class:`~unified_models.state.SlotState`) and kept in
 ``ctx.cache`` for every Mamba layer of the forward.
 
 Shapes: T tokens, B sequences, D hidden, H heads, P head dim, G groups,
@@ -23,9 +23,38 @@ from typing import Mapping
 import torch
 
 from .. import ops
+from ..caches import SlotStateCache
 from ..dsl import Mamba2Spec
-from ..state import FlatBatch, MambaState, StateStore
+from ..ops.mamba2 import (Mamba2State, causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
+                          ssd_reference)
+from ..state import FlatBatch, SlotState, StateStore
 from .common import LayerContext, bias_getter
+from .family import LayerFamily
+from .oracle import linear_oracle
+
+CACHE = "state_cache"
+"""The layer's one cache: its state slots (forward-context name ``<mixer>.state_cache`` in vLLM)."""
+
+STATE_ORDER: tuple[str, ...] = ("ssm", "dt", "conv", "x", "B")
+"""Order of the ``Mamba2State`` tensors in a slot (vLLM packs them into one page in
+this order; fp32 first keeps every offset aligned to its element size)."""
+
+
+def state_layout(spec: Mamba2Spec, model_dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """``(name, per-slot shape, dtype)`` of each state tensor, in :data:`STATE_ORDER`::
+
+        ssm  [H, P, N]     fp32
+        dt   [Q-1, H]      fp32
+        conv [W-1, C]      model dtype
+        x    [Q-1, H, P]   model dtype
+        B    [Q-1, G, N]   model dtype
+    """
+    shapes = Mamba2State.shapes(**spec.state_kwargs())
+    out = []
+    for name in STATE_ORDER:
+        shape, role = shapes[name]
+        out.append((name, tuple(int(s) for s in shape), torch.float32 if role == "fp32" else model_dtype))
+    return tuple(out)
 
 
 def _cu_from_seq_idx(seq_idx_T: torch.Tensor, num_seqs: int | None) -> torch.Tensor:
@@ -46,7 +75,7 @@ def _cu_from_seq_idx(seq_idx_T: torch.Tensor, num_seqs: int | None) -> torch.Ten
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
-def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: MambaState | None,
+def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | None,
                           ctx: LayerContext) -> ops.Mamba2Metadata:
     """The batch's :class:`~unified_models.ops.Mamba2Metadata`, built once per forward.
 
@@ -91,7 +120,7 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
                    batch: FlatBatch, store: StateStore, ctx: LayerContext) -> torch.Tensor:
     """The Mamba-2 mixer: ``[T, D] -> [T, D]``, reading and writing the layer's state slots.
 
-    ``store.mamba_state(layer_index)`` gives the layer's slots and the group's
+    ``store.state(layer_index, "state_cache")`` gives the layer's slots and the group's
     ``slots_B``/``start_B``; ``None`` (profiling) runs stateless from position 0.
     Rounding points (as vLLM's mixer and transformers' torch path): in_proj
     output and conv output in the model dtype, dt and the scan in fp32, the
@@ -107,7 +136,7 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
     bias = bias_getter(p, params, spec.use_bias)
     zxbcdt = _projection(spec, params, "in_proj", x_TD, bias)  # [T, F + C + H]
     z_TF, xBC_TC, dt_TH = zxbcdt.split([F, C, H], dim=-1)
-    ms = store.mamba_state(layer_index)
+    ms = store.state(layer_index, CACHE)
     meta = mamba2_batch_metadata(spec, batch, ms, ctx)
     state = ms.state if ms is not None else None
     conv_b = params[f"{p}.conv1d.bias"] if spec.use_conv_bias else None
@@ -119,3 +148,47 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
     y_TF = ops.gated_rms_norm(y_THP.reshape(t, F), z_TF, params[f"{p}.norm.weight"], spec.group_size, spec.eps,
                               out_dtype=x_TD.dtype)
     return _projection(spec, params, "out_proj", y_TF, bias)
+
+
+def mamba2_caches(spec: Mamba2Spec, model_dtype: torch.dtype) -> dict[str, SlotStateCache]:
+    """One slot-state cache: :func:`state_layout`, viewed as an ``ops.Mamba2State``."""
+    return {CACHE: SlotStateCache(layout=state_layout(spec, model_dtype), view=Mamba2State)}
+
+
+def mamba2_oracle(m: Mamba2Spec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
+    """One sequence from position 0 with the ops' fp64 oracles (conv, dt, SSD, gated
+    norm), result in ``x_TD.dtype``. FP8 projections are not modelled (bf16 masters)."""
+    t, dtype = x_TD.shape[0], x_TD.dtype
+    H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
+    F, C = m.intermediate_size, m.conv_dim
+    zxbcdt = linear_oracle(x_TD, params, m.name + ".in_proj", m.use_bias)
+    z, xBC, dt = zxbcdt.split([F, C, H], dim=-1)
+    conv_b = params[m.name + ".conv1d.bias"] if m.use_conv_bias else None
+    xBC = causal_conv1d_reference(xBC, params[m.name + ".conv1d.weight"][:, 0, :], conv_b).to(dtype)
+    xs, B, Cm = xBC.split([F, G * N, G * N], dim=-1)
+    dt = mamba2_dt_reference(dt, params[m.name + ".dt_bias"], m.time_step_limit)
+    y, _ = ssd_reference(xs.reshape(t, H, P), dt, params[m.name + ".A_log"], B.reshape(t, G, N),
+                         Cm.reshape(t, G, N), params[m.name + ".D"])
+    y = gated_rms_norm_reference(y.reshape(t, F), z, params[m.name + ".norm.weight"], m.group_size, m.eps)
+    return linear_oracle(y.to(dtype), params, m.name + ".out_proj", m.use_bias)
+
+
+def _log_1_to_h(p: torch.Tensor) -> None:
+    p.copy_(torch.log(torch.arange(1, p.shape[0] + 1, dtype=torch.float32, device=p.device)).to(p.dtype))
+
+
+def mamba2_init_rules(m: Mamba2Spec) -> dict:
+    """As transformers' ``NemotronHMamba2Mixer``: ``A_log = log(1..H)``, ``D = 1``,
+    ``dt_bias = 1``, gated-norm weight 1."""
+    return {f"{m.name}.A_log": _log_1_to_h, f"{m.name}.D": lambda p: p.fill_(1.0),
+            f"{m.name}.dt_bias": lambda p: p.fill_(1.0), f"{m.name}.norm.weight": lambda p: p.fill_(1.0)}
+
+
+def mamba2_megatron_fields(m: Mamba2Spec) -> dict:
+    """Megatron's Mamba sizes (``mamba_{num_heads,head_dim,num_groups,state_dim}``)."""
+    return dict(mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, mamba_num_groups=m.n_groups,
+                mamba_state_dim=m.ssm_state_size)
+
+
+FAMILY = LayerFamily(spec_type=Mamba2Spec, forward=mamba2_forward, oracle=mamba2_oracle, caches=mamba2_caches,
+                     init_rules=mamba2_init_rules, megatron_fields=mamba2_megatron_fields)

@@ -13,6 +13,8 @@ from .. import ops
 from ..dsl import MLPSpec
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
+from .family import LayerFamily
+from .oracle import linear_oracle
 
 
 def mlp_forward(spec: MLPSpec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
@@ -26,3 +28,21 @@ def mlp_forward(spec: MLPSpec, layer_index: int, params: Mapping[str, torch.Tens
     else:
         act_TF = ops.swiglu(ops.linear(x_TD, params[f"{p}.gate_proj.weight"], bias("gate_proj")), up_TF)
     return ops.linear(act_TF, params[f"{p}.down_proj.weight"], bias("down_proj"))
+
+
+def mlp_oracle(m: MLPSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
+    """``down(act(...))`` in ``x_TD.dtype``, no intermediate rounding."""
+    up = linear_oracle(x_TD, params, m.name + ".up_proj", m.bias)
+    if m.activation == "relu2":
+        act = torch.relu(up).pow(2)
+    else:
+        act = torch.nn.functional.silu(linear_oracle(x_TD, params, m.name + ".gate_proj", m.bias)) * up
+    return linear_oracle(act, params, m.name + ".down_proj", m.bias)
+
+
+def mlp_megatron_fields(m: MLPSpec) -> dict:
+    """Megatron's MLP sizes: ``ffn_hidden_size`` and bias."""
+    return dict(ffn_hidden_size=m.intermediate_size, add_bias_linear=m.bias)
+
+
+FAMILY = LayerFamily(spec_type=MLPSpec, forward=mlp_forward, oracle=mlp_oracle, megatron_fields=mlp_megatron_fields)

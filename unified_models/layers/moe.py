@@ -31,8 +31,10 @@ import torch
 
 from .. import ops
 from ..dsl import MoESpec
+from ..ops.moe import moe_experts_reference, moe_route_reference, moe_shared_expert_reference
 from ..state import FlatBatch, StateStore
 from .common import LayerContext
+from .family import LayerFamily
 
 
 def _as_stack(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -103,3 +105,56 @@ def moe_forward(spec: MoESpec, layer_index: int, params: Mapping[str, torch.Tens
         shared_TD = ops.moe_shared_expert(x_TD, params[f"{p}.shared_experts.up_proj.weight"],
                                           params[f"{p}.shared_experts.down_proj.weight"])
     return ops.moe_experts(x_TD, ids_TK, w_TK, up, down, shared_TD, nvfp4=nvfp4, out_dtype=x_TD.dtype)
+
+
+def _expert_stack_oracle(m: MoESpec, params: Mapping[str, torch.Tensor], proj: str) -> torch.Tensor:
+    w = torch.stack([params[m.expert_weight_name(e, proj)] for e in range(m.n_routed_experts)])
+    if m.quantization == "nvfp4":  # dequantized by ModelOpt's rule, straight-through to the masters
+        wq = ops.nvfp4_dequantize(ops.nvfp4_quantize(w.detach().float()), torch.float32).to(w.dtype)
+        w = w + (wq - w).detach()
+    return w
+
+
+def moe_oracle(m: MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
+    """Router, experts and shared expert with the ops' fp64 oracles, in ``x_TD.dtype``;
+    NVFP4 experts compute with the dequantized weights (ModelOpt's rule)."""
+    wts, ids = moe_route_reference(x_TD, params[m.name + ".gate.weight"],
+                                   params[m.name + ".gate.e_score_correction_bias"], **m.route_kwargs())
+    shared = None
+    if m.shared_intermediate_size is not None:
+        shared = moe_shared_expert_reference(x_TD, params[m.name + ".shared_experts.up_proj.weight"],
+                                             params[m.name + ".shared_experts.down_proj.weight"])
+    y = moe_experts_reference(x_TD, ids, wts, _expert_stack_oracle(m, params, "up_proj"),
+                              _expert_stack_oracle(m, params, "down_proj"), shared)
+    return y.to(x_TD.dtype)
+
+
+def moe_init_rules(m: MoESpec) -> dict:
+    """The router's correction bias starts at 0."""
+    return {f"{m.name}.gate.e_score_correction_bias": lambda p: p.zero_()}
+
+
+def moe_megatron_fields(e: MoESpec) -> dict:
+    """Megatron's MoE sizes and router (sigmoid scoring, routed scaling, group-limited top-k)."""
+    out = dict(ffn_hidden_size=e.intermediate_size, num_moe_experts=e.n_routed_experts, moe_router_topk=e.top_k,
+               moe_ffn_hidden_size=e.intermediate_size, moe_router_score_function="sigmoid",
+               moe_router_topk_scaling_factor=e.routed_scaling_factor)
+    if e.shared_intermediate_size is not None:
+        out["moe_shared_expert_intermediate_size"] = e.shared_intermediate_size
+    if e.n_group > 1:
+        out.update(moe_router_num_groups=e.n_group, moe_router_group_topk=e.topk_group)
+    return out
+
+
+def moe_stacked_parameters(m: MoESpec) -> tuple[tuple[str, ...], ...]:
+    """One group per projection and stored field (``weight``, NVFP4 ``weight_scale``, ...):
+    the routed experts' tensors, expert 0 first."""
+    groups = []
+    for proj in ("up_proj", "down_proj"):
+        for field in m.expert_proj_shapes(proj):
+            groups.append(tuple(m.expert_tensor_names(e, proj)[field] for e in range(m.n_routed_experts)))
+    return tuple(groups)
+
+
+FAMILY = LayerFamily(spec_type=MoESpec, forward=moe_forward, oracle=moe_oracle, init_rules=moe_init_rules,
+                     megatron_fields=moe_megatron_fields, stacked_parameters=moe_stacked_parameters)

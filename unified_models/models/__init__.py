@@ -1,4 +1,10 @@
-"""Model declarations: each family's spec from its Hugging Face config."""
+"""Model declarations: each family's spec from its Hugging Face config.
+
+One registry line per model family (:func:`register_model`): the HF
+``model_type``, the function that builds the spec from a transformers config,
+and the architecture name our vLLM plugin serves it under. A family may also
+be registered from outside the package (``tests/test_family_protocol.py``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,18 @@ import torch
 from ..dsl import ModelSpec, SpecError
 from . import nemotron_h
 
-_FAMILIES = {"nemotron_h": nemotron_h.spec_from_hf_config}
+_FAMILIES: dict[str, Any] = {}
+_ARCHITECTURES: dict[str, str] = {}
+
+
+def register_model(model_type: str, spec_from_config: Any, architecture: str) -> None:
+    """Register (or replace) a family: ``spec_from_config(config, *, dtype, **kwargs) -> ModelSpec``
+    for HF configs of ``model_type``, served by vLLM as ``architecture``."""
+    _FAMILIES[model_type] = spec_from_config
+    _ARCHITECTURES[model_type] = architecture
+
+
+register_model("nemotron_h", nemotron_h.spec_from_hf_config, nemotron_h.ARCHITECTURE)
 
 
 def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> ModelSpec:
@@ -29,4 +46,4 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwar
 
 def architectures() -> dict[str, str]:
     """Our registered architecture name per family."""
-    return {"nemotron_h": nemotron_h.ARCHITECTURE}
+    return dict(_ARCHITECTURES)

@@ -35,13 +35,13 @@ import torch
 
 from ..dsl import (
     AttentionSpec,
+    BlockSpec,
     EmbeddingSpec,
     LMHeadSpec,
     Mamba2Spec,
     MLPSpec,
     ModelSpec,
     MoESpec,
-    ResidualBlockSpec,
     RMSNormSpec,
     SpecError,
     UnsupportedLayerError,
@@ -288,7 +288,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None,
                 name=f"{prefix}.mixer", hidden_size=d, intermediate_size=int(_get(config, "intermediate_size")),
                 activation="relu2", bias=bool(getattr(config, "mlp_bias", False)),
             )
-        blocks.append(ResidualBlockSpec(index=i, norm=RMSNormSpec(name=f"{prefix}.norm", hidden_size=d, eps=eps), mixer=mixer))
+        blocks.append(BlockSpec.single(i, RMSNormSpec(name=f"{prefix}.norm", hidden_size=d, eps=eps), mixer))
 
     extra: dict[str, Any] = {"pattern": layer_pattern(config)}
     if kv_algo:  # applied above: every attention layer's kv_cache_dtype

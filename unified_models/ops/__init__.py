@@ -1,8 +1,28 @@
-"""The numerical contract: one module per operator family.
+"""The numerical contract: one package per operator family.
 
-Each op has a dispatching function (Triton on GPU; a batch-invariant
-plain-torch implementation on CPU, see ``_dispatch``), the Triton kernel in
-``ops/triton/``, and a ``*_reference`` oracle. No op imports an engine.
+Every op family (``activations``, ``attention``, ``embedding``, ``fp8``,
+``linear``, ``logprob``, ``mamba2``, ``moe``, ``rmsnorm``, ``rope``) is a package
+``ops/<family>/`` with the same files:
+
+* ``__init__.py``  the family's public names (imported from the files below);
+* ``dispatch.py``  the public ops without autograd (the contract: shapes, dtypes,
+  errors): each checks its arguments, then runs the Triton kernel on GPU or the
+  batch-invariant plain-torch implementation on CPU (see ``_dispatch``);
+* ``cpu.py``       that CPU path (``*_torch``);
+* ``triton.py``    the Triton kernel (``*_triton``), imported on first use;
+* ``reference.py`` the fp64 oracle (``*_reference``);
+* ``backward.py``  the autograd functions and the differentiable entry points;
+* ``common.py``    (attention, fp8, mamba2, moe) what several of these share:
+  formats, data classes, checks.
+
+Imports point one way: ``dispatch`` imports ``cpu`` and (lazily) ``triton``;
+``backward`` imports ``dispatch``; the kernel, the CPU path and the oracle never
+import the dispatcher (``tests/test_import_graph.py`` checks that no module of
+the package takes part in an import cycle). Shared by all families:
+``_dispatch.py`` (which implementation runs, CPU row tiles), ``triton/_common.py``
+(helpers of the kernels), ``grad/`` (the weight-version guard, backward helpers),
+``scales.py`` (scale checks) and ``nvfp4.py`` (the NVFP4 weight format, whose
+kernel side is in ``moe/triton.py``). No op imports an engine.
 
 The functions exported here are the differentiable entry points of
 :mod:`.autograd`: with no input requiring grad (or grad mode off) they call
@@ -30,7 +50,7 @@ from .autograd import (
     write_kv_cache,
 )
 from .rope import rope_cos_sin
-from .grad.moe import moe_experts, moe_route, moe_shared_expert
+from .moe.backward import moe_experts, moe_route, moe_shared_expert
 from .nvfp4 import (NVFP4Error, NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_into, nvfp4_scale_2,
                     stack_nvfp4_experts, validate_nvfp4, validate_nvfp4_experts)
 
@@ -40,7 +60,7 @@ __all__ = ["embedding", "rms_norm", "linear", "relu2", "swiglu", "write_kv_cache
 __all__ += ["moe_route", "moe_experts", "moe_shared_expert", "NVFP4Error", "NVFP4Weight", "nvfp4_quantize",
             "nvfp4_dequantize", "nvfp4_quantize_into", "nvfp4_scale_2", "validate_nvfp4", "validate_nvfp4_experts",
             "stack_nvfp4_experts"]
-from .grad.mamba2 import causal_conv1d, gated_rms_norm, mamba2_dt, ssd_chunk_scan
+from .mamba2.backward import causal_conv1d, gated_rms_norm, mamba2_dt, ssd_chunk_scan
 from .mamba2 import Mamba2Metadata, Mamba2State, mamba2_metadata, start_positions
 
 __all__ += ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm", "Mamba2State", "Mamba2Metadata",

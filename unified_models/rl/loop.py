@@ -1,20 +1,23 @@
 """``unified-models rl``: GRPO with vLLM rollout, Megatron update and in-place weight sync.
 
-Each step k = 1..N (one optimizer update per step, DESIGN.md rule 10):
+The run holds one :class:`~..backends.vllm.rollout.RolloutEngine` and one
+:class:`~..backends.megatron.trainer.Trainer`, both built from the spec and state
+dict read once. Each step k = 1..N (one optimizer update per step, DESIGN.md rule 10):
 
 1. **rollout** (vLLM, in process, our model class): P prompts
    (:func:`.data.prompts_for_step`) x G samples, each request with its own
    seed (:func:`.data.request_seed`), ``--max-new-tokens`` tokens at
    ``--temperature`` through the logprob op. vLLM reports the logprob of every
-   sampled token; a :class:`SampleRecorder` keeps the whole fp32 row it was
-   sampled from for ``--full-vocab-rows`` positions. Rewards are scored and
+   sampled token; the engine's :class:`SampleRecorder` keeps the whole fp32 row it
+   was sampled from for the first ``ceil(--full-vocab-rows / --max-new-tokens)``
+   sequences. Rewards are scored and
    group-normalised (:mod:`.grpo`).
 2. **recompute** (Megatron module, no grad): the trainer recomputes, from the
    same token ids and weights, packed (THD), the logprob of every sampled token
    and the recorded whole rows; they are compared with
    :mod:`unified_models.consistency.metrics`. The first token whose fp32 bits
    differ stops the run (exit 1) naming the step, sequence and position.
-3. **update** (Megatron module, with grad): the same forward with a graph,
+3. **update** (``Trainer.step``, with grad): the same forward with a graph,
    GRPO loss over the completion tokens, backward per micro-batch (gradients
    accumulate in fp32), one optimizer step (:mod:`..backends.megatron.optimizer`).
    The importance ratio trainer/old is computed per token (exactly 1 while
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,46 +181,6 @@ def _tokenizer_dir(model_dir: Path, explicit: str | None) -> Path:
     return tokenizer_dir()
 
 
-@dataclass
-class _Pack:
-    """One THD micro-batch: sequences ``seqs`` packed; ``rows[r]`` scores completion token ``owners[r] = (s, j)``."""
-
-    seqs: list[int]
-    ids_T: torch.Tensor
-    cu: torch.Tensor
-    rows_R: torch.Tensor
-    owners: list[tuple[int, int]]
-    flat: slice
-    """The micro-batch's slice of the step's flat token order (sequence after sequence)."""
-
-
-def _pack(prompts: list[list[int]], completions: list[list[int]], limit: int, device: str) -> list[_Pack]:
-    """Greedy in-order packing into micro-batches of <= ``limit`` tokens (one sequence may exceed it alone).
-
-    Packing never changes a bit (each row depends only on its own sequence).
-    """
-    from ..backends.megatron.recompute import micro_batches
-
-    groups = micro_batches([len(p) + len(c) for p, c in zip(prompts, completions)], limit)
-    packs, flat = [], 0
-    for seqs in groups:
-        ids, cu, rows, owners = [], [0], [], []
-        for s in seqs:
-            p, c = prompts[s], completions[s]
-            start = len(ids)
-            ids += list(p) + list(c)
-            cu.append(len(ids))
-            for j in range(len(c)):
-                rows.append(start + len(p) - 1 + j)
-                owners.append((s, j))
-        packs.append(_Pack(seqs=seqs, ids_T=torch.tensor(ids, dtype=torch.long, device=device),
-                           cu=torch.tensor(cu, dtype=torch.int32, device=device),
-                           rows_R=torch.tensor(rows, dtype=torch.long, device=device), owners=owners,
-                           flat=slice(flat, flat + len(rows))))
-        flat += len(rows)
-    return packs
-
-
 def _entropy_sum(lp_RV: torch.Tensor) -> float:
     """Σ over rows of ``-Σ_v p log p`` (fp64), ``p = exp(lp)``; ``-inf`` entries contribute 0."""
     total = 0.0
@@ -237,39 +200,6 @@ def _full_vocab(pairs: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> float:
 def _first_mismatch(a_N: torch.Tensor, b_N: torch.Tensor) -> int | None:
     bad = (a_N.float().view(torch.int32) != b_N.float().view(torch.int32)).nonzero()
     return int(bad[0]) if bad.numel() else None
-
-
-def _row_recorder(llm, max_requests: int):
-    """A :class:`~..backends.vllm.engine.SampleRecorder` that keeps whole rows of the first
-    ``max_requests`` requests it sees only (-1: all; 0: none).
-
-    vLLM admits requests in submission order, so with every request admitted at
-    once these are the first ones submitted. Only the kept rows leave the
-    device (a GPU run samples far more rows than the host should copy or hold).
-    """
-    from ..backends.vllm.engine import SampleRecorder
-
-    limit = math.inf if max_requests < 0 else max_requests
-    kept: set[str] = set()
-
-    class _SubsetRecorder(SampleRecorder):
-        def _tap(self, rows):
-            n0 = len(self.entries)
-            super()._tap(rows)  # keep_rows=False: appends (request, position, None) per sampling row, in row order
-            idx = []
-            for i, k in enumerate(range(n0, len(self.entries))):
-                rid = self.entries[k][0]
-                if rid not in kept and len(kept) < limit:
-                    kept.add(rid)
-                if rid in kept:
-                    idx.append((i, k))
-            if idx:
-                host = rows[torch.tensor([i for i, _ in idx], device=rows.device)].float().cpu()
-                for r, (_, k) in enumerate(idx):
-                    rid, pos, _ = self.entries[k]
-                    self.entries[k] = (rid, pos, host[r])
-
-    return _SubsetRecorder(llm, keep_rows=False)
 
 
 # --------------------------------------------------------------------------- the run
@@ -293,46 +223,31 @@ class _Run:
     reward: Any
     reward_name: str
     target_token_id: int | None
-    model: Any = None
-    ref_model: Any = None
-    optimizer: Any = None
-    llm: Any = None
-    stop_ids: list[int] = field(default_factory=list)
+    engine: Any = None
+    """The :class:`~..backends.vllm.rollout.RolloutEngine` (one ``vllm.LLM`` for the run)."""
+    trainer: Any = None
+    """The :class:`~..backends.megatron.trainer.Trainer` (module, optimizer, frozen reference)."""
     first_step_of_process: int = 1
 
     # ------------------------------------------------------------------ rollout
 
     def rollout(self, step: int, seq_prompts: list[list[int]]):
-        from ..backends.vllm.engine import generate_token_ids, sampling_params
+        """Completions, per-sequence fp32 logprobs and the recorded whole rows keyed ``(s, j)``.
 
+        Whole rows are kept for the first ``ceil(full_vocab_rows / max_new_tokens)``
+        sequences only (-1: all), so only those leave the device.
+        """
         o = self.opts
-        params = [sampling_params(temperature=o.temperature, seed=request_seed(o.seed, step, s),
-                                  max_tokens=o.max_new_tokens, ignore_eos=not o.stop_at_eos,
-                                  stop_token_ids=self.stop_ids, logprobs=0, detokenize=False)
-                  for s in range(len(seq_prompts))]
         if o.full_vocab_rows < 0:
             keep = -1
         else:
             keep = min(len(seq_prompts), math.ceil(o.full_vocab_rows / o.max_new_tokens))
-        with _row_recorder(self.llm, keep) as rec:
-            outs = generate_token_ids(self.llm, seq_prompts, params)
-        completions, logprobs, full_rows = [], [], {}
-        for s, out in enumerate(outs):
-            c = out.outputs[0]
-            toks = [int(t) for t in c.token_ids]
-            lps = [float(step_lp[t].logprob) for t, step_lp in zip(toks, c.logprobs)]
-            completions.append(toks)
-            logprobs.append(torch.tensor(lps, dtype=torch.float32))
-            rows = rec.rows_for(out.request_id)
-            for j, (t, lp) in enumerate(zip(toks, lps)):
-                row = rows.get(len(seq_prompts[s]) + j - 1)
-                if row is None:
-                    continue
-                if float(row[t]) != lp:
-                    raise RuntimeError(f"rollout step {step}: vLLM reported {lp!r} for sequence {s} token {j} but "
-                                       f"the row it sampled from holds {float(row[t])!r}")
-                full_rows[(s, j)] = row
-        return completions, logprobs, full_rows
+        ro = self.engine.generate(seq_prompts, max_new_tokens=o.max_new_tokens,
+                                  seeds=[request_seed(o.seed, step, s) for s in range(len(seq_prompts))],
+                                  temperature=o.temperature, stop_at_eos=o.stop_at_eos, full_row_requests=keep)
+        logprobs = [torch.tensor(lps, dtype=torch.float32) for lps in ro.logprobs]
+        full_rows = {(s, pos - len(seq_prompts[s]) + 1): ro.full_rows[(s, pos)] for s, pos in ro.full_row_keys}
+        return ro.completions, logprobs, full_rows
 
     # ------------------------------------------------------------------ diff
 
@@ -363,9 +278,6 @@ class _Run:
 
     # ------------------------------------------------------------------ trainer phases
 
-    def _limit(self) -> int:
-        return self.opts.micro_batch_tokens or (32768 if self.device == "cuda" else 4096)
-
     def _elapsed(self, t0: float) -> float:
         """Seconds since ``t0`` once the GPU has finished the phase's queued work
         (without the synchronize, asynchronous kernels are billed to the next phase)."""
@@ -373,66 +285,54 @@ class _Run:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    @torch.no_grad()
-    def recompute(self, packs: list[_Pack], full_keys: set) -> tuple[torch.Tensor, dict]:
-        """Trainer logprobs ``[N]`` (flat order) and the whole rows of ``full_keys``."""
-        out, rows = [], {}
-        for pk in packs:
-            need = any(key in full_keys for key in pk.owners)
-            res = self.model.token_logprobs(pk.ids_T, pk.cu, pk.rows_R, self.opts.temperature, return_full=need)
-            tok_R, lp_RV = res if need else (res, None)
-            out.append(tok_R.float().cpu())
-            for r, key in enumerate(pk.owners):
-                if key in full_keys:
-                    rows[key] = lp_RV[r].float().cpu()
-        return (torch.cat(out) if out else torch.zeros(0)), rows
+    def recompute(self, seq_prompts, completions, full_keys: set) -> tuple[torch.Tensor, dict]:
+        """Trainer logprobs ``[N]`` (flat order) and the whole rows of ``full_keys`` (``(s, j)``)."""
+        at = {(s, len(seq_prompts[s]) - 1 + j): (s, j) for s, j in full_keys}
+        res = self.trainer.logprobs(seq_prompts, completions, temperature=self.opts.temperature, full_rows_for=at)
+        rows = {at[k]: r for k, r in res.full_rows.items()}
+        return (torch.cat(res.logprobs) if res.logprobs else torch.zeros(0)), rows
 
-    def update(self, step: int, packs: list[_Pack], rollout_N: torch.Tensor, old_N: torch.Tensor,
-               adv_N: torch.Tensor, w_N: torch.Tensor, full_rows: dict, compare: bool, prompt_rows, seq_prompts):
-        """Forward with grad, GRPO loss, backward per micro-batch, one optimizer step."""
+    def update(self, step: int, seq_prompts, completions, rollout_N: torch.Tensor, old_N: torch.Tensor,
+               adv_N: torch.Tensor, w_N: torch.Tensor, full_rows: dict, compare: bool, prompt_rows) -> dict:
+        """One :meth:`Trainer.step`: per micro-batch the forward with a graph is compared bitwise
+        with the rollout, then the GRPO loss; one optimizer update."""
         o = self.opts
-        self.optimizer.zero_grad()
-        loss_sum, ent, ratio_max, ratio_min, ref_kl_sum, clipped = 0.0, 0.0, -math.inf, math.inf, 0.0, 0
+        acc = {"loss": 0.0, "entropy_sum": 0.0, "importance_ratio_max": -math.inf,
+               "importance_ratio_min": math.inf, "ref_kl_sum": 0.0, "clipped_tokens": 0}
         trainer_parts, fv_pairs = [], []
-        for pk in packs:
-            tok_R, lp_RV = self.model.token_logprobs(pk.ids_T, pk.cu, pk.rows_R, o.temperature, return_full=True)
-            new_R = tok_R.detach().float().cpu()
+
+        def loss_fn(tb):
+            mb = tb.batch
+            new_R = tb.logprobs.detach().float().cpu()
             trainer_parts.append(new_R)
-            ent += _entropy_sum(lp_RV)
-            pairs = [(full_rows[key], lp_RV[r].detach().float().cpu(), key)
-                     for r, key in enumerate(pk.owners) if key in full_rows] if compare else []
-            fv_pairs += pairs
+            acc["entropy_sum"] += _entropy_sum(tb.rows)
+            pairs = [(full_rows[key], tb.rows[r].detach().float().cpu(), key)
+                     for r, key in enumerate(mb.owners) if key in full_rows] if compare else []
+            fv_pairs.extend(pairs)
             # every token (and recorded row) is compared before this micro-batch's backward
-            self.check(step, "update forward", rollout_N[pk.flat], new_R, pk.owners, prompt_rows, seq_prompts,
+            self.check(step, "update forward", rollout_N[mb.flat], new_R, mb.owners, prompt_rows, seq_prompts,
                        pairs)
-            ref = None
-            if o.kl_coef > 0:
-                with torch.no_grad():
-                    ref = self.ref_model.token_logprobs(pk.ids_T, pk.cu, pk.rows_R, o.temperature).float()
-            dev = tok_R.device
-            res = grpo_loss(tok_R.float(), old_N[pk.flat].to(dev), adv_N[pk.flat].to(dev), w_N[pk.flat].to(dev),
-                            ref_logp_N=ref, kl_coef=o.kl_coef, clip_eps=o.clip_eps)
-            res.loss.backward()
-            loss_sum += float(res.loss.detach())
+            ref = tb.reference_logprobs() if o.kl_coef > 0 else None
+            dev = tb.logprobs.device
+            res = grpo_loss(tb.logprobs.float(), old_N[mb.flat].to(dev), adv_N[mb.flat].to(dev),
+                            w_N[mb.flat].to(dev), ref_logp_N=ref, kl_coef=o.kl_coef, clip_eps=o.clip_eps)
+            acc["loss"] += float(res.loss.detach())
             if res.ratio_N.numel():
-                ratio_max = max(ratio_max, float(res.ratio_N.max()))
-                ratio_min = min(ratio_min, float(res.ratio_N.min()))
-            clipped += int(res.clipped_N.sum())
+                acc["importance_ratio_max"] = max(acc["importance_ratio_max"], float(res.ratio_N.max()))
+                acc["importance_ratio_min"] = min(acc["importance_ratio_min"], float(res.ratio_N.min()))
+            acc["clipped_tokens"] += int(res.clipped_N.sum())
             if res.k3_N is not None:
-                ref_kl_sum += float(res.k3_N.double().sum())
-            del tok_R, lp_RV, res
-        stats = self.optimizer.step()
+                acc["ref_kl_sum"] += float(res.k3_N.double().sum())
+            return res.loss
+
+        stats = self.trainer.step(seq_prompts, completions, loss_fn, temperature=o.temperature)
         trainer_N = torch.cat(trainer_parts) if trainer_parts else torch.zeros(0)
-        return {"loss": loss_sum, "entropy_sum": ent, "importance_ratio_max": ratio_max,
-                "importance_ratio_min": ratio_min, "ref_kl_sum": ref_kl_sum, "clipped_tokens": clipped,
-                "grad_norm": stats.get("grad_norm"), "update_successful": stats.get("update_successful"),
+        return {**acc, "grad_norm": stats.get("grad_norm"), "update_successful": stats.get("update_successful"),
                 "trainer_N": trainer_N, "fv_pairs": fv_pairs}
 
     def sync(self):
         """Copy every changed parameter into vLLM's buffers in place (bf16 bits unchanged); reset the prefix cache."""
-        from ..backends.vllm.weight_sync import sync_weights
-
-        return sync_weights(self.llm, self.model.named_parameters())
+        return self.engine.sync_weights(self.trainer.named_weights())
 
     # ------------------------------------------------------------------ one step
 
@@ -472,8 +372,7 @@ class _Run:
         }
         if self.target_token_id is not None:
             row["target_token_id"] = self.target_token_id
-        packs = _pack(seq_prompts, completions, self._limit(), self.device)
-        owners = [key for pk in packs for key in pk.owners]
+        owners = [(s, j) for s, c in enumerate(completions) for j in range(len(c))]  # flat token order
         use_rollout = o.use_rollout_logprobs and step > self.first_step_of_process
         row["old_logprobs"] = "rollout" if use_rollout else "recompute"
         try:
@@ -481,7 +380,7 @@ class _Run:
             if use_rollout:
                 old_N, timer["recompute"] = rollout_N, 0.0
             else:
-                trainer_N, trainer_rows = self.recompute(packs, set(full_rows))
+                trainer_N, trainer_rows = self.recompute(seq_prompts, completions, set(full_rows))
                 timer["recompute"] = self._elapsed(t0)
                 pairs = [(full_rows[k], trainer_rows[k], k) for k in full_rows]
                 diff = compare_logprobs(rollout_N, trainer_N)
@@ -490,8 +389,8 @@ class _Run:
                 self.check(step, "recompute", rollout_N, trainer_N, owners, prompt_rows, seq_prompts, pairs)
                 old_N = trainer_N
             t0 = time.perf_counter()
-            up = self.update(step, packs, rollout_N, old_N, adv_N, w_N, full_rows, use_rollout, prompt_rows,
-                             seq_prompts)
+            up = self.update(step, seq_prompts, completions, rollout_N, old_N, adv_N, w_N, full_rows, use_rollout,
+                             prompt_rows)
             timer["update"] = self._elapsed(t0)
         except DiffNotZeroError as e:
             if e.diff is not None:
@@ -563,48 +462,31 @@ def _load(opts: RLOptions, console) -> _Run:
 
 def _start_engines(run: _Run, console) -> int:
     """vLLM engine, trainer module, optimizer, reference; restore ``--resume``. Returns the last finished step."""
-    from ..backends.megatron import (
-        UnifiedMegatronModel,
-        destroy_parallel_state,
-        init_parallel_state,
-        transformer_config_from_spec,
-    )
-    from ..backends.megatron.optimizer import OptimizerConfig, build_optimizer
-    from ..backends.vllm.engine import make_llm
-    from ..backends.vllm.rollout import eos_token_ids
+    from ..backends.megatron import destroy_parallel_state
+    from ..backends.megatron.optimizer import OptimizerConfig
+    from ..backends.megatron.trainer import Trainer, TrainerOptions
+    from ..backends.vllm.rollout import RolloutEngine
 
-    o, spec = run.opts, run.spec
+    o = run.opts
     # Megatron's groups from an earlier run in this process may sit on a process
     # group vLLM's shutdown has destroyed: drop them; vLLM (re)creates the world.
     destroy_parallel_state()
     longest = max(len(p) for p in run.prompt_ids)
     s = o.num_prompts_per_step * o.group_size
-    run.stop_ids = eos_token_ids(run.model_dir) if o.stop_at_eos else []
-    run.llm = make_llm(run.model_dir, seed=o.seed, max_model_len=longest + o.max_new_tokens,
-                       gpu=(run.device == "cuda"), max_num_seqs=s, max_logprobs=0, skip_tokenizer_init=True,
-                       max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
-    init_parallel_state(tp=1)
-    packed = spec.is_packed
-    if packed:  # ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
-        from ..converters.modelopt import dequantize_state_dict, master_spec
-
-        run._state_dict = {n: t for n, t in dequantize_state_dict(run._state_dict, spec).items()}
-        spec = run.spec = master_spec(spec)
-    cfg = transformer_config_from_spec(spec, perform_initialization=False)
-    run.model = UnifiedMegatronModel(spec, cfg, device=run.device)
-    run.model.load_hf_state_dict(run._state_dict)
-    if o.kl_coef > 0:  # frozen copy of the initial weights
-        run.ref_model = UnifiedMegatronModel(spec, cfg, device=run.device)
-        run.ref_model.load_hf_state_dict(run._state_dict)
-        run.ref_model.requires_grad_(False)
-        run.ref_model.eval()
+    # the engine gets the state dict read once in _load: vLLM does not read the checkpoint again
+    run.engine = RolloutEngine(run.spec, run.model_dir, state_dict=run._state_dict, device=run.device, seed=o.seed,
+                               max_model_len=longest + o.max_new_tokens, max_num_seqs=s,
+                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
+    # a ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
+    run.trainer = Trainer(run.spec, run._state_dict, device=run.device,
+                          options=TrainerOptions(optimizer=OptimizerConfig(lr=o.lr, clip_grad=o.clip_grad),
+                                                 reference_model=o.kl_coef > 0,  # frozen copy of the initial weights
+                                                 micro_batch_tokens=o.micro_batch_tokens))
+    run.spec = run.trainer.spec
     run._state_dict = None
-    run.optimizer = build_optimizer(run.model, OptimizerConfig(lr=o.lr, clip_grad=o.clip_grad))
     start = 0
     if o.resume:
-        from ..backends.megatron.checkpoint import load_training_checkpoint
-
-        ck = load_training_checkpoint(o.resume, run.model, run.optimizer)
+        ck = run.trainer.resume(o.resume)
         start = ck.iteration
         saved = ck.extra.get("rl", {})
         if run.reward_name == "target-token" and run.target_token_id is None:
@@ -620,7 +502,7 @@ def _start_engines(run: _Run, console) -> int:
         if start >= o.steps:
             raise UnifiedModelsError(f"--resume {o.resume} is at step {start}; --steps {o.steps} leaves nothing to do")
         run.sync()  # the engine starts from the checkpoint's weights
-    elif packed:
+    elif run.trainer.trains_masters:
         # dequantize -> requantize is not the identity (scales are recomputed from the
         # rounded masters): give the engine the masters' codes before the first rollout
         rep = run.sync()
@@ -639,12 +521,9 @@ def _run_identity(o: RLOptions) -> dict:
 
 
 def _save(run: _Run, step: int) -> Path:
-    from ..backends.megatron.checkpoint import save_training_checkpoint
-
     extra = {"rl": {**_run_identity(run.opts), "target_token_id": run.target_token_id, "step": step}}
-    return save_training_checkpoint(run.opts.save, run.model, run.optimizer, iteration=step,
-                                    hf_config=(run.model_dir / "config.json").read_text(), extra=extra,
-                                    overwrite=True)
+    return run.trainer.save(run.opts.save, iteration=step, hf_config=(run.model_dir / "config.json").read_text(),
+                            extra=extra, overwrite=True)
 
 
 def _fmt(x) -> str:
@@ -725,14 +604,12 @@ def run_rl(opts: RLOptions) -> int:
                                 info=f"reward {res.row['reward_mean']:.3f}  max|Δ| {_fmt(res.row['max_abs_diff'])}")
     finally:
         from ..backends.megatron import destroy_parallel_state
-        from ..backends.vllm.engine import shutdown_llm
 
-        if run.optimizer is not None:
-            run.optimizer.close()
+        if run.trainer is not None:
+            run.trainer.close()
         destroy_parallel_state()  # its groups live on the process group vLLM's shutdown tears down
-        if run.llm is not None:
-            shutdown_llm(run.llm)
-            run.llm = None
+        if run.engine is not None:
+            run.engine.close()
     rows = writer.rows()
     png = None
     if opts.plot and rows:

@@ -4,7 +4,7 @@ The module owns no math: it registers the spec's parameters under their
 Hugging Face names (nested modules mirroring the dotted names, so
 ``named_parameters()`` yields exactly :meth:`ModelSpec.parameter_shapes`) and
 calls :func:`unified_models.forward.forward_hidden` with the trainer's private
-state store (:class:`unified_models.state.PrivateKVStore`, mirroring vLLM's
+state store (:class:`unified_models.private_state.PrivateStateStore`, mirroring vLLM's
 KV-cache groups), the same program and kernels vLLM runs. It plugs into Megatron
 through ``config`` / ``model_type`` / ``set_input_tensor`` (what the schedules
 look up), parameter tensor-parallel attributes (what the optimizer and grad
@@ -43,10 +43,12 @@ from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_p
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ...dsl import AttentionSpec, CheckpointError, Mamba2Spec, MLPSpec, ModelSpec, MoESpec, SpecError
+from ...dsl import CheckpointError, ModelSpec, SpecError
+from ...layers import family_of, megatron_fields
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
-from ...state import FlatBatch, PrivateKVStore
+from ...state import FlatBatch
+from ...private_state import PrivateStateStore
 from ...parameters import allocate_parameters
 from . import compat
 from .parallel import check_current_parallel_state, check_parallel_sizes
@@ -59,11 +61,11 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
 
     Sets the sizes Megatron components read (``num_layers``, ``hidden_size``,
     ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
-    ``ffn_hidden_size``; for hybrid specs also the Mamba sizes
-    ``mamba_{num_heads,head_dim,num_groups,state_dim}`` and the MoE sizes
-    ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``,
-    ``moe_shared_expert_intermediate_size``, sigmoid scoring and the routed
-    scaling factor, where the installed Megatron has those fields), precision
+    ``ffn_hidden_size`` and each layer family's own sizes, from
+    :func:`unified_models.layers.megatron_fields` (Mamba:
+    ``mamba_{num_heads,head_dim,num_groups,state_dim}``; MoE: ``num_moe_experts``,
+    ``moe_router_topk``, ``moe_ffn_hidden_size``, sigmoid scoring, ...; kept where
+    the installed Megatron has those fields), precision
     (``bf16``/``fp16``, ``params_dtype``), dropouts 0 (Megatron's default is
     0.1) and TP/PP/CP/EP sizes 1. A spec without attention layers describes
     one head of ``hidden_size`` channels (Megatron requires a head count).
@@ -73,19 +75,15 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
     Raises:
         ParallelismError: an override asks for a refused parallel size.
     """
-    attn = [b.mixer for b in spec.blocks if isinstance(b.mixer, AttentionSpec)]
-    mlps = [b.mixer for b in spec.blocks if isinstance(b.mixer, MLPSpec)]
-    mambas = [b.mixer for b in spec.blocks if isinstance(b.mixer, Mamba2Spec)]
-    moes = [b.mixer for b in spec.blocks if isinstance(b.mixer, MoESpec)]
-    heads = attn[0].num_heads if attn else 1
-    ffn = (mlps[0].intermediate_size if mlps else moes[0].intermediate_size if moes else 4 * spec.hidden_size)
+    fields = megatron_fields(spec)  # each family's sizes (layers.LayerFamily.megatron_fields)
+    heads = fields.pop("num_attention_heads", 1)
     defaults: dict[str, Any] = dict(
         num_layers=len(spec.blocks),
         hidden_size=spec.hidden_size,
         num_attention_heads=heads,
-        num_query_groups=attn[0].num_kv_heads if attn else heads,
-        kv_channels=attn[0].head_dim if attn else max(1, spec.hidden_size // heads),
-        ffn_hidden_size=ffn,
+        num_query_groups=fields.pop("num_query_groups", heads),
+        kv_channels=fields.pop("kv_channels", max(1, spec.hidden_size // heads)),
+        ffn_hidden_size=fields.pop("ffn_hidden_size", 4 * spec.hidden_size),
         bf16=spec.dtype == torch.bfloat16,
         fp16=spec.dtype == torch.float16,
         params_dtype=spec.dtype,
@@ -96,23 +94,11 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
         context_parallel_size=1,
         expert_model_parallel_size=1,
         sequence_parallel=False,
-        add_bias_linear=any(getattr(m, "bias", False) for m in [*attn, *mlps]),
+        add_bias_linear=fields.pop("add_bias_linear", False),
         normalization="RMSNorm",
         layernorm_epsilon=spec.final_norm.eps,
     )
-    if mambas:
-        m = mambas[0]
-        defaults.update(mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, mamba_num_groups=m.n_groups,
-                        mamba_state_dim=m.ssm_state_size)
-    if moes:
-        e = moes[0]
-        defaults.update(num_moe_experts=e.n_routed_experts, moe_router_topk=e.top_k,
-                        moe_ffn_hidden_size=e.intermediate_size, moe_router_score_function="sigmoid",
-                        moe_router_topk_scaling_factor=e.routed_scaling_factor)
-        if e.shared_intermediate_size is not None:
-            defaults["moe_shared_expert_intermediate_size"] = e.shared_intermediate_size
-        if e.n_group > 1:
-            defaults.update(moe_router_num_groups=e.n_group, moe_router_group_topk=e.topk_group)
+    defaults.update(fields)
     defaults = compat.filter_dataclass_kwargs(TransformerConfig, defaults)
     defaults.update(overrides)
     check_parallel_sizes(
@@ -203,10 +189,9 @@ class UnifiedMegatronModel(MegatronModule):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Megatron-style init: weights ``config.init_method`` (normal, std
-        ``init_method_std``), norm weights 1, biases 0; Mamba-2 as transformers'
-        ``NemotronHMamba2Mixer`` initialises them (``A_log = log(1..H)``,
-        ``D = 1``, ``dt_bias = 1``, gated-norm weight 1); MoE correction bias 0;
-        static FP8 scales (``input_scale``, ``k_scale``, ``v_scale``) 1.0 (vLLM's
+        ``init_method_std``), norm weights 1, biases 0; each family's own rules
+        (:attr:`unified_models.layers.LayerFamily.init_rules`: Mamba-2 as
+        transformers' ``NemotronHMamba2Mixer``, MoE correction bias 0); static FP8 scales (``input_scale``, ``k_scale``, ``v_scale``) 1.0 (vLLM's
         default KV scale; calibrate before exporting).
 
         Raises:
@@ -216,18 +201,10 @@ class UnifiedMegatronModel(MegatronModule):
         if self.spec.is_packed:
             raise SpecError("a ModelOpt-format spec (stored NVFP4/FP8 codes) cannot be randomly initialised; "
                             "build the module from unified_models.converters.modelopt.master_spec(spec)")
-        norms = {f"{b.norm.name}.weight" for b in self.spec.blocks} | {f"{self.spec.final_norm.name}.weight"}
+        norms = {f"{s.norm.name}.weight" for s in self.spec.sublayers} | {f"{self.spec.final_norm.name}.weight"}
         special: dict[str, Any] = {}
-        for blk in self.spec.blocks:
-            m = blk.mixer
-            if isinstance(m, Mamba2Spec):
-                norms.add(f"{m.name}.norm.weight")
-                special[f"{m.name}.A_log"] = lambda p: p.copy_(torch.log(torch.arange(
-                    1, p.shape[0] + 1, dtype=torch.float32, device=p.device)).to(p.dtype))
-                special[f"{m.name}.D"] = lambda p: p.fill_(1.0)
-                special[f"{m.name}.dt_bias"] = lambda p: p.fill_(1.0)
-            elif isinstance(m, MoESpec):
-                special[f"{m.name}.gate.e_score_correction_bias"] = lambda p: p.zero_()
+        for sub in self.spec.sublayers:
+            special.update(family_of(sub.mixer, sub.index).init_rules(sub.mixer))
         embed = f"{self.spec.embedding.name}.weight"
         embed_init = getattr(self.config, "embedding_init_method", None) or self.config.init_method
         for name, p in self.named_parameters():
@@ -381,7 +358,7 @@ class UnifiedMegatronModel(MegatronModule):
     def _hidden(self, ids_T: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, FlatBatch]:
         batch = FlatBatch.from_cu_seqlens(ids_T, cu)
         seq_lens = (cu[1:] - cu[:-1]).tolist()
-        store = PrivateKVStore(self.spec, seq_lens, block_size=self.block_size, device=ids_T.device)
+        store = PrivateStateStore(self.spec, seq_lens, block_size=self.block_size, device=ids_T.device)
         store.bind(batch)
         return forward_hidden(self.spec, self._params(), batch, store), batch
 

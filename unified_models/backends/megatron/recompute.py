@@ -1,15 +1,16 @@
-"""Trainer-side recompute of rollout logprobs (the ``check`` and RL path).
+"""Trainer-side recompute of rollout logprobs: THD packing and the one-shot wrapper.
 
-Sequences (prompt + sampled completion) are packed into THD micro-batches and
-run through :class:`UnifiedMegatronModel` under Megatron's parallel state
-(TP=1); the logprob of every sampled token is read from the same logprob op
-vLLM used.
+Sequences (prompt + sampled completion) are packed into THD micro-batches
+(:func:`pack_sequences`) and run through :class:`UnifiedMegatronModel` under
+Megatron's parallel state (TP=1) by :class:`~.trainer.Trainer`; the logprob of
+every sampled token is read from the same logprob op vLLM used.
+:func:`recompute_logprobs` builds a trainer, recomputes once and closes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -38,12 +39,65 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-@torch.no_grad()
+@dataclass
+class MicroBatch:
+    """One THD micro-batch of whole sequences.
+
+    Attributes:
+        seqs: the packed sequence indices, in order.
+        input_ids: ``[T]`` prompt + completion tokens of every sequence, concatenated.
+        cu_seqlens: ``[B+1]`` int32 sequence boundaries.
+        rows: ``[R]`` the flat index of the hidden state that scores each completion token.
+        owners: ``(sequence, completion token j)`` of each row; its position is
+            ``len(prompt) - 1 + j``.
+        flat: the rows' slice of the whole batch's flat token order (sequence after sequence).
+    """
+
+    seqs: list[int]
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    rows: torch.Tensor
+    owners: list[tuple[int, int]]
+    flat: slice
+
+
+def pack_sequences(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], max_tokens: int,
+                   device: str | torch.device) -> list[MicroBatch]:
+    """Greedy in-order packing into micro-batches of <= ``max_tokens`` tokens (one sequence may exceed it alone).
+
+    Packing never changes a bit (each row depends only on its own sequence).
+
+    Raises:
+        ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
+    """
+    if len(prompt_ids) != len(completions):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
+    groups = micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completions)], max_tokens)
+    out, flat = [], 0
+    for seqs in groups:
+        ids, cu, rows, owners = [], [0], [], []
+        for s in seqs:
+            p, c = prompt_ids[s], completions[s]
+            start = len(ids)
+            ids += list(p) + list(c)
+            cu.append(len(ids))
+            for j in range(len(c)):
+                rows.append(start + len(p) - 1 + j)
+                owners.append((s, j))
+        out.append(MicroBatch(seqs=list(seqs), input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                              cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+                              rows=torch.tensor(rows, dtype=torch.long, device=device), owners=owners,
+                              flat=slice(flat, flat + len(rows))))
+        flat += len(rows)
+    return out
+
+
 def recompute_logprobs(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], prompt_ids: list[list[int]],
                        completions: list[list[int]], *, device: str = "cpu", temperature: float = 1.0,
                        full_rows_for: list[tuple[int, int]] | None = None,
                        max_tokens_per_batch: int | None = None) -> RecomputeResult:
-    """Logprob of every sampled token, recomputed by the Megatron module.
+    """Logprob of every sampled token, recomputed by the Megatron module (a one-shot
+    :class:`~.trainer.Trainer`; keep a trainer to recompute more than once).
 
     Args:
         spec, state_dict: the model and its HF-named weights (the rollout's weights).
@@ -60,48 +114,10 @@ def recompute_logprobs(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], 
     Raises:
         ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
     """
-    from .module import UnifiedMegatronModel, transformer_config_from_spec
-    from .parallel import init_parallel_state
+    from .trainer import Trainer, TrainerOptions
 
     if len(prompt_ids) != len(completions):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
-    init_parallel_state(tp=1)
-    model = UnifiedMegatronModel(spec, transformer_config_from_spec(spec, perform_initialization=False),
-                                 device=device)
-    model.load_hf_state_dict(state_dict)
-    model.eval()
-    wanted = set(full_rows_for or [])
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completions)]
-    limit = max_tokens_per_batch or (32768 if device == "cuda" else 4096)
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    full: dict[tuple[int, int], torch.Tensor] = {}
-    for batch in micro_batches([len(s) for s in seqs], limit):
-        ids = torch.tensor([t for i in batch for t in seqs[i]], dtype=torch.long, device=device)
-        lens = torch.tensor([len(seqs[i]) for i in batch])
-        cu = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lens, 0)
-        rows, owners = [], []
-        for b, i in enumerate(batch):
-            start, p = int(cu[b]), len(prompt_ids[i])
-            for j in range(len(completions[i])):
-                rows.append(start + p - 1 + j)
-                owners.append((i, p - 1 + j))
-        if not rows:
-            for i in batch:
-                out[i] = torch.zeros(0)
-            continue
-        need_full = any(k in wanted for k in owners)
-        res = model.token_logprobs(ids, cu.to(device), torch.tensor(rows, device=device), temperature,
-                                   return_full=need_full)
-        tok, rows_full = (res if need_full else (res, None))
-        tok = tok.cpu()
-        k = 0
-        for i in batch:
-            n = len(completions[i])
-            out[i] = tok[k:k + n]
-            k += n
-        if rows_full is not None:
-            for r, key in enumerate(owners):
-                if key in wanted:
-                    full[key] = rows_full[r].cpu()
-    return RecomputeResult(logprobs=out, full_rows=full)
+    with Trainer(spec, state_dict, device=device,
+                 options=TrainerOptions(micro_batch_tokens=max_tokens_per_batch)) as trainer:
+        return trainer.logprobs(prompt_ids, completions, temperature=temperature, full_rows_for=full_rows_for)

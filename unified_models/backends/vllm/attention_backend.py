@@ -4,7 +4,7 @@ The backend never computes attention: our model's forward calls
 :func:`unified_models.forward.forward_hidden`, whose attention layer function
 (:mod:`unified_models.layers.attention`) reads and writes vLLM's paged cache
 through the :class:`~unified_models.state.StateStore` (its
-``attention_state(layer_index)``: the layer's K/V pages and its KV-cache
+``state(layer_index, "attn")``: the layer's K/V pages and its KV-cache
 group's block table and slot mapping).
 vLLM only needs the backend to (a) say which cache shape/dtypes/block sizes it
 accepts and (b) build per-step metadata, which here is a plain pass-through of

@@ -59,6 +59,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ...dsl import CheckpointError
+from ...layers import declares_slot_state
 from . import compat
 
 DEFAULT_BLOCK_SIZE = 64
@@ -90,10 +91,19 @@ def check_spec_supported(spec) -> None:
     """
     from ...dsl import SpecError
 
-    if not spec.attention_blocks:
+    if not _paged_kv(spec):
         raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no attention layer; "
                         "the vLLM backend needs at least one ('*'): attention-free (pure Mamba) models are "
                         "not supported")
+
+
+def _paged_kv(spec) -> list:
+    """The model's paged KV cache declarations (:func:`unified_models.layers.model_caches`)."""
+    from ...caches import PagedKVCache
+    from ...layers import model_caches
+
+    return [d for d in model_caches(spec).values() if isinstance(d, PagedKVCache)]
+
 
 
 def kv_cache_dtype_setting(spec, requested: str | None) -> str:
@@ -109,7 +119,7 @@ def kv_cache_dtype_setting(spec, requested: str | None) -> str:
     from ...dsl import SpecError
     from .attention_backend import vllm_kv_cache_dtypes
 
-    declared = sorted({blk.mixer.kv_cache_dtype for blk in spec.attention_blocks})
+    declared = sorted({"fp8_e4m3" if decl.fp8 else "auto" for decl in _paged_kv(spec)})
     if len(declared) > 1:
         raise SpecError(f"{spec.family}: attention layers declare different KV-cache dtypes {declared}; vLLM runs "
                         "one kv_cache_dtype per engine")
@@ -150,7 +160,7 @@ def hybrid_engine_settings(spec, *, gpu: bool, enable_prefix_caching: bool | Non
         ValueError: a Mamba state dtype or cache-mode setting we do not
             implement, or prefix caching with chunked prefill explicitly off.
     """
-    if not spec.mamba_blocks:
+    if not declares_slot_state(spec):
         return (True if enable_prefix_caching is None else bool(enable_prefix_caching)), enable_chunked_prefill
     for name, allowed in MAMBA_DTYPE_ARGS.items():
         if name in engine_kwargs and engine_kwargs[name] not in allowed:
@@ -357,7 +367,7 @@ def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[st
     supported, why = True, ""
     if not gpu:
         supported, why = False, "the CPU build of vLLM has no CUDA graphs"
-    elif spec.mamba_blocks:
+    elif declares_slot_state(spec):
         supported, why = False, ("models with Mamba-2 layers run eagerly (their state-slot metadata is "
                                  "rebuilt each step, not kept in persistent buffers a graph replays)")
     if cuda_graphs and not supported:
@@ -542,19 +552,44 @@ class SampleRecorder:
     Use as a context manager around ``llm.generate``. Each entry is
     ``(request_id, position, row)``: the user-visible request id, the position of
     the token whose hidden state produced the row (the sampled token sits at
-    ``position + 1``), and (``keep_rows=True``) the fp32 ``[V]`` log-probabilities.
-    Rows of partial prefills are recorded too (vLLM discards their sample); prompt-
-    logprob calls (``logits_call_index >= 1``) are recorded in ``prompt_rows`` as
-    ``(request_ids_in_batch, rows)`` per call, without further mapping.
+    ``position + 1``), and the fp32 ``[V]`` log-probabilities when that row is
+    kept (else ``None``). Rows of partial prefills are recorded too (vLLM discards
+    their sample); prompt-logprob calls (``logits_call_index >= 1``) are recorded in
+    ``prompt_rows`` as ``(request_ids_in_batch, rows)`` per call, without further mapping.
+
+    Args:
+        llm: an in-process engine from :func:`make_llm`.
+        keep_rows: copy sampling rows to the host at all (False: positions only).
+        keep_rows_of: with ``keep_rows``, a predicate on the user-visible request id,
+            asked once per sampling row in row order: only rows for which it is true
+            leave the device (one gather + one copy per step), the others are recorded
+            with ``None``. ``None`` keeps every row. :meth:`first_requests` builds the
+            common one.
     """
 
-    def __init__(self, llm, *, keep_rows: bool = True):
+    def __init__(self, llm, *, keep_rows: bool = True, keep_rows_of=None):
         self.model = get_model(llm)
         self.runner = get_runner(llm)
         self.keep_rows = keep_rows
+        self.keep_rows_of = keep_rows_of
         self.entries: list[tuple[str, int, torch.Tensor | None]] = []
         self.prompt_rows: list[tuple[list[str], torch.Tensor]] = []
         self._prev = None
+
+    @staticmethod
+    def first_requests(n: int):
+        """A ``keep_rows_of`` predicate: the first ``n`` distinct request ids it is asked about
+        (-1: all, 0: none). vLLM admits requests in submission order, so with every request
+        admitted at once these are the first ``n`` submitted."""
+        kept: set[str] = set()
+        limit = float("inf") if n < 0 else n
+
+        def keep(request_id: str) -> bool:
+            if request_id not in kept and len(kept) < limit:
+                kept.add(request_id)
+            return request_id in kept
+
+        return keep
 
     def __enter__(self) -> "SampleRecorder":
         self._prev = self.model.logprob_tap
@@ -570,17 +605,26 @@ class SampleRecorder:
             self.prompt_rows.append((req_ids, rows.cpu()))
             return
         pos = self.model.last_sample_positions
-        if pos is None or pos.shape[0] != rows.shape[0] or len(req_ids) < rows.shape[0]:
+        n = rows.shape[0]
+        if pos is None or pos.shape[0] != n or len(req_ids) < n:
             raise RuntimeError(
-                f"SampleRecorder: {rows.shape[0]} sampling rows but {len(req_ids)} requests / "
+                f"SampleRecorder: {n} sampling rows but {len(req_ids)} requests / "
                 f"{None if pos is None else pos.shape[0]} recorded positions")
-        rows_cpu = rows.cpu() if self.keep_rows else None
-        for i in range(rows.shape[0]):
-            self.entries.append((req_ids[i], int(pos[i]), rows_cpu[i] if rows_cpu is not None else None))
+        kept: list[torch.Tensor | None] = [None] * n
+        if self.keep_rows and self.keep_rows_of is None:
+            kept = list(rows.cpu())
+        elif self.keep_rows:
+            idx = [i for i in range(n) if self.keep_rows_of(req_ids[i])]
+            if idx:
+                host = rows[torch.tensor(idx, device=rows.device)].cpu()
+                for r, i in enumerate(idx):
+                    kept[i] = host[r]
+        for i in range(n):
+            self.entries.append((req_ids[i], int(pos[i]), kept[i]))
 
     def rows_for(self, request_id: str) -> dict[int, torch.Tensor]:
-        """``position -> row`` of one request (later entries win, e.g. after a recompute)."""
-        return {p: r for rid, p, r in self.entries if rid == request_id}
+        """``position -> row`` of one request's kept rows (later entries win, e.g. after a recompute)."""
+        return {p: r for rid, p, r in self.entries if rid == request_id and r is not None}
 
 
 def generate_token_ids(llm, prompts: Iterable[list[int]], sampling_params, *, use_tqdm: bool = False):

@@ -5,23 +5,24 @@ pool as the attention KV blocks, and hands the slot of every request to a
 metadata builder per step; the Mamba-2 layer function
 (:mod:`unified_models.layers.mamba2`) reads and writes the slots through the
 ops of :mod:`unified_models.ops.mamba2`, via
-``VllmStateStore.mamba_state(layer_index)``
-(:class:`~unified_models.state.MambaState`).
+``VllmStateStore.state(layer_index, "state_cache")``
+(:class:`~unified_models.state.SlotState`).
 
 Pieces (the same protocol as vLLM's own ``MambaMixer2`` /
 ``Mamba2AttentionBackend``, integration manual section 8):
 
-* :class:`UnifiedMambaCache`: one per Mamba layer, an ``nn.Module`` +
-  vLLM ``MambaBase`` named ``backbone.layers.{i}.mixer.state_cache``. It
-  declares the layer's state tensors (:func:`state_layout`) with
+* :class:`UnifiedSlotStateCache`: one per slot-state cache declaration
+  (:class:`~unified_models.caches.SlotStateCache`; Mamba-2: ``backbone.layers.{i}.mixer.state_cache``),
+  an ``nn.Module`` + vLLM ``MambaBase``. It declares the layer's state tensors
+  (the declaration's layout, :func:`unified_models.layers.mamba2.state_layout`) with
   ``get_state_shape()`` / ``get_state_dtype()``; vLLM's default
   ``MambaBase.get_kv_cache_spec`` turns them into a ``MambaSpec``
   (``mamba_type = CUSTOM``; Mamba layers form KV-cache groups of their own,
   as many as needed to keep groups of equal size, each with its own block
   table) and binds the allocated pages to
   ``self.kv_cache`` (one ``[num_blocks, *shape]`` view per state, page
-  stride). :meth:`UnifiedMambaCache.state_views` returns them as an
-  :class:`~unified_models.ops.Mamba2State`.
+  stride). :meth:`UnifiedSlotStateCache.state_views` returns them as the
+  declaration's state object (an :class:`~unified_models.ops.Mamba2State`).
 * :class:`UnifiedMambaBackend` + :class:`UnifiedMambaMetadataBuilder`: per
   step, per group, the slot of each request (``state_indices`` = the group's
   block-table column through vLLM's ``mamba_get_block_table_tensor``, which
@@ -34,7 +35,7 @@ Pieces (the same protocol as vLLM's own ``MambaMixer2`` /
   ours copy the whole slot of every state (the state is complete at any
   position: boundary SSM state + pending chunk rows + conv tail).
 
-State layout declared to vLLM (:func:`state_layout`): the five tensors of
+State layout declared to vLLM (:func:`unified_models.layers.mamba2.state_layout`): the five tensors of
 ``ops.Mamba2State`` for one slot, fp32 ones first so that every state's byte
 offset inside the page is aligned to its element size (both versions pack the
 states back to back in the order declared)::
@@ -69,64 +70,37 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ...dsl import Mamba2Spec, ModelSpec, SpecError
-from ...ops.mamba2 import Mamba2State
+from ...caches import SlotStateCache
+from ...dsl import ModelSpec, SpecError
+from ...layers import model_caches
+from ...layers.mamba2 import STATE_ORDER
+from ...state import SlotState
 from . import compat
 from .attention_backend import notify_step
 
 MAMBA_BACKEND_NAME = "UNIFIED_MODELS_MAMBA2"
 
-STATE_ORDER: tuple[str, ...] = ("ssm", "dt", "conv", "x", "B")
-"""Order of the ``Mamba2State`` tensors in vLLM's page (fp32 first: aligned offsets)."""
-
-
-def mamba_cache_prefix(block_index: int, prefix: str = "") -> str:
-    """Forward-context name of block ``block_index``'s Mamba state layer (exactly one integer)."""
-    name = f"backbone.layers.{block_index}.mixer.state_cache"
-    return f"{prefix}.{name}" if prefix else name
-
-
-def state_layout(spec: Mamba2Spec, model_dtype: torch.dtype) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """``(name, per-slot shape, dtype)`` of each state tensor, in :data:`STATE_ORDER`."""
-    shapes = Mamba2State.shapes(**spec.state_kwargs())
-    out = []
-    for name in STATE_ORDER:
-        shape, role = shapes[name]
-        out.append((name, tuple(int(s) for s in shape), torch.float32 if role == "fp32" else model_dtype))
-    return tuple(out)
-
 
 def model_state_layout(spec: ModelSpec, model_dtype: torch.dtype
                        ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """The state layout shared by every Mamba layer of ``spec``.
+    """The slot layout shared by every slot-state cache of ``spec`` (from the families'
+    declarations, :func:`unified_models.layers.model_caches`).
 
     vLLM sizes the state page once per model (``get_mamba_state_shape_from_config``),
-    so all Mamba layers must have the same state shapes.
+    so all slot-state caches must have the same layout.
 
     Raises:
-        SpecError: no Mamba layer, or two Mamba layers with different state shapes.
+        SpecError: no slot-state cache, or two with different layouts.
     """
-    blocks = spec.blocks_of(Mamba2Spec)
-    if not blocks:
+    slots = [(key, decl) for key, decl in model_caches(spec, model_dtype).items() if isinstance(decl, SlotStateCache)]
+    if not slots:
         raise SpecError(f"{spec.family} pattern {spec.extra.get('pattern', '?')!r} has no Mamba-2 layer")
-    first = state_layout(blocks[0].mixer, model_dtype)
-    for blk in blocks[1:]:
-        other = state_layout(blk.mixer, model_dtype)
-        if other != first:
-            raise SpecError(f"Mamba-2 layers {blocks[0].index} and {blk.index} have different state shapes "
-                            f"({first} vs {other}); vLLM sizes one state page per model")
-    return first
-
-
-def state_page_bytes(layout) -> int:
-    """Bytes of one slot (unpadded page) of ``layout``."""
-    total = 0
-    for _, shape, dtype in layout:
-        n = 1
-        for s in shape:
-            n *= s
-        total += n * torch.empty((), dtype=dtype).element_size()
-    return total
+    (k0, first), rest = slots[0], slots[1:]
+    for key, decl in rest:
+        if decl.layout != first.layout:
+            raise SpecError(f"Mamba-2 layers {k0[0]} and {key[0]} have different state shapes "
+                            f"({first.layout} vs {decl.layout}); vLLM sizes one state page per model")
+    return first.layout
 
 
 # --------------------------------------------------------------------------- metadata
@@ -209,7 +183,7 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
 
 
 class UnifiedMambaBackend(AttentionBackend):
-    """Backend of :class:`UnifiedMambaCache` layers: metadata only, never an impl."""
+    """Backend of :class:`UnifiedSlotStateCache` layers: metadata only, never an impl."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -253,23 +227,43 @@ class UnifiedMambaBackend(AttentionBackend):
 # --------------------------------------------------------------------------- cache module
 
 
-class UnifiedMambaCache(nn.Module, MambaBase):
-    """The state slots of one Mamba-2 block (vLLM ``MambaBase``; no parameters, no compute).
+@dataclass(frozen=True)
+class SlotGroup:
+    """One step's slots of a slot-state KV-cache group (shared by the group's layers).
 
-    vLLM binds the pages to ``self.kv_cache`` (0.26: a list of per-state views
-    set by the runner; 0.32: ``MambaBase.bind_kv_cache`` slices the raw page
-    into the same views); :meth:`state_views` names them.
+    Attributes:
+        slots_B: int32 ``[B]``, state slot of each request row (-1: no token this step).
+        start_B: int64 ``[B]``, tokens already folded into each slot.
+        cu_seqlens_B1: int32 ``[B+1]``, vLLM's ``query_start_loc`` (token rows of
+            each request; rows past ``cu_seqlens_B1[B]`` are padding).
     """
 
-    def __init__(self, spec: Mamba2Spec, layer_name: str, vllm_config) -> None:
+    slots_B: torch.Tensor
+    start_B: torch.Tensor
+    cu_seqlens_B1: torch.Tensor
+
+
+class UnifiedSlotStateCache(nn.Module, MambaBase):
+    """The state slots of one slot-state cache (vLLM ``MambaBase``; no parameters, no compute).
+
+    Built from a :class:`~unified_models.caches.SlotStateCache` declaration: its
+    ``layout`` is what vLLM allocates per slot, its ``view`` what the layer gets.
+    vLLM binds the pages to ``self.kv_cache`` (0.26: a list of per-state views set
+    by the runner; 0.32: ``MambaBase.bind_kv_cache`` slices the raw page into the
+    same views); :meth:`state_views` names them.
+    """
+
+    metadata_type = UnifiedMambaMetadata
+
+    def __init__(self, decl: SlotStateCache, layer_name: str, vllm_config) -> None:
         nn.Module.__init__(self)
-        self.spec = spec
+        self.decl = decl
         self.layer_name = layer_name
-        self.layout = state_layout(spec, vllm_config.model_config.dtype)
+        self.layout = decl.layout
         self.kv_cache = ()  # type: ignore[assignment]
         ctx = vllm_config.compilation_config.static_forward_context
         if layer_name in ctx:
-            raise ValueError(f"duplicate Mamba state layer name {layer_name!r} in vLLM's forward context")
+            raise ValueError(f"duplicate cache layer name {layer_name!r} in vLLM's forward context")
         ctx[layer_name] = self
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
@@ -293,13 +287,28 @@ class UnifiedMambaCache(nn.Module, MambaBase):
                              "the fp32 states could not be viewed at aligned offsets")
         return spec
 
-    def state_views(self) -> Mamba2State | None:
-        """The bound pages as an :class:`~unified_models.ops.Mamba2State` (``[N, ...]`` views
-        sharing vLLM's storage), or ``None`` before binding (profiling)."""
+    def state_views(self) -> Any:
+        """The bound pages as the declaration's state object (Mamba-2: ``ops.Mamba2State`` of
+        ``[N, ...]`` views sharing vLLM's storage), or ``None`` before binding (profiling)."""
         views = compat.mamba_state_tensors(self.kv_cache, self.layout)
         if views is None:
             return None
-        return Mamba2State(**views)
+        return self.decl.view(**views)
+
+    @staticmethod
+    def step_group(md: UnifiedMambaMetadata, num_tokens: int, real_T: torch.Tensor) -> SlotGroup:
+        """The group's slot and computed tokens of every request row, and ``query_start_loc``."""
+        dev, r = real_T.device, int(md.num_reqs)
+        return SlotGroup(slots_B=md.state_indices[:r].to(device=dev, dtype=torch.int32),
+                         start_B=md.num_computed[:r].to(device=dev, dtype=torch.int64),
+                         cu_seqlens_B1=md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32))
+
+    def view(self, group: SlotGroup) -> SlotState | None:
+        """The layer's slot state with its group's slots (``None`` before binding)."""
+        state = self.state_views()
+        if state is None:
+            return None
+        return SlotState(state=state, slots_B=group.slots_B, start_B=group.start_B, cu_seqlens_B1=group.cu_seqlens_B1)
 
     def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
         return None

@@ -31,15 +31,17 @@ How ``compute_logits`` rows map to requests (vLLM V1 model runner, both 0.26 and
   ``engine.external_request_id(req_id)`` strips it.
   :class:`~unified_models.backends.vllm.engine.SampleRecorder` does all of this.
 
-KV-cache groups. vLLM puts layers whose cache specs are equal into one group
-and runs one metadata builder per group, so all layers of a group share one
-:class:`UnifiedAttentionMetadata` object (their group's ``block_table``,
+KV-cache groups. The caches are the families' declarations
+(:func:`unified_models.layers.model_caches`), one vLLM cache module per
+declaration chosen by its kind (:mod:`.caches`). vLLM puts layers whose cache
+specs are equal into one group and runs one metadata builder per group, so all
+layers of a group share one metadata object (their group's ``block_table``,
 ``slot_mapping`` and ``block_size``) while ``query_start_loc`` and
 ``num_actual_tokens`` are common to every group. Each step the model reads
-every stateful layer's metadata from the forward context, makes one
-:class:`~unified_models.state.PagedGroup` per distinct metadata object and
-hands :class:`VllmStateStore` the table ``layer index -> group``; each layer
-asks the store for its own views. Several groups (sliding window, compressed
+every cache module's metadata from the forward context, makes one group
+object per distinct metadata object (the module class's ``step_group``) and
+hands :class:`~.caches.VllmStateStore` the table ``(layer, cache name) ->
+group``; each layer asks the store for its own views. Several groups (sliding window, compressed
 KV, ...) therefore need no change here beyond their cache modules.
 
 Mamba-2 state (hybrid models, :mod:`.mamba_state`): each Mamba layer has a
@@ -50,10 +52,10 @@ attention blocks). vLLM puts the Mamba layers in KV-cache groups of their own
 attention layers gets several Mamba groups, each with its own block table,
 hence its own slot per request). Each group's
 :class:`~.mamba_state.UnifiedMambaMetadata` gives the slot and the computed
-tokens of every request; ``VllmStateStore.mamba_state(layer_index)`` returns
+tokens of every request; ``VllmStateStore.state(layer_index, "state_cache")`` returns
 the layer's :class:`~unified_models.ops.Mamba2State` views with its group's
 slots, the computed tokens and ``query_start_loc`` as ``cu_seqlens_B1``
-(:class:`~unified_models.state.MambaState`; one shared object per group, so
+(:class:`~unified_models.state.SlotState`; one shared object per group, so
 the layer builds its batch metadata once per group). vLLM decides "hybrid"
 from class flags (``IsHybrid``, ``HasInnerState``) and then sizes pages and block sizes
 from the class methods ``get_mamba_state_shape_from_config`` /
@@ -71,20 +73,18 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from ...dsl import AttentionSpec, CheckpointError, ModelSpec, ParallelismError, SpecError
+from ...dsl import CheckpointError, ModelSpec, ParallelismError, SpecError
 from ...forward import forward_hidden, forward_logprobs
+from ...layers import declares_slot_state, family_of, model_caches
 from ...parameters import allocate_parameters
-from ...state import AttentionState, FlatBatch, MambaState, PagedGroup
+from ...state import FlatBatch
 from . import compat
-from .attention_backend import (KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata,
-                                register_step_listener, vllm_kv_cache_dtypes)
-from .mamba_state import (UnifiedMambaCache, UnifiedMambaMetadata, mamba_cache_prefix, model_state_layout,
-                          state_copy_funcs)
+from .attention_backend import register_step_listener
+from .caches import VllmStateStore, cache_layer_name, cache_module
+from .mamba_state import model_state_layout, state_copy_funcs
 
 
 def hybrid_architecture(architecture: str) -> str:
@@ -103,127 +103,6 @@ def model_architecture(spec: ModelSpec) -> str:
     from .plugin import model_architecture as name
 
     return name(spec)
-
-
-def attention_cache_prefix(block_index: int, prefix: str = "") -> str:
-    """Forward-context name of block ``block_index``'s cache layer (exactly one integer)."""
-    name = f"backbone.layers.{block_index}.mixer.attn"
-    return f"{prefix}.{name}" if prefix else name
-
-
-class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
-    """The paged KV cache of one attention block (integration manual, route A).
-
-    Holds no parameters and computes nothing: vLLM binds the cache tensor to
-    ``self.kv_cache`` and the model's forward reads it through :func:`kv_views`.
-
-    FP8 KV cache (``spec.kv_cache_dtype == "fp8_e4m3"``): the engine must run
-    with ``kv_cache_dtype`` ``"fp8_e4m3"``/``"fp8"`` (``engine.make_llm`` sets
-    it); the pages are declared uint8 as vLLM's own layers declare them and
-    viewed as float8_e4m3fn. The scales are the model's ``k_proj.k_scale`` /
-    ``v_proj.v_scale`` parameters (loaded by name like every other tensor).
-
-    Raises:
-        SpecError: vLLM's ``cache_config.cache_dtype`` disagrees with the spec
-            (names the layer and both settings).
-    """
-
-    def __init__(self, spec: AttentionSpec, layer_name: str, vllm_config) -> None:
-        nn.Module.__init__(self)
-        self.spec = spec
-        self.layer_name = layer_name
-        self.dtype = vllm_config.model_config.dtype
-        self.kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        allowed = vllm_kv_cache_dtypes(spec.kv_cache_dtype, self.dtype)
-        if self.kv_cache_dtype not in allowed:
-            raise SpecError(
-                f"{spec.name}: the checkpoint declares kv_cache_dtype={spec.kv_cache_dtype!r} but vLLM runs with "
-                f"kv_cache_dtype={self.kv_cache_dtype!r}; both engines must use the spec's cache "
-                f"(allowed: {list(allowed)}; unified_models.backends.vllm.engine.make_llm sets it)")
-        self.kv_cache: torch.Tensor = torch.tensor([])
-        ctx = vllm_config.compilation_config.static_forward_context
-        if layer_name in ctx:
-            raise ValueError(f"duplicate attention layer name {layer_name!r} in vLLM's forward context")
-        ctx[layer_name] = self
-
-    def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
-        return UnifiedAttentionBackend
-
-    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
-        block_size = int(vllm_config.cache_config.block_size)
-        if block_size % KV_BLOCK_MULTIPLE:
-            raise ValueError(
-                f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
-                "(the attention op's KV tile)"
-            )
-        fp8 = self.spec.kv_fp8
-        return FullAttentionSpec(block_size=block_size, num_kv_heads=self.spec.num_kv_heads,
-                                 head_size=self.spec.head_dim, dtype=torch.uint8 if fp8 else self.dtype,
-                                 **compat.attention_spec_kwargs(fp8))
-
-    def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache, or ``None``."""
-        return compat.split_kv_cache(self.kv_cache, self.spec.num_kv_heads, self.spec.head_dim)
-
-    def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
-        return None
-
-
-@dataclass(frozen=True)
-class MambaSlots:
-    """One step's slots of a Mamba KV-cache group (shared by the group's layers).
-
-    Attributes:
-        slots_B: int32 ``[B]``, state slot of each request row (-1: no token this step).
-        start_B: int64 ``[B]``, tokens already folded into each slot.
-        cu_seqlens_B1: int32 ``[B+1]``, vLLM's ``query_start_loc`` (token rows of
-            each request; rows past ``cu_seqlens_B1[B]`` are padding).
-    """
-
-    slots_B: torch.Tensor
-    start_B: torch.Tensor
-    cu_seqlens_B1: torch.Tensor
-
-
-class VllmStateStore:
-    """:class:`~unified_models.state.StateStore` over vLLM's caches for one step.
-
-    Args:
-        attention: layer index -> the layer's cache module (holds the bound K/V pages).
-        groups: layer index -> the :class:`PagedGroup` of the layer's KV-cache
-            group this step (one shared object per group), or ``None`` in
-            profiling/dummy runs (no cache bound: every accessor gives ``None``).
-        mamba: layer index -> the Mamba layer's state module.
-        mamba_groups: layer index -> its group's :class:`MambaSlots` this step,
-            or ``None`` in profiling/dummy runs.
-    """
-
-    def __init__(self, attention: dict[int, UnifiedAttentionCache], groups: dict[int, PagedGroup] | None,
-                 mamba: dict[int, UnifiedMambaCache] | None = None,
-                 mamba_groups: dict[int, MambaSlots] | None = None):
-        self._attention = attention
-        self._groups = groups
-        self._mamba = mamba or {}
-        self._mamba_groups = mamba_groups
-
-    def attention_state(self, layer_index: int) -> AttentionState | None:
-        if self._groups is None:
-            return None
-        views = self._attention[layer_index].kv_views()
-        if views is None:
-            return None
-        return AttentionState(views[0], views[1], self._groups[layer_index])
-
-    def mamba_state(self, layer_index: int) -> MambaState | None:
-        """The layer's ``Mamba2State`` views with its group's slot and computed tokens
-        of each request row, or ``None`` in profiling/dummy runs."""
-        if self._mamba_groups is None:
-            return None
-        views = self._mamba[layer_index].state_views()
-        if views is None:
-            return None
-        g = self._mamba_groups[layer_index]
-        return MambaState(state=views, slots_B=g.slots_B, start_B=g.start_B, cu_seqlens_B1=g.cu_seqlens_B1)
 
 
 class _Node(nn.Module):
@@ -291,7 +170,7 @@ class UnifiedForCausalLM(nn.Module):
             owner.register_parameter(leaf, param)
             self._param_slots.append((name, owner._parameters, leaf))
 
-        has_mamba = bool(self.spec.mamba_blocks)
+        has_mamba = declares_slot_state(self.spec)
         if has_mamba != bool(getattr(type(self), "is_hybrid", False)):
             want = model_architecture(self.spec)
             raise SpecError(
@@ -299,24 +178,22 @@ class UnifiedForCausalLM(nn.Module):
                 f"{'has' if has_mamba else 'has no'} Mamba-2 layers, but vLLM selected {type(self).__name__}; "
                 f"load it with architecture {want!r} (hf_overrides={{'architectures': [{want!r}]}}; "
                 "unified_models.backends.vllm.engine.make_llm does this)")
-
-        self._attn: dict[int, UnifiedAttentionCache] = {}
-        for blk in self.spec.attention_blocks:
-            name = attention_cache_prefix(blk.index, prefix)
-            layer = UnifiedAttentionCache(blk.mixer, name, vllm_config)
-            local = attention_cache_prefix(blk.index)
-            *path, leaf = local.split(".")
-            _submodule(self, path).add_module(leaf, layer)
-            self._attn[blk.index] = layer
-        self._mamba: dict[int, UnifiedMambaCache] = {}
         if has_mamba:
-            model_state_layout(self.spec, dtype)  # one state layout for all Mamba layers (vLLM sizes one page)
-        for blk in self.spec.mamba_blocks:
-            name = mamba_cache_prefix(blk.index, prefix)
-            layer = UnifiedMambaCache(blk.mixer, name, vllm_config)
-            *path, leaf = mamba_cache_prefix(blk.index).split(".")
-            _submodule(self, path).add_module(leaf, layer)
-            self._mamba[blk.index] = layer
+            model_state_layout(self.spec, dtype)  # one state layout for all slot-state caches (vLLM sizes one page)
+
+        # one cache module per declared cache, by kind (caches.CACHE_MODULES), named <mixer>.<cache>
+        self._caches: dict[tuple[int, str], nn.Module] = {}
+        for sub in self.spec.sublayers:
+            for cname, decl in family_of(sub.mixer, sub.index).caches(sub.mixer, dtype).items():
+                layer = cache_module(decl, cache_layer_name(sub.mixer.name, cname, prefix), vllm_config)
+                *path, leaf = cache_layer_name(sub.mixer.name, cname).split(".")
+                owner = _submodule(self, path)
+                if leaf in owner._modules or leaf in owner._parameters:
+                    raise SpecError(f"layer {sub.index}: cache module {cache_layer_name(sub.mixer.name, cname)} "
+                                    "collides with a parameter path of the spec; rename the mixer or the cache")
+                owner.add_module(leaf, layer)
+                self._caches[(sub.index, cname)] = layer
+        model_caches(self.spec, dtype)  # refuses two sublayers of one layer declaring the same cache name
 
         self.logprob_tap: Callable[[torch.Tensor], None] | None = None
         self.record_sample_positions = False
@@ -362,38 +239,29 @@ class UnifiedForCausalLM(nn.Module):
 
         return ops.embedding(input_ids, self.params()[self.spec.embedding.name + ".weight"])
 
-    def _cache_layer_names(self) -> dict[int, str]:
-        """Layer index -> forward-context name of every stateful layer (attention and Mamba)."""
-        names = {i: layer.layer_name for i, layer in self._attn.items()}
-        names.update({i: layer.layer_name for i, layer in self._mamba.items()})
-        return dict(sorted(names.items()))
-
-    def _metadata(self) -> dict[int, UnifiedAttentionMetadata | UnifiedMambaMetadata] | None:
-        """This step's metadata of every stateful layer (layer index -> its group's
-        object), or ``None`` in profiling/dummy runs."""
-        names = self._cache_layer_names()
-        if not names:
+    def _metadata(self) -> dict[tuple[int, str], object] | None:
+        """This step's metadata of every cache (cache key -> its group's object), or
+        ``None`` in profiling/dummy runs."""
+        if not self._caches:
             return None
-        mds = {i: compat.layer_metadata(name) for i, name in names.items()}
-        present = [i for i, md in mds.items() if md is not None]
+        mds = {key: compat.layer_metadata(layer.layer_name) for key, layer in self._caches.items()}
+        present = [k for k, md in mds.items() if md is not None]
         if not present:
             return None
         if len(present) != len(mds):
-            missing = [names[i] for i in mds if mds[i] is None]
+            missing = [self._caches[k].layer_name for k in mds if mds[k] is None]
             raise RuntimeError(f"unified_models: vLLM gave no metadata for {missing} this step "
-                               f"but did for {names[present[0]]}")
-        return mds  # type: ignore[return-value]
+                               f"but did for {self._caches[present[0]].layer_name}")
+        return mds
 
     def _flat_batch(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    mds: dict[int, UnifiedAttentionMetadata | UnifiedMambaMetadata] | None
-                    ) -> tuple[FlatBatch, VllmStateStore]:
+                    mds: dict[tuple[int, str], object] | None) -> tuple[FlatBatch, VllmStateStore]:
         t = input_ids.shape[0]
         dev = input_ids.device
         if mds is None:  # profiling / dummy run: no cache, nothing written
             batch = FlatBatch(input_ids=input_ids, positions=positions.long(),
                               seq_idx=torch.zeros(t, dtype=torch.int32, device=dev))
-            return batch, VllmStateStore(self._attn, None, self._mamba, None)
-        names = self._cache_layer_names()
+            return batch, VllmStateStore(self._caches, None)
         md = next(iter(mds.values()))  # the step's layout is common to every group
         tok = torch.arange(t, device=dev)
         # Everything below is computed on the device from vLLM's persistent buffers, never
@@ -407,38 +275,23 @@ class UnifiedForCausalLM(nn.Module):
         seq_idx = torch.where(real, seq_idx, torch.zeros_like(seq_idx)).to(torch.int32)
         pos = torch.where(real, positions[:t].long(), torch.zeros_like(tok))
         batch = FlatBatch(input_ids=input_ids, positions=pos, seq_idx=seq_idx)
-        by_md: dict[int, PagedGroup | MambaSlots] = {}  # one object per KV-cache group (= metadata object)
-        groups: dict[int, PagedGroup] = {}
-        mamba_groups: dict[int, MambaSlots] = {}
-        for i, g_md in mds.items():
+        by_md: dict[int, object] = {}  # one group object per KV-cache group (= metadata object)
+        groups: dict[tuple[int, str], object] = {}
+        for key, g_md in mds.items():
+            layer = self._caches[key]
+            if not isinstance(g_md, layer.metadata_type):
+                raise RuntimeError(f"unified_models: cache {layer.layer_name} got {type(g_md).__name__} metadata, "
+                                   f"expected {layer.metadata_type.__name__}")
             group = by_md.get(id(g_md))
             if group is None:
                 if int(g_md.num_actual_tokens) != int(md.num_actual_tokens) or int(g_md.num_reqs) != int(md.num_reqs):
                     raise RuntimeError(
-                        f"unified_models: KV-cache groups disagree on the step layout ({names[i]}: "
+                        f"unified_models: KV-cache groups disagree on the step layout ({layer.layer_name}: "
                         f"{int(g_md.num_reqs)} requests / {int(g_md.num_actual_tokens)} tokens, expected "
                         f"{int(md.num_reqs)} / {int(md.num_actual_tokens)})")
-                if isinstance(g_md, UnifiedMambaMetadata):
-                    r = int(g_md.num_reqs)
-                    group = MambaSlots(slots_B=g_md.state_indices[:r].to(device=dev, dtype=torch.int32),
-                                       start_B=g_md.num_computed[:r].to(device=dev, dtype=torch.int64),
-                                       cu_seqlens_B1=g_md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32))
-                else:
-                    slot = torch.full((t,), -1, dtype=torch.int64, device=dev)
-                    m_slots = min(t, int(g_md.slot_mapping.shape[0]))
-                    slot[:m_slots] = g_md.slot_mapping[:m_slots].to(torch.int64)
-                    slot = torch.where(real, slot, torch.full_like(slot, -1))  # padding writes nothing
-                    group = PagedGroup(g_md.block_table, slot, int(g_md.block_size))
-                by_md[id(g_md)] = group
-            if i in self._mamba:
-                if not isinstance(group, MambaSlots):
-                    raise RuntimeError(f"unified_models: Mamba layer {names[i]} got {type(g_md).__name__} metadata")
-                mamba_groups[i] = group
-            else:
-                if not isinstance(group, PagedGroup):
-                    raise RuntimeError(f"unified_models: attention layer {names[i]} got {type(g_md).__name__} metadata")
-                groups[i] = group
-        return batch, VllmStateStore(self._attn, groups, self._mamba, mamba_groups)
+                group = by_md[id(g_md)] = layer.step_group(g_md, t, real)
+            groups[key] = group
+        return batch, VllmStateStore(self._caches, groups)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
@@ -493,7 +346,7 @@ class UnifiedForCausalLM(nn.Module):
         of a second or more inside a timed step. Zeros in, nothing kept: no state or
         bit changes.
         """
-        from ...ops.triton.linear import linear_triton, tier_probe_rows
+        from ...ops.linear.triton import linear_triton, tier_probe_rows
 
         params = self.params()
         w = params[self.spec.lm_head.weight_name]

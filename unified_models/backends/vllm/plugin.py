@@ -12,17 +12,17 @@ MODEL_CLASS = "unified_models.backends.vllm.model:UnifiedForCausalLM"
 HYBRID_MODEL_CLASS = "unified_models.backends.vllm.model:UnifiedHybridForCausalLM"
 """Models with Mamba-2 layers: the same class plus vLLM's hybrid flags (see ``model.py``)."""
 
-_registered = False
-
-
 def hybrid_architecture(architecture: str) -> str:
     """``UnifiedNemotronHForCausalLM`` -> ``UnifiedNemotronHHybridForCausalLM`` (as ``model.hybrid_architecture``)."""
     return f"{architecture.removesuffix('ForCausalLM')}HybridForCausalLM"
 
 
 def model_architecture(spec) -> str:
-    """The architecture name vLLM must load ``spec`` with: the hybrid variant iff it has Mamba-2 layers."""
-    return hybrid_architecture(spec.architecture) if spec.mamba_blocks else spec.architecture
+    """The architecture name vLLM must load ``spec`` with: the hybrid variant iff it declares
+    slot-state caches (Mamba-2 layers; vLLM's ``IsHybrid`` path)."""
+    from ...layers import declares_slot_state
+
+    return hybrid_architecture(spec.architecture) if declares_slot_state(spec) else spec.architecture
 
 
 def model_classes() -> dict[str, str]:
@@ -43,13 +43,12 @@ def architectures() -> list[str]:
 
 
 def register() -> None:
-    """Register our model classes under each family's architecture names (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Register our model classes under each family's architecture names (idempotent: names
+    already registered are skipped, so a family registered later in the process is added
+    by the next call; ``engine.make_llm`` calls it)."""
     from vllm import ModelRegistry
 
+    supported = set(ModelRegistry.get_supported_archs())
     for arch, cls in model_classes().items():
-        if arch not in ModelRegistry.get_supported_archs():
+        if arch not in supported:
             ModelRegistry.register_model(arch, cls)
-    _registered = True

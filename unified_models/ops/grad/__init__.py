@@ -1,3 +1,3 @@
-"""Backward of the ops: autograd functions (:mod:`.functions`), attention by
-recomputation (:mod:`.attention`) and the weight-version guard (:mod:`.weights`).
-The public entry points are in :mod:`unified_models.ops.autograd`."""
+"""What the families' backward modules (``ops/<family>/backward.py``) share: the
+weight-version guard (:mod:`.weights`) and small helpers (:mod:`.helpers`). The
+public differentiable entry points are gathered in :mod:`unified_models.ops.autograd`."""

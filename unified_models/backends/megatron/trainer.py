@@ -1,0 +1,274 @@
+"""The trainer object: one Megatron module, its parallel state and optimizer, for the life of a run.
+
+:class:`Trainer` is what ``check`` (recompute only), ``rl`` and RL framework
+adapters drive:
+
+* :meth:`Trainer.logprobs`: every sampled token's logprob (and chosen whole
+  rows), recomputed without a graph from packed (THD) prompt + completion
+  sequences by the same kernels vLLM ran;
+* :meth:`Trainer.step`: one optimizer update: the same forward with a graph per
+  micro-batch, a caller's loss (e.g. :func:`unified_models.rl.grpo.grpo_loss`),
+  backward (gradients accumulate in fp32), one step of the optimizer
+  (:mod:`.optimizer`);
+* :meth:`Trainer.named_weights`: the parameters by Hugging Face name, for the
+  in-place sync into the rollout engine;
+* :meth:`Trainer.save` / :meth:`Trainer.resume`: Megatron training checkpoints
+  (:mod:`.checkpoint`).
+
+Megatron's parallel state (TP=1, :mod:`.parallel`) is initialized by the
+trainer and torn down by :meth:`Trainer.close` when the trainer initialized it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ...dsl import ModelSpec
+from .recompute import MicroBatch, RecomputeResult, pack_sequences
+
+__all__ = ["Trainer", "TrainerOptions", "TrainBatch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerOptions:
+    """How a :class:`Trainer` is built.
+
+    Attributes:
+        optimizer: hyperparameters (:class:`~.optimizer.OptimizerConfig`); ``None``: a
+            recompute-only trainer (no optimizer, :meth:`Trainer.step` refused; a model it
+            builds is put in eval mode).
+        reference_model: keep a frozen copy of the initial weights
+            (:meth:`TrainBatch.reference_logprobs`, e.g. for a KL penalty).
+        micro_batch_tokens: THD micro-batch size (default 4096 CPU / 32768 GPU).
+        train_masters: a quantized (ModelOpt-format) checkpoint trains model-dtype masters
+            (dequantized once; quantized on every forward by the rules the engine uses;
+            ``Trainer.spec`` is then the master spec). ``None``: when ``optimizer`` is set.
+            A recompute-only trainer runs the stored codes, as the engine loaded them.
+    """
+
+    optimizer: Any = None
+    reference_model: bool = False
+    micro_batch_tokens: int | None = None
+    train_masters: bool | None = None
+
+
+@dataclass
+class TrainBatch:
+    """What a :meth:`Trainer.step` loss sees of one micro-batch.
+
+    Attributes:
+        batch: the packed micro-batch (``owners``, ``flat`` slice, tensors).
+        logprobs: ``[R]`` fp32 logprob of each completion token, with a graph.
+        rows: ``[R, V]`` fp32 whole rows (``log_softmax(logits / T)``), same graph.
+    """
+
+    batch: MicroBatch
+    logprobs: torch.Tensor
+    rows: torch.Tensor
+    _trainer: "Trainer"
+    _temperature: float
+
+    def reference_logprobs(self) -> torch.Tensor:
+        """``[R]`` fp32 logprobs of the frozen initial weights (no graph).
+
+        Raises:
+            RuntimeError: the trainer was built without ``reference_model``.
+        """
+        ref = self._trainer.reference_model
+        if ref is None:
+            raise RuntimeError("this Trainer has no reference model (TrainerOptions(reference_model=True))")
+        b = self.batch
+        with torch.no_grad():
+            return ref.token_logprobs(b.input_ids, b.cu_seqlens, b.rows, self._temperature).float()
+
+
+class Trainer:
+    """One :class:`~.module.UnifiedMegatronModel` (+ optimizer) for the life of a run.
+
+    Args:
+        spec: the model (the one the state dict was validated against).
+        weights: ``{HF name: tensor}`` (e.g. from ``spec_and_state_dict``), or a built
+            ``UnifiedMegatronModel`` of ``spec``, used as is.
+        device: ``"cpu"`` or ``"cuda"``.
+        options: :class:`TrainerOptions` (default: recompute only).
+
+    Raises:
+        CheckpointError: missing, unexpected or mis-shaped tensors, NaN/Inf, bad scales.
+        ParallelismError: Megatron's parallel state holds another layout.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, torch.Tensor] | Any, *, device: str = "cpu",
+                 options: TrainerOptions | None = None):
+        from . import compat
+        from .module import UnifiedMegatronModel, transformer_config_from_spec
+        from .parallel import init_parallel_state
+
+        self.options = options = options or TrainerOptions()
+        self.device = device
+        self.optimizer = None
+        self.reference_model = None
+        stale = compat.model_parallel_is_initialized() and not torch.distributed.is_initialized()
+        self._owns_parallel_state = stale or not compat.model_parallel_is_initialized()
+        init_parallel_state(tp=1)
+        train_masters = options.optimizer is not None if options.train_masters is None else options.train_masters
+        self.trains_masters = bool(train_masters and spec.is_packed)
+        """True when a quantized checkpoint's masters are trained: the engine needs a sync of
+        them (re-quantized) before its first rollout, dequantize -> quantize not being the identity."""
+        if isinstance(weights, UnifiedMegatronModel):
+            if self.trains_masters:
+                raise ValueError("Trainer: pass the state dict of a quantized checkpoint (its masters are derived "
+                                 "here), not a built model")
+            self.model = weights
+            state = None
+        else:
+            state = weights
+            if self.trains_masters:
+                from ...converters.modelopt import dequantize_state_dict, master_spec
+
+                state = dequantize_state_dict(state, spec)
+                spec = master_spec(spec)
+            cfg = transformer_config_from_spec(spec, perform_initialization=False)
+            self.model = UnifiedMegatronModel(spec, cfg, device=device)
+            self.model.load_hf_state_dict(state)
+            if options.optimizer is None:
+                self.model.eval()
+        self.spec: ModelSpec = self.model.spec
+        if options.reference_model:
+            self.reference_model = UnifiedMegatronModel(self.spec, self.model.config, device=device)
+            self.reference_model.load_hf_state_dict(
+                state if state is not None else {n: p.detach() for n, p in self.model.named_parameters()})
+            self.reference_model.requires_grad_(False)
+            self.reference_model.eval()
+        if options.optimizer is not None:
+            from .optimizer import build_optimizer
+
+            self.optimizer = build_optimizer(self.model, options.optimizer)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Detach the optimizer; tear down Megatron's parallel state if this trainer set it up (idempotent)."""
+        from .parallel import destroy_parallel_state
+
+        if self.optimizer is not None:
+            self.optimizer.close()
+            self.optimizer = None
+        if self._owns_parallel_state:
+            destroy_parallel_state()  # its groups live on a process group vLLM's shutdown may tear down
+            self._owns_parallel_state = False
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ forward
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.options.micro_batch_tokens or (32768 if self.device == "cuda" else 4096)
+
+    def pack(self, prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> list[MicroBatch]:
+        """THD micro-batches of ``prompt + completion`` sequences (:func:`.recompute.pack_sequences`)."""
+        return pack_sequences(prompt_ids, completions, self.micro_batch_tokens, self.device)
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
+                 temperature: float = 1.0, full_rows_for: Iterable[tuple[int, int]] | None = None) -> RecomputeResult:
+        """Logprob of every completion token (no graph), packed THD.
+
+        Args:
+            prompt_ids, completions: token ids per sequence.
+            temperature: as in the rollout.
+            full_rows_for: ``(sequence index, position)`` keys whose whole row to return
+                (position = ``len(prompt) - 1 + j`` for completion token ``j``).
+
+        Returns:
+            :class:`~.recompute.RecomputeResult` (fp32, on the CPU).
+
+        Raises:
+            ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
+        """
+        wanted = set(full_rows_for or ())
+        out: list[torch.Tensor | None] = [None] * len(prompt_ids)
+        full: dict[tuple[int, int], torch.Tensor] = {}
+        for mb in self.pack(prompt_ids, completions):
+            if not mb.owners:
+                for s in mb.seqs:
+                    out[s] = torch.zeros(0)
+                continue
+            keys = [(s, len(prompt_ids[s]) - 1 + j) for s, j in mb.owners]
+            need_full = any(k in wanted for k in keys)
+            res = self.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, temperature, return_full=need_full)
+            tok, rows_full = (res if need_full else (res, None))
+            tok = tok.cpu()
+            k = 0
+            for s in mb.seqs:
+                n = len(completions[s])
+                out[s] = tok[k:k + n]
+                k += n
+            if rows_full is not None:
+                for r, key in enumerate(keys):
+                    if key in wanted:
+                        full[key] = rows_full[r].cpu()
+        return RecomputeResult(logprobs=out, full_rows=full)
+
+    def step(self, prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+             loss_fn: Callable[[TrainBatch], torch.Tensor], *, temperature: float = 1.0) -> dict:
+        """One optimizer update over all sequences.
+
+        Gradients are cleared, then per THD micro-batch: the forward with a graph
+        (completion-token logprobs and whole rows), ``loss = loss_fn(TrainBatch)``,
+        ``loss.backward()`` (gradients accumulate in fp32); then one optimizer step.
+        ``loss_fn`` may raise to stop before that micro-batch's backward (nothing is
+        stepped then; the next :meth:`step` clears the partial gradients).
+
+        Returns:
+            The optimizer's stats (``grad_norm``, ``update_successful``, ``num_zeros``, ``lr``, ``iteration``).
+
+        Raises:
+            RuntimeError: a recompute-only trainer (no optimizer).
+            FloatingPointError: a gradient holds NaN/Inf (nothing was updated).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("this Trainer was built without an optimizer (TrainerOptions(optimizer=...))")
+        self.optimizer.zero_grad()
+        for mb in self.pack(prompt_ids, completions):
+            tok_R, lp_RV = self.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, temperature,
+                                                     return_full=True)
+            loss = loss_fn(TrainBatch(batch=mb, logprobs=tok_R, rows=lp_RV, _trainer=self,
+                                      _temperature=temperature))
+            loss.backward()
+            del tok_R, lp_RV, loss
+        return self.optimizer.step()
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, parameter)`` of every trained tensor (for ``RolloutEngine.sync_weights``)."""
+        return self.model.named_parameters()
+
+    def save(self, root: str | os.PathLike, *, iteration: int | None = None, hf_config: Any = None,
+             extra: Mapping[str, Any] | None = None, overwrite: bool = False):
+        """Write a Megatron training checkpoint (model, optimizer, RNG, iteration); see
+        :func:`.checkpoint.save_training_checkpoint`. Returns the ``iter_*`` directory."""
+        from .checkpoint import save_training_checkpoint
+
+        if self.optimizer is None:
+            raise RuntimeError("this Trainer was built without an optimizer: nothing to save a training state of")
+        return save_training_checkpoint(root, self.model, self.optimizer, iteration=iteration, hf_config=hf_config,
+                                        extra=extra, overwrite=overwrite)
+
+    def resume(self, path: str | os.PathLike, *, iteration: int | None = None):
+        """Restore model, optimizer, RNG and iteration in place; see
+        :func:`.checkpoint.load_training_checkpoint` (returns its ``TrainingCheckpoint``)."""
+        from .checkpoint import load_training_checkpoint
+
+        if self.optimizer is None:
+            raise RuntimeError("this Trainer was built without an optimizer: nothing to resume")
+        return load_training_checkpoint(path, self.model, self.optimizer, iteration=iteration)

@@ -1,0 +1,171 @@
+"""vLLM cache modules by cache kind, and the state store over them.
+
+The model's caches are declared by its layer families
+(:func:`unified_models.layers.model_caches`: ``(layer index, cache name) ->
+declaration``); :data:`CACHE_MODULES` maps each declaration's kind to the
+``nn.Module`` vLLM binds pages to (its forward-context name is
+``<mixer name>.<cache name>``, exactly one integer in it, the layer index):
+
+* :class:`~unified_models.caches.PagedKVCache` -> :class:`UnifiedAttentionCache`
+  (vLLM ``FullAttentionSpec``; our attention backend's metadata, a
+  :class:`~unified_models.state.PagedGroup` per KV-cache group and step);
+* :class:`~unified_models.caches.SlotStateCache` ->
+  :class:`~.mamba_state.UnifiedSlotStateCache` (vLLM ``MambaSpec``, one slot per
+  request; our slot-state backend's metadata, a :class:`~.mamba_state.SlotGroup`
+  per group and step).
+
+Each module class offers ``metadata_type`` (what its backend's builder gives),
+``step_group(md, num_tokens, real_T)`` (the group object of one step, shared
+by every layer of the group) and ``view(group)`` (what the layer function gets
+from ``store.state(layer, name)``). :class:`VllmStateStore` only looks them up,
+so a new kind is one module class and one table entry.
+
+Shapes: T tokens of the step, B requests, N cache blocks, S block size, G kv
+heads, E head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from ...caches import PagedKVCache, SlotStateCache
+from ...dsl import SpecError
+from ...state import AttentionState, PagedGroup, SlotState  # noqa: F401 (SlotState: store type)
+from . import compat
+from .attention_backend import (KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata,
+                                vllm_kv_cache_dtypes)
+from .mamba_state import UnifiedSlotStateCache
+
+
+def cache_layer_name(mixer_name: str, cache_name: str, prefix: str = "") -> str:
+    """Forward-context name of a sublayer's cache module: ``[prefix.]<mixer name>.<cache name>``."""
+    name = f"{mixer_name}.{cache_name}"
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _register(module: nn.Module, layer_name: str, vllm_config) -> None:
+    ctx = vllm_config.compilation_config.static_forward_context
+    if layer_name in ctx:
+        raise ValueError(f"duplicate cache layer name {layer_name!r} in vLLM's forward context")
+    ctx[layer_name] = module
+
+
+class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
+    """The paged KV cache of one attention sublayer (integration manual, route A).
+
+    Holds no parameters and computes nothing: vLLM binds the cache tensor to
+    ``self.kv_cache`` and the model's forward reads it through :meth:`kv_views`.
+
+    FP8 KV cache (``decl.fp8``): the engine must run with ``kv_cache_dtype``
+    ``"fp8_e4m3"``/``"fp8"`` (``engine.make_llm`` sets it); the pages are declared
+    uint8 as vLLM's own layers declare them and viewed as float8_e4m3fn. The
+    scales are the layer's ``k_proj.k_scale`` / ``v_proj.v_scale`` parameters.
+
+    Raises:
+        SpecError: vLLM's ``cache_config.cache_dtype`` disagrees with the
+            declaration (names the layer and both settings).
+        NotImplementedError: a sliding-window or shared-K=V declaration (no
+            family binds one yet; DeepSeek-V4 brings them).
+    """
+
+    metadata_type = UnifiedAttentionMetadata
+
+    def __init__(self, decl: PagedKVCache, layer_name: str, vllm_config) -> None:
+        nn.Module.__init__(self)
+        if decl.sliding_window is not None or decl.shared_kv:
+            raise NotImplementedError(f"{layer_name}: sliding-window / shared-K=V paged KV caches have no vLLM "
+                                      "cache module yet")
+        self.decl = decl
+        self.layer_name = layer_name
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        declared = "fp8_e4m3" if decl.fp8 else "auto"
+        allowed = vllm_kv_cache_dtypes(declared, self.dtype)
+        if self.kv_cache_dtype not in allowed:
+            raise SpecError(
+                f"{layer_name}: the checkpoint declares kv_cache_dtype={declared!r} but vLLM "
+                f"runs with kv_cache_dtype={self.kv_cache_dtype!r}; both engines must use the spec's cache "
+                f"(allowed: {list(allowed)}; unified_models.backends.vllm.engine.make_llm sets it)")
+        self.kv_cache: torch.Tensor = torch.tensor([])
+        _register(self, layer_name, vllm_config)
+
+    def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
+        return UnifiedAttentionBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        block_size = int(vllm_config.cache_config.block_size)
+        if block_size % KV_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
+                "(the attention op's KV tile)"
+            )
+        fp8 = self.decl.fp8
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=self.decl.num_kv_heads,
+                                 head_size=self.decl.head_dim, dtype=torch.uint8 if fp8 else self.dtype,
+                                 **compat.attention_spec_kwargs(fp8))
+
+    def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache, or ``None``."""
+        return compat.split_kv_cache(self.kv_cache, self.decl.num_kv_heads, self.decl.head_dim)
+
+    @staticmethod
+    def step_group(md: UnifiedAttentionMetadata, num_tokens: int, real_T: torch.Tensor) -> PagedGroup:
+        """The group's block table, block size and slot of every token (-1 for padding rows:
+        nothing written). Device-side from vLLM's persistent buffers (CUDA-graph safe)."""
+        dev = real_T.device
+        slot = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+        m_slots = min(num_tokens, int(md.slot_mapping.shape[0]))
+        slot[:m_slots] = md.slot_mapping[:m_slots].to(torch.int64)
+        slot = torch.where(real_T, slot, torch.full_like(slot, -1))
+        return PagedGroup(md.block_table, slot, int(md.block_size))
+
+    def view(self, group: PagedGroup) -> AttentionState | None:
+        """The layer's K/V views with its group's tables (``None`` before binding)."""
+        views = self.kv_views()
+        return None if views is None else AttentionState(views[0], views[1], group)
+
+    def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
+        return None
+
+
+CACHE_MODULES: dict[type, type[nn.Module]] = {PagedKVCache: UnifiedAttentionCache, SlotStateCache: UnifiedSlotStateCache}
+"""Cache declaration kind -> the vLLM cache module class that holds it."""
+
+
+def cache_module(decl: Any, layer_name: str, vllm_config) -> nn.Module:
+    """The cache module of one declaration.
+
+    Raises:
+        SpecError: a kind without a vLLM cache module (names the layer and the kind).
+    """
+    cls = CACHE_MODULES.get(type(decl))
+    if cls is None:
+        raise SpecError(f"{layer_name}: cache kind {type(decl).__name__} has no vLLM cache module "
+                        f"(known: {', '.join(c.__name__ for c in CACHE_MODULES)})")
+    return cls(decl, layer_name, vllm_config)
+
+
+class VllmStateStore:
+    """:class:`~unified_models.state.StateStore` over vLLM's caches for one step.
+
+    Args:
+        modules: ``(layer index, cache name)`` -> the cache module (holds the bound pages).
+        groups: ``(layer index, cache name)`` -> this step's group object of the
+            cache's KV-cache group (one shared object per group), or ``None`` in
+            profiling/dummy runs (no cache bound: every lookup gives ``None``).
+    """
+
+    def __init__(self, modules: dict[tuple[int, str], nn.Module], groups: dict[tuple[int, str], Any] | None):
+        self._modules = modules
+        self._groups = groups
+
+    def state(self, layer_index: int, name: str) -> AttentionState | SlotState | None:
+        if self._groups is None:
+            return None
+        key = (layer_index, name)
+        return self._modules[key].view(self._groups[key])

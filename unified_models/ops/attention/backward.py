@@ -1,0 +1,265 @@
+"""Gradient of paged attention over a packed (THD) batch, by recomputation.
+
+The forward writes K/V into a paged cache (:func:`ops.write_kv_cache`) and the
+attention kernel reads them back (:func:`ops.paged_attention`); neither has a
+backward, and the cache write is an in-place copy that carries no graph. So:
+
+* :func:`record_write` keeps a **tape** on the K cache tensor: for each write
+  since the cache was created, the slots and the K/V tensors written (with
+  their graphs when they require grad; detached otherwise, so later writes
+  still override earlier ones). No tape is kept while nothing requires grad.
+* :class:`PagedAttentionFn` returns the kernel's output unchanged (the
+  *visible* values, bitwise) and differentiates a plain-torch recomputation:
+  for each sequence, causal softmax attention of its query tokens over its
+  keys ``0..max position``, taken from the tape (differentiable) or, for slots
+  no recorded write covers (earlier chunks), from a snapshot of the cache
+  (constants). This is ``visible + (graph - graph.detach())`` of DESIGN.md
+  rule 11, done exactly (the output is the visible tensor itself; no
+  ``x + 0`` that could flip a ``-0.0``) and lazily: the recomputation runs in
+  the backward, one sequence at a time, so no attention graph is kept
+  between forward and backward (only q, the taped K/V and index vectors).
+
+The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``;
+for an FP8 cache the write-and-read round trip
+``q.dtype(fp32(e4m3(clamp(k / k_scale))) * k_scale)`` of
+:func:`~unified_models.ops.attention.kv_fp8_roundtrip`, so the backward
+differentiates at the values the kernel read) and passes gradients straight
+through it (STE); the scales get no gradient. Shapes: T query tokens, H/G
+query/kv heads, E head dim, N blocks, S block size, Kt keys over all sequences.
+
+
+The differentiable :func:`write_kv_cache` and :func:`paged_attention` at the end of
+this file are what :mod:`unified_models.ops` exports.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..grad.helpers import acc, needs_grad
+from . import dispatch
+from .common import kv_fp8_dequantize, kv_fp8_roundtrip
+
+
+TAPE_ATTR = "_um_kv_tape"
+
+
+@dataclass
+class _Write:
+    slots_T: torch.Tensor
+    k_TGE: torch.Tensor
+    v_TGE: torch.Tensor
+
+
+@dataclass
+class KVTape:
+    """The writes into one (K cache, V cache) pair, in order."""
+
+    v_cache: weakref.ref
+    writes: list[_Write] = field(default_factory=list)
+
+    @property
+    def differentiable(self) -> bool:
+        return any(w.k_TGE.requires_grad or w.v_TGE.requires_grad for w in self.writes)
+
+
+def tape_of(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVTape | None:
+    """The tape kept on ``k_cache``, checked to belong to ``v_cache``.
+
+    Raises:
+        ValueError: ``k_cache`` was written together with another V cache.
+    """
+    tape = getattr(k_cache, TAPE_ATTR, None)
+    if tape is not None and tape.v_cache() is not v_cache:
+        raise ValueError("attention: this K cache was written (with gradients) together with a different "
+                         "V cache tensor; pass the same k_cache/v_cache pair to write_kv_cache and paged_attention")
+    return tape
+
+
+def record_write(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, differentiable: bool) -> None:
+    """Append a write to ``k_cache``'s tape (created on the first differentiable write)."""
+    tape = tape_of(k_cache, v_cache)
+    if tape is None:
+        if not differentiable:
+            return
+        tape = KVTape(weakref.ref(v_cache))
+        setattr(k_cache, TAPE_ATTR, tape)
+    if not differentiable:
+        k_TGE, v_TGE = k_TGE.detach(), v_TGE.detach()
+    tape.writes.append(_Write(slot_mapping_T.detach().long().clone(), k_TGE, v_TGE))
+
+
+class _Plan:
+    """Where every key of every query sequence comes from (built once in the forward).
+
+    ``groups``: per sequence ``(token indices [Tb], their positions [Tb], first key row, P keys)``;
+    ``index [Kt]``: row of each key in ``[cache snapshot rows | write 0 rows | write 1 rows | ...]``.
+    """
+
+    def __init__(self, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes: list[_Write],
+                 k_scale=None, v_scale=None, read_dtype=None):
+        self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+        self.block_table, self.seq_idx, self.positions = block_table_BN, seq_idx_T, positions_T
+        self.writes = writes
+        self.cache_dtype = k_cache.dtype
+        self.k_scale, self.v_scale, self.read_dtype = k_scale, v_scale, read_dtype
+
+    def read_const(self, codes: torch.Tensor, which: int) -> torch.Tensor:
+        """Cache contents (earlier chunks) as the kernel reads them."""
+        if self.k_scale is None:
+            return codes
+        return kv_fp8_dequantize(codes, (self.k_scale, self.v_scale)[which], self.read_dtype)
+
+    def read_written(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """A taped K/V row as the kernel reads it back after the write."""
+        if self.k_scale is None:
+            return x.to(self.cache_dtype)
+        return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
+
+    def build(self) -> None:
+        kc, vc = self.k_cache, self.v_cache
+        dev, s = kc.device, kc.shape[1]
+        n_slots = kc.shape[0] * s
+        seq, pos = self.seq_idx.long(), self.positions.long()
+        order = torch.argsort(seq, stable=True)
+        uniq, counts = torch.unique_consecutive(seq[order], return_counts=True)
+        self.groups, key_slots, start, tok0 = [], [], 0, 0
+        for b, n in zip(uniq.tolist(), counts.tolist()):
+            tok = order[tok0:tok0 + n]
+            tok0 += n
+            p = torch.arange(int(pos[tok].max()) + 1, device=dev)
+            key_slots.append(self.block_table[b].long()[p // s] * s + p % s)
+            self.groups.append((tok, pos[tok], start, p.shape[0]))
+            start += p.shape[0]
+        kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
+        owner = torch.full_like(kslots, -1)
+        row = torch.full_like(kslots, -1)
+        for e, w in enumerate(self.writes):  # later writes override earlier ones
+            keep = (w.slots_T >= 0).nonzero().view(-1)
+            where = torch.full((n_slots,), -1, dtype=torch.long, device=dev)
+            where[w.slots_T[keep]] = keep
+            r = where[kslots]
+            owner = torch.where(r >= 0, e, owner)
+            row = torch.where(r >= 0, r, row)
+        const = (owner < 0).nonzero().view(-1)
+        blk, off = kslots[const] // s, kslots[const] % s
+        self.k_const, self.v_const = kc[blk, off].clone(), vc[blk, off].clone()  # constants (earlier chunks)
+        self.index = torch.empty_like(kslots)
+        self.index[const] = torch.arange(const.shape[0], device=dev)
+        self.sizes = [const.shape[0]] + [w.slots_T.shape[0] for w in self.writes]
+        base = const.shape[0]
+        for e, w in enumerate(self.writes):
+            sel = (owner == e).nonzero().view(-1)
+            self.index[sel] = base + row[sel]
+            base += w.slots_T.shape[0]
+        self.k_cache = self.v_cache = self.block_table = self.writes = None  # keep no cache alive
+
+
+def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale):
+    """fp32 attention of queries at positions ``qpos`` over keys at ``0..P-1`` (key <= query)."""
+    rep = q_THE.shape[1] // k_PGE.shape[1]
+    mask = torch.arange(k_PGE.shape[0], device=q_THE.device)[None, :] <= qpos_T[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q_THE.transpose(0, 1), k_PGE.repeat_interleave(rep, 1).transpose(0, 1),
+        v_PGE.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+class PagedAttentionFn(torch.autograd.Function):
+    """Inputs ``(q, plan, k_0, v_0, k_1, v_1, ...)``: the query and the taped writes."""
+
+    @staticmethod
+    def forward(ctx, q_THE, plan: _Plan, *kv):
+        out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
+                                        plan.positions, plan.scale, plan.k_scale, plan.v_scale)
+        plan.build()
+        ctx.plan = plan
+        ctx.save_for_backward(q_THE, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_THE):
+        q_in, *kv = ctx.saved_tensors
+        plan = ctx.plan
+        srcs_k = [acc(plan.read_const(plan.k_const, 0))] + [acc(plan.read_written(t, 0)) for t in kv[0::2]]
+        srcs_v = [acc(plan.read_const(plan.v_const, 1))] + [acc(plan.read_written(t, 1)) for t in kv[1::2]]
+        k_all, v_all = torch.cat(srcs_k)[plan.index], torch.cat(srcs_v)[plan.index]
+        q, g = acc(q_in), acc(g_THE)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+        for tok, qpos, start, n in plan.groups:  # one sequence at a time: memory of one sequence
+            with torch.enable_grad():
+                qb = q[tok].detach().requires_grad_()
+                kb = k_all[start:start + n].detach().requires_grad_()
+                vb = v_all[start:start + n].detach().requires_grad_()
+                ob = _causal(qb, kb, vb, qpos, plan.scale)
+                gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), g[tok])
+            dq[tok] = gq
+            dk[start:start + n] = gk
+            dv[start:start + n] = gv
+        # gather transposed: key-row gradients summed back onto their sources
+        dsrc_k = torch.zeros((sum(plan.sizes), *dk.shape[1:]), dtype=dk.dtype, device=dk.device)
+        dsrc_v = torch.zeros_like(dsrc_k)
+        dsrc_k.index_add_(0, plan.index, dk)
+        dsrc_v.index_add_(0, plan.index, dv)
+        dks, dvs = dsrc_k.split(plan.sizes)[1:], dsrc_v.split(plan.sizes)[1:]
+        grads = []
+        for i, t in enumerate(kv):
+            d = (dks if i % 2 == 0 else dvs)[i // 2]
+            grads.append(d.to(t.dtype) if ctx.needs_input_grad[2 + i] else None)
+        return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), None, *grads
+
+
+def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                         tape: KVTape | None, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q and the taped K/V
+    (FP8 caches: straight through the quantization; the scales are constants)."""
+    writes = list(tape.writes) if tape is not None else []
+    plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes,
+                 None if k_scale is None else k_scale.detach(), None if v_scale is None else v_scale.detach(),
+                 q_THE.dtype)
+    return PagedAttentionFn.apply(q_THE, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))
+
+
+def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping_T: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """:func:`ops.attention.write_kv_cache` (in place), remembering differentiable writes.
+
+    When ``k_TGE``/``v_TGE`` require grad (grad mode on), the write is also
+    recorded on ``k_cache`` so a later :func:`paged_attention` over this cache
+    sends gradients back to ``k_TGE``/``v_TGE``. The cache itself never joins
+    the graph. ``k_scale``/``v_scale``: fp32 ``[]`` scales of an FP8 cache
+    (constants: no gradient). Raises as the op; ``ValueError`` if ``k_cache``
+    was taped with another ``v_cache``.
+    """
+    grad = needs_grad(k_TGE, v_TGE)
+    if not grad and getattr(k_cache, "_um_kv_tape", None) is None:
+        return dispatch.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale, v_scale)
+    with torch.no_grad():
+        dispatch.write_kv_cache(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale, v_scale)
+    record_write(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, grad)
+
+
+def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE`` and the
+    K/V written into this cache by differentiable :func:`write_kv_cache` calls.
+
+    Values are the kernel's. Gradients come from a plain-torch causal attention
+    recomputed per sequence in the backward; K/V slots no differentiable write
+    covers (earlier chunks) are constants. An FP8 cache (``k_scale``/``v_scale``)
+    is differentiated at the dequantized values, straight through the
+    quantization. Shapes and errors as the op.
+    """
+    tape = getattr(k_cache, "_um_kv_tape", None)
+    grad_kv = tape is not None and tape.differentiable
+    if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv):
+        return dispatch.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                                        k_scale, v_scale)
+    return paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                                tape_of(k_cache, v_cache), k_scale, v_scale)

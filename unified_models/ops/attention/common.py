@@ -1,0 +1,85 @@
+"""The FP8 KV-cache rule and the KV-scale checks, shared by the attention kernel
+(:mod:`.triton`), its CPU path, its oracle, the backward and the engines' caches
+(the rule itself: :mod:`unified_models.ops.attention`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+KV_FP8_DTYPE = torch.float8_e4m3fn
+"""Element type of an FP8 KV cache (vLLM allocates uint8; engines view it as this)."""
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value: the write saturates to +-448."""
+
+
+def kv_cache_is_fp8(cache: torch.Tensor) -> bool:
+    """True for a float8_e4m3fn cache (which needs ``k_scale``/``v_scale``)."""
+    return cache.dtype == KV_FP8_DTYPE
+
+
+def check_kv_scales(what: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validate the KV-cache scales against the cache dtype.
+
+    Returns:
+        ``(k_scale, v_scale)`` as 0-d fp32 tensors for a float8_e4m3fn cache,
+        ``None`` for a model-dtype cache.
+
+    Raises:
+        ValueError: an FP8 cache without both scales, scales for a
+            model-dtype cache, K and V caches of different dtypes, a scale that
+            is not a one-element fp32 tensor on the cache's device, or (scales
+            on the CPU) a scale that is zero, negative, NaN or Inf. On CUDA the
+            values are not read here (no device sync per layer); the engines'
+            loaders refuse such checkpoints.
+    """
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{what}: k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if not kv_cache_is_fp8(k_cache):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{what}: k_scale/v_scale are only used with a float8_e4m3fn KV cache; "
+                             f"this cache is {k_cache.dtype}")
+        return None
+    out = []
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            raise ValueError(f"{what}: a float8_e4m3fn KV cache needs k_scale and v_scale (fp32 scalars); "
+                             f"{name} is missing")
+        if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or sc.numel() != 1:
+            desc = f"{tuple(sc.shape)} {sc.dtype}" if isinstance(sc, torch.Tensor) else type(sc).__name__
+            raise ValueError(f"{what}: {name} must be a one-element fp32 tensor (shape [] or [1]), got {desc}")
+        if sc.device != k_cache.device:
+            raise ValueError(f"{what}: {name} is on {sc.device}, the cache on {k_cache.device}")
+        if sc.device.type == "cpu":
+            val = float(sc.reshape(()))
+            if not (math.isfinite(val) and val > 0):
+                raise ValueError(f"{what}: {name}={val} must be finite and > 0")
+        out.append(sc.reshape(()))
+    return out[0], out[1]
+
+
+def kv_fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 KV write rule in torch: ``e4m3(clamp(fp32(x) / scale, -448, 448))``.
+
+    Args:
+        x: any float tensor (K or V rows).
+        scale: 0-d fp32 (> 0).
+
+    Returns:
+        float8_e4m3fn tensor of ``x``'s shape (IEEE division, RNE; NaN stays NaN).
+    """
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(KV_FP8_DTYPE)
+
+
+def kv_fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 KV read rule in torch: ``dtype(fp32(codes) * scale)``."""
+    return (codes.float() * scale).to(dtype)
+
+
+def kv_fp8_roundtrip(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the attention reads back after writing ``x`` into an FP8 cache (no gradient rule)."""
+    return kv_fp8_dequantize(kv_fp8_quantize(x, scale), scale, dtype)

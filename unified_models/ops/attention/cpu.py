@@ -1,0 +1,107 @@
+"""CPU path of the KV-cache write and of paged attention: plain torch, 16-token query
+tiles x 16-position KV tiles of fixed shapes, scores and ``P @ V`` exact in fp64
+and rounded once, so no result depends on the batch or on the host's BLAS."""
+
+from __future__ import annotations
+
+import torch
+
+from .._dispatch import ROW_TILE, pad_rows
+from .common import check_kv_scales, kv_fp8_dequantize, kv_fp8_quantize
+
+
+KV_TILE_CPU = 16
+"""KV positions per online-softmax step in the CPU implementation."""
+
+
+def write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale=None, v_scale=None) -> None:
+    """CPU: an indexed copy (exact), or for an FP8 cache :func:`kv_fp8_quantize` then the copy."""
+    scales = check_kv_scales("write_kv_cache_torch", k_cache, v_cache, k_scale, v_scale)
+    s = k_cache.shape[1]
+    keep = slot_mapping_T >= 0
+    slots = slot_mapping_T[keep].long()
+    blk, off = slots // s, slots % s
+    if scales is not None:
+        k_cache[blk, off] = kv_fp8_quantize(k_TGE[keep], scales[0])
+        v_cache[blk, off] = kv_fp8_quantize(v_TGE[keep], scales[1])
+        return
+    k_cache[blk, off] = k_TGE[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v_TGE[keep].to(v_cache.dtype)
+
+
+def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                          k_scale=None, v_scale=None) -> torch.Tensor:
+    """CPU implementation: 16-token query tiles x 16-position KV tiles, fixed shapes.
+
+    Each torch call has a shape fixed by the model (16 tokens, G, H/G, E, 16
+    positions), so its kernel and thread partition never depend on the batch.
+    No result depends on the host's BLAS either: scores are exact fp64 dot
+    products of the bf16/fp16 operands rounded once to fp32 (exact while the
+    products of one score span fewer than ``53 - 22 - ceil(log2 E)`` binary
+    orders), and ``P @ V`` and the row sum of ``P`` are accumulated
+    elementwise in fp64 in position order, then rounded once to fp32. An FP8
+    cache is read through :func:`kv_fp8_dequantize` to ``q``'s dtype first.
+    """
+    scales = check_kv_scales("paged_attention_torch", k_cache, v_cache, k_scale, v_scale)
+    if scales is None:
+        read_k = read_v = lambda c: c.float()  # noqa: E731
+    else:
+        read_k = lambda c: kv_fp8_dequantize(c, scales[0], q_THE.dtype).float()  # noqa: E731
+        read_v = lambda c: kv_fp8_dequantize(c, scales[1], q_THE.dtype).float()  # noqa: E731
+    t_all, h, e = q_THE.shape
+    s, g = k_cache.shape[1], k_cache.shape[2]
+    r = h // g
+    kv = KV_TILE_CPU
+    if s % kv:
+        raise ValueError(f"attention: cache block size {s} is not a multiple of the KV tile {kv}")
+    nb = block_table_BN.shape[1]
+    q_pad = pad_rows(q_THE)
+    pos_pad = pad_rows(positions_T.long().view(-1, 1)).view(-1)
+    valid_row = pad_rows(torch.ones(t_all, 1, dtype=torch.bool, device=q_THE.device)).view(-1)
+    sidx_pad = pad_rows(seq_idx_T.long().view(-1, 1)).view(-1)
+    ar = torch.arange(kv, device=q_THE.device)
+    outs = []
+    for i in range(0, q_pad.shape[0], ROW_TILE):
+        qd = q_pad[i:i + ROW_TILE].double().view(ROW_TILE, g, r, e)
+        pos = torch.where(valid_row[i:i + ROW_TILE], pos_pad[i:i + ROW_TILE], -1)
+        rows = block_table_BN[sidx_pad[i:i + ROW_TILE]].long()  # [16, nb]
+        m = torch.full((ROW_TILE, g, r), float("-inf"), device=q_THE.device)
+        l = torch.zeros((ROW_TILE, g, r), device=q_THE.device)
+        acc = torch.zeros((ROW_TILE, g, r, e), device=q_THE.device)
+        n_tiles = int(pos.max().item()) // kv + 1 if bool(valid_row[i:i + ROW_TILE].any()) else 0
+        for j in range(n_tiles):
+            p = j * kv + ar  # [KV] absolute positions
+            valid = p.view(1, kv) <= pos.view(ROW_TILE, 1)  # [16, KV]
+            col = (p // s).clamp(max=nb - 1)
+            # Masked positions may point at stale or out-of-range block-table
+            # entries: read block 0 there (the values are replaced by 0 below).
+            blk = torch.where(valid, rows[:, col], 0)  # [16, KV]
+            off = (p % s).view(1, kv).expand(ROW_TILE, kv)
+            vmask = valid.view(ROW_TILE, kv, 1, 1)
+            k = torch.where(vmask, read_k(k_cache[blk, off]), 0.0)  # [16, KV, G, E]
+            v = torch.where(vmask, read_v(v_cache[blk, off]), 0.0)
+            # Scores: exact fp64 products of the bf16/fp16 operands, one rounding to
+            # fp32 (BLAS order cannot matter while the fp64 sum is exact).
+            sc = torch.matmul(qd, k.double().permute(0, 2, 3, 1)).float() * scale  # [16, G, R, KV]
+            sc = sc.masked_fill(~valid.view(ROW_TILE, 1, 1, kv), float("-inf"))
+            m_new = torch.maximum(m, sc.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - m_safe)
+            pr = torch.exp(sc - m_safe.unsqueeze(-1))
+            # P @ V and the row sum of P in a fixed order (position 0..KV-1 of the
+            # tile), elementwise in fp64 (each product exact), rounded once to fp32:
+            # no BLAS call and no vectorized reduction can reorder it.
+            pd, vd = pr.double(), v.double().permute(0, 2, 1, 3)  # [16, G, R, KV], [16, G, KV, E]
+            pv = pd[..., 0:1] * vd[:, :, 0:1, :]
+            ps = pd[..., 0]
+            for c in range(1, kv):
+                pv = pv + pd[..., c:c + 1] * vd[:, :, c:c + 1, :]
+                ps = ps + pd[..., c]
+            l = l * alpha + ps.float()
+            acc = acc * alpha.unsqueeze(-1) + pv.float()
+            m = m_new
+        l_safe = torch.where(l > 0, l, torch.ones_like(l))
+        outs.append((acc / l_safe.unsqueeze(-1)).view(ROW_TILE, h, e))
+    if not outs:
+        return q_THE.new_zeros((0, h, e))
+    return torch.cat(outs)[:t_all].to(q_THE.dtype)

@@ -1,0 +1,85 @@
+"""The attention ops (KV-cache write, paged attention): argument and scale checks, then
+the Triton kernel (:mod:`.triton`) on GPU or the CPU path (:mod:`.cpu`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._dispatch import use_triton
+from .common import check_kv_scales
+from .cpu import paged_attention_torch, write_kv_cache_torch
+
+
+def _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T):
+    if q_THE.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"attention: q {tuple(q_THE.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)} must be [T,H,E] and two equal [N,S,G,E]")
+    h, g = q_THE.shape[1], k_cache.shape[2]
+    if h % g or q_THE.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"attention: {h} q heads / {g} kv heads or head dims {q_THE.shape[2]} vs {k_cache.shape[3]} mismatch")
+    if block_table_BN.dim() != 2 or seq_idx_T.shape != positions_T.shape or seq_idx_T.shape[0] != q_THE.shape[0]:
+        raise ValueError("attention: block_table must be [B, max_blocks]; seq_idx and positions must be [T]")
+
+
+def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping_T: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Write this step's K/V rows into the paged cache (in place).
+
+    Args:
+        k_TGE, v_TGE: ``[T, G, E]`` new keys/values.
+        k_cache, v_cache: ``[N, S, G, E]`` cache views (any strides); model
+            dtype (an exact cast) or float8_e4m3fn (the FP8 write rule of the
+            package docstring).
+        slot_mapping_T: int ``[T]``, ``block * S + offset``; ``< 0`` = padding, skipped.
+        k_scale, v_scale: fp32 ``[]`` scales, required for (and only for) an FP8 cache.
+
+    Raises:
+        ValueError: shape mismatch; missing, superfluous or bad scales
+            (:func:`check_kv_scales`).
+    """
+    if k_TGE.shape != v_TGE.shape or k_TGE.shape[1:] != k_cache.shape[2:] or slot_mapping_T.shape[0] != k_TGE.shape[0]:
+        raise ValueError(f"write_kv_cache: k {tuple(k_TGE.shape)} does not fit cache {tuple(k_cache.shape)}")
+    scales = check_kv_scales("write_kv_cache", k_cache, v_cache, k_scale, v_scale)
+    ks, vs = scales if scales is not None else (None, None)
+    if use_triton(k_cache):
+        from .triton import write_kv_cache_triton
+
+        return write_kv_cache_triton(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, ks, vs)
+    return write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, ks, vs)
+
+
+def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each token over its own sequence's cached K/V.
+
+    Args:
+        q_THE: ``[T, H, E]`` queries.
+        k_cache, v_cache: ``[N, S, G, E]`` paged cache holding positions ``0..p``
+            (model dtype, or float8_e4m3fn read through the FP8 read rule).
+        block_table_BN: int32 ``[B, max_blocks]``; row ``b`` lists sequence b's blocks.
+        seq_idx_T: int ``[T]``, block-table row of each token.
+        positions_T: int ``[T]``, position of each token in its own sequence.
+        scale: softmax scale (``head_dim ** -0.5`` for Nemotron-H).
+        k_scale, v_scale: fp32 ``[]`` KV-cache scales, required for (and only
+            for) an FP8 cache.
+
+    Returns:
+        ``[T, H, E]`` in ``q_THE.dtype``; row t depends only on q[t] and its
+        sequence's cache up to ``positions_T[t]``.
+
+    Raises:
+        ValueError: shape mismatch; missing, superfluous or bad scales; on CPU
+            also a block size S that is not a multiple of the CPU KV tile (16).
+            The Triton kernel takes any S.
+    """
+    _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
+    scales = check_kv_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
+    ks, vs = scales if scales is not None else (None, None)
+    if use_triton(q_THE):
+        from .triton import paged_attention_triton
+
+        return paged_attention_triton(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs)
+    return paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs)

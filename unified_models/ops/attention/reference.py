@@ -1,0 +1,57 @@
+"""fp64 oracles of attention: dense causal attention of one sequence, and per-token
+attention over the paged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_kv_scales, kv_fp8_dequantize
+
+
+def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """Oracle for ONE sequence: full causal softmax attention in fp64, no cache.
+
+    Args:
+        q_THE: ``[T, H, E]``; k_TGE, v_TGE: ``[T, G, E]`` of the same sequence.
+
+    Returns:
+        ``[T, H, E]`` in ``q_THE.dtype``.
+    """
+    t, h, e = q_THE.shape
+    g = k_TGE.shape[1]
+    q = q_THE.double()
+    k = k_TGE.double().repeat_interleave(h // g, dim=1)
+    v = v_TGE.double().repeat_interleave(h // g, dim=1)
+    sc = torch.einsum("the,she->hts", q, k) * scale
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    sc = sc.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("hts,she->the", torch.softmax(sc, dim=-1), v)
+    return out.to(q_THE.dtype)
+
+
+def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
+                              k_scale=None, v_scale=None, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Oracle over the paged cache: per token, gather its prefix and do fp64 softmax.
+
+    An FP8 cache is dequantized by the read rule to ``kv_dtype`` (default
+    ``q``'s dtype; pass the model dtype when ``q`` is given in fp64).
+    """
+    scales = check_kv_scales("paged_attention_reference", k_cache, v_cache, k_scale, v_scale)
+    kv_dtype = kv_dtype or q_THE.dtype
+
+    def read(c, i):
+        return c.double() if scales is None else kv_fp8_dequantize(c, scales[i], kv_dtype).double()
+
+    t_all, h, e = q_THE.shape
+    s, g = k_cache.shape[1], k_cache.shape[2]
+    out = q_THE.new_zeros((t_all, h, e))
+    for t in range(t_all):
+        p = int(positions_T[t])
+        idx = torch.arange(p + 1, device=q_THE.device)
+        blk = block_table_BN[int(seq_idx_T[t])].long()[idx // s]
+        k = read(k_cache[blk, idx % s], 0).repeat_interleave(h // g, dim=1)  # [P, H, E]
+        v = read(v_cache[blk, idx % s], 1).repeat_interleave(h // g, dim=1)
+        sc = torch.einsum("he,phe->hp", q_THE[t].double(), k) * scale
+        out[t] = torch.einsum("hp,phe->he", torch.softmax(sc, dim=-1), v).to(q_THE.dtype)
+    return out

@@ -1,0 +1,229 @@
+"""The Mamba-2 state and batch layouts shared by the dispatch, the CPU path, the
+kernels' callers and the backward: :class:`Mamba2State` (per-slot cache),
+:class:`Mamba2Metadata` and :func:`mamba2_metadata` (where every token, chunk
+item and state row of one batch lives). The layouts: :mod:`unified_models.ops.mamba2`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Mamba2State:
+    """Per-slot cache of one Mamba-2 layer (see the package docstring for the layout).
+
+    The tensors may be views with any strides (a vLLM state cache hands strided
+    views of one allocation); the leading dim is the slot.
+    """
+
+    conv: torch.Tensor  # [S, W-1, C] model dtype
+    ssm: torch.Tensor   # [S, H, P, N] fp32
+    x: torch.Tensor     # [S, Q-1, H, P] model dtype
+    dt: torch.Tensor    # [S, Q-1, H] fp32
+    B: torch.Tensor     # [S, Q-1, G, N] model dtype
+
+    @staticmethod
+    def shapes(*, num_heads: int, head_dim: int, n_groups: int, state_size: int, conv_width: int,
+               chunk_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per-slot shape and dtype role (``"model"`` or ``"fp32"``) of each tensor."""
+        H, P, G, N = num_heads, head_dim, n_groups, state_size
+        C = H * P + 2 * G * N
+        return {"conv": ((conv_width - 1, C), "model"), "ssm": ((H, P, N), "fp32"),
+                "x": ((chunk_size - 1, H, P), "model"), "dt": ((chunk_size - 1, H), "fp32"),
+                "B": ((chunk_size - 1, G, N), "model")}
+
+    @classmethod
+    def allocate(cls, num_slots: int, *, num_heads: int, head_dim: int, n_groups: int, state_size: int,
+                 conv_width: int, chunk_size: int, dtype: torch.dtype, device="cpu",
+                 fill: float | None = None) -> "Mamba2State":
+        """Allocate ``num_slots`` slots (uninitialised, or filled with ``fill``)."""
+        t = {}
+        for name, (shape, role) in cls.shapes(num_heads=num_heads, head_dim=head_dim, n_groups=n_groups,
+                                              state_size=state_size, conv_width=conv_width,
+                                              chunk_size=chunk_size).items():
+            dt_ = torch.float32 if role == "fp32" else dtype
+            t[name] = (torch.empty((num_slots, *shape), dtype=dt_, device=device) if fill is None
+                       else torch.full((num_slots, *shape), fill, dtype=dt_, device=device))
+        return cls(**t)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.x.shape[1] + 1
+
+    def check(self, H: int, P: int, G: int, N: int, C: int | None = None, W: int | None = None) -> None:
+        S = self.ssm.shape[0]
+        want = {"ssm": (S, H, P, N), "x": (S, self.chunk_size - 1, H, P), "dt": (S, self.chunk_size - 1, H),
+                "B": (S, self.chunk_size - 1, G, N)}
+        for name, shape in want.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"Mamba2State.{name}: shape {tuple(getattr(self, name).shape)}, expected {shape}")
+        if self.ssm.dtype != torch.float32 or self.dt.dtype != torch.float32:
+            raise ValueError("Mamba2State: ssm and dt must be fp32")
+        if C is not None and (self.conv.dim() != 3 or self.conv.shape[0] != S or self.conv.shape[2] != C
+                              or (W is not None and self.conv.shape[1] != W - 1)):
+            raise ValueError(f"Mamba2State.conv: shape {tuple(self.conv.shape)}, expected ({S}, {W and W - 1}, {C})")
+
+
+@dataclass
+class Mamba2Metadata:
+    """Where every token, chunk item and state row of one batch lives (one per forward).
+
+    Host-side counts are plain ints (kernel grids); index tensors live on the
+    batch's device (int32/int64). Item ``u`` is chunk ``item_chunk[u]`` (absolute
+    chunk index) of sequence ``item_seq[u]``; a sequence's items are contiguous
+    and in chunk order. ``entries`` are the states after each COMPLETE item
+    (its last row is in this batch), in the same order.
+    """
+
+    chunk_size: int
+    num_tokens: int
+    has_state: bool
+    # per sequence [B] (padding sequences have seq_len 0)
+    cu_seqlens: torch.Tensor
+    start_pos: torch.Tensor
+    seq_len: torch.Tensor
+    slot: torch.Tensor
+    seq_item_ptr: torch.Tensor   # [B+1]
+    seq_entry_ptr: torch.Tensor  # [B+1]
+    # per token [T]: sequence (-1: padding) and position
+    token_seq: torch.Tensor
+    token_pos: torch.Tensor
+    token_item: torch.Tensor
+    # per item [U]
+    item_seq: torch.Tensor
+    item_chunk: torch.Tensor
+    item_rank: torch.Tensor
+    num_items: int
+    num_entries: int
+    state_seqs: torch.Tensor     # [Bs] sequences with at least one complete item
+    # cache writes (host-built index lists)
+    commit_slot: torch.Tensor    # [Bc] slot <- entries[commit_entry]
+    commit_entry: torch.Tensor
+    pend_token: torch.Tensor     # [Tp] token rows kept as pending rows
+    pend_slot: torch.Tensor
+    pend_index: torch.Tensor
+    conv_seqs: torch.Tensor      # [Bw] sequences whose conv state is written
+    # host copies (lists) for the CPU implementations
+    host: dict
+
+
+def start_positions(cu_seqlens_B1: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+    """``start_pos[b]`` = position of sequence b's first token (0 for empty sequences)."""
+    cu = cu_seqlens_B1.long()
+    first = cu[:-1].clamp(max=max(positions_T.shape[0] - 1, 0))
+    if positions_T.shape[0] == 0:
+        return torch.zeros_like(cu[:-1])
+    return torch.where(cu[1:] > cu[:-1], positions_T.long()[first], torch.zeros_like(first))
+
+
+def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chunk_size: int,
+                    num_tokens: int | None = None, state_idx_B: torch.Tensor | None = None) -> Mamba2Metadata:
+    """Build the batch description shared by every Mamba layer of one forward.
+
+    Args:
+        cu_seqlens_B1: int ``[B+1]``, token rows of each sequence (non-decreasing, from 0).
+        start_pos_B: int ``[B]``, position of each sequence's first token in this
+            batch = tokens already in its state.
+        chunk_size: Q (config ``chunk_size``).
+        num_tokens: T, rows of the batch (default ``cu_seqlens[-1]``); rows past
+            ``cu_seqlens[-1]`` are padding.
+        state_idx_B: int ``[B]`` state slot per sequence (``< 0``: padding
+            sequence). ``None``: no state (training over whole sequences), every
+            ``start_pos`` must be 0.
+
+    Raises:
+        ValueError: malformed boundaries, negative positions, ``start_pos > 0``
+            without state, bad chunk size.
+
+    This reads the (small) index tensors on the host once per forward.
+    """
+    Q = int(chunk_size)
+    if Q < 1:
+        raise ValueError(f"mamba2: chunk_size {chunk_size} must be >= 1")
+    dev = cu_seqlens_B1.device
+    cu = cu_seqlens_B1.detach().to("cpu", torch.int64).view(-1)
+    p0 = start_pos_B.detach().to("cpu", torch.int64).view(-1)
+    B = cu.shape[0] - 1
+    if B < 0 or p0.shape[0] != B or int(cu[0]) != 0:
+        raise ValueError(f"mamba2: cu_seqlens must be [B+1] from 0 and start_pos [B]; got {cu.shape[0]} / "
+                         f"{p0.shape[0]}")
+    n_rows = cu[1:] - cu[:-1]
+    if (n_rows < 0).any():
+        raise ValueError("mamba2: cu_seqlens must be non-decreasing")
+    T = int(cu[-1]) if num_tokens is None else int(num_tokens)
+    if int(cu[-1]) > T:
+        raise ValueError(f"mamba2: cu_seqlens ends at {int(cu[-1])} > num_tokens {T}")
+    if (p0 < 0).any():
+        raise ValueError("mamba2: start_pos must be >= 0")
+    has_state = state_idx_B is not None
+    slot = state_idx_B.detach().to("cpu", torch.int64).view(-1) if has_state else torch.zeros(B, dtype=torch.int64)
+    if slot.shape[0] != B:
+        raise ValueError(f"mamba2: state_idx must be [B={B}], got {slot.shape[0]}")
+    if not has_state and (p0 != 0).any():
+        raise ValueError("mamba2: start_pos > 0 needs a state (pass state_idx and a Mamba2State)")
+    L = torch.where(slot >= 0, n_rows, 0)
+    live = L > 0
+    end = p0 + L
+    # items: chunks k0..k1 of each sequence; entries: its complete chunks (all but maybe the last)
+    n_items = torch.where(live, (end - 1).clamp(min=0) // Q - p0 // Q + 1, 0)
+    n_complete = torch.where(live, end // Q - p0 // Q, 0)
+    zero1 = torch.zeros(1, dtype=torch.int64)
+    item_ptr = torch.cat([zero1, n_items.cumsum(0)])
+    ent_ptr = torch.cat([zero1, n_complete.cumsum(0)])
+    U = int(item_ptr[-1])
+    item_seq = torch.repeat_interleave(torch.arange(B), n_items)
+    item_rank = torch.arange(U) - item_ptr[item_seq]
+    item_chunk = p0[item_seq] // Q + item_rank
+    # tokens
+    row_seq = torch.repeat_interleave(torch.arange(B), n_rows)  # sequence of each covered row
+    rows = torch.arange(row_seq.shape[0])
+    real = live[row_seq]
+    token_seq = torch.full((T,), -1, dtype=torch.int64)
+    token_pos = torch.zeros(T, dtype=torch.int64)
+    token_item = torch.zeros(T, dtype=torch.int64)
+    pos = p0[row_seq] + rows - cu[row_seq]
+    token_seq[rows] = torch.where(real, row_seq, -1)
+    token_pos[rows] = torch.where(real, pos, 0)
+    token_item[rows] = torch.where(real, item_ptr[row_seq] + pos // Q - p0[row_seq] // Q, 0)
+    state_seqs = live.logical_and(n_complete > 0).nonzero().view(-1)
+    if has_state:
+        commit_slot, commit_entry = slot[state_seqs], ent_ptr[state_seqs + 1] - 1
+        boundary = (end // Q) * Q
+        keep = (real & (pos >= boundary[row_seq])).nonzero().view(-1)
+        pend_token, pend_slot = keep, slot[row_seq[keep]]
+        pend_index = pos[keep] - boundary[row_seq[keep]]
+        conv_seqs = live.nonzero().view(-1)
+    else:
+        commit_slot = commit_entry = pend_token = pend_slot = pend_index = conv_seqs = torch.zeros(0, dtype=torch.int64)
+
+    host = dict(cu=cu.tolist(), start_pos=p0.tolist(), seq_len=L.tolist(), slot=slot.tolist(),
+                item_seq=item_seq.tolist(), item_chunk=item_chunk.tolist(), item_rank=item_rank.tolist(),
+                seq_item_ptr=item_ptr.tolist(), seq_entry_ptr=ent_ptr.tolist(), conv_seqs=conv_seqs.tolist(),
+                cpu=dict(cu=cu, p0=p0, L=L, slot=slot, item_seq=item_seq, item_chunk=item_chunk, token_seq=token_seq,
+                         token_pos=token_pos, live=live))
+
+    def i64(v):
+        return v.to(device=dev, dtype=torch.int64)
+
+    def i32(v):
+        return v.to(device=dev, dtype=torch.int32)
+
+    return Mamba2Metadata(
+        chunk_size=Q, num_tokens=T, has_state=has_state,
+        cu_seqlens=i32(cu), start_pos=i64(p0), seq_len=i32(L), slot=i64(slot),
+        seq_item_ptr=i32(item_ptr), seq_entry_ptr=i32(ent_ptr),
+        token_seq=i32(token_seq), token_pos=i64(token_pos), token_item=i64(token_item),
+        item_seq=i32(item_seq), item_chunk=i64(item_chunk), item_rank=i32(item_rank),
+        num_items=U, num_entries=int(ent_ptr[-1]), state_seqs=i32(state_seqs),
+        commit_slot=i64(commit_slot), commit_entry=i64(commit_entry),
+        pend_token=i64(pend_token), pend_slot=i64(pend_slot), pend_index=i64(pend_index),
+        conv_seqs=i64(conv_seqs), host=host)
+
+
+def _need_state(meta: Mamba2Metadata, state: Mamba2State | None, name: str) -> None:
+    if meta.has_state and state is None:
+        raise ValueError(f"{name}: the metadata has state slots but no Mamba2State was given")
+    if not meta.has_state and state is not None:
+        raise ValueError(f"{name}: a Mamba2State was given but the metadata has no state_idx")

@@ -1,0 +1,200 @@
+"""Differentiable MoE: router and experts (forward from the shared kernels, backward by recomputation).
+
+DESIGN.md rule 11. The forwards call the dispatching ops of
+:mod:`.dispatch` with grad mode off, so the values are the
+kernels' bits with or without a graph. The backwards recompute the math in
+fp32 (fp64 for fp64 inputs) in plain torch:
+
+* **router** (:class:`RouteFn`): ``w = rsf * s[ids] / (sum s[ids] + eps)``,
+  ``s = sigmoid(x W^T)``, differentiated w.r.t. ``x`` and the gate weight
+  through the selected scores; the selected ids are constants (no gradient
+  through the discrete choice; the correction bias only selects, so it gets
+  none);
+* **experts** (:class:`ExpertsFn`): per expert, over its assignments,
+  ``u = x up^T``, ``h = relu(u)^2``, ``y = h down^T``, ``out += w y``:
+  ``dw = <g, y>``, ``dy = w g``, ``d down = dy^T h``, ``du = 2 relu(u) (dy down)``,
+  ``d up = du^T x``, ``dx += du up``, ``d shared = g``. The forward's roundings
+  (``h`` to bf16, the output) pass gradients straight through;
+* **NVFP4** (``nvfp4=True`` with bf16 master tensors): the forward quantizes
+  the masters by ModelOpt's rule on every call and computes with the
+  dequantized weights ``W_q``; the backward uses ``W_q`` for the input
+  gradients and hands ``dL/dW_q`` to the masters unchanged (straight-through
+  estimator).
+
+Every backward checks the weight-version stamps of the gate/expert weights
+(:mod:`unified_models.ops.grad.weights`). Backwards are correct, not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grad.helpers import acc
+from ..grad.weights import check_stamps, stamp
+from ..nvfp4 import nvfp4_quantize
+from . import dispatch
+from .common import NORM_EPS, ExpertWeight, expert_rows, expert_weight, stack_expert
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
+
+
+def _route_weights(x, w, ids, norm_topk_prob, routed_scaling_factor):
+    sel = torch.sigmoid(x @ w.t()).gather(1, ids.long())
+    if norm_topk_prob:
+        sel = sel / (sel.sum(-1, keepdim=True) + NORM_EPS)
+    return sel * routed_scaling_factor
+
+
+class RouteFn(torch.autograd.Function):
+    """``(weights_TK, ids_TK) = route(x, W)``; gradients of the weights to ``x`` and ``W``."""
+
+    @staticmethod
+    def forward(ctx, x_TD, gate_ED, bias_E, cfg):
+        weights, ids = dispatch.moe_route(x_TD, gate_ED, bias_E, **cfg)
+        ctx.mark_non_differentiable(ids)
+        ctx.save_for_backward(x_TD, ids)
+        ctx.gate, ctx.cfg = gate_ED, cfg
+        ctx.stamps = stamp(gate_weight=gate_ED)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, g_TK, _g_ids):
+        check_stamps("moe_route", ctx.stamps)
+        x_in, ids = ctx.saved_tensors
+        w_in = ctx.gate
+        if g_TK is None:
+            return None, None, None, None
+        nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dt = torch.float64 if torch.float64 in (x_in.dtype, w_in.dtype) else torch.float32
+        with torch.enable_grad():
+            x = x_in.detach().to(dt).requires_grad_(nx)
+            w = w_in.detach().to(dt).requires_grad_(nw)
+            out = _route_weights(x, w, ids, ctx.cfg["norm_topk_prob"], ctx.cfg["routed_scaling_factor"])
+            want = [t for t, need in ((x, nx), (w, nw)) if need]
+            grads = list(torch.autograd.grad(out, want, g_TK.to(dt)))
+        dx = grads.pop(0).to(x_in.dtype) if nx else None
+        dw = grads.pop(0).to(w_in.dtype) if nw else None
+        return dx, dw, None, None
+
+
+class ExpertsFn(torch.autograd.Function):
+    """``out = combine(experts(x), weights) + shared``; ``up``/``down`` are master tensors
+    (quantized here when ``nvfp4``) or fixed :class:`NVFP4Weight` (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, shared_TD, up, down, ids_TK, nvfp4, out_dtype):
+        ctx.flat = tuple(isinstance(w, torch.Tensor) and w.dim() == 2 for w in (up, down))  # one expert [N, K]
+        up_q, down_q = (stack_expert(w) for w in (up, down))
+        up_q = nvfp4_quantize(up_q) if nvfp4 and isinstance(up_q, torch.Tensor) else up_q
+        down_q = nvfp4_quantize(down_q) if nvfp4 and isinstance(down_q, torch.Tensor) else down_q
+        out = dispatch.moe_experts(x_TD, ids_TK, weights_TK, up_q, down_q, shared_TD, out_dtype)
+        ctx.save_for_backward(x_TD, weights_TK, ids_TK)
+        ctx.up, ctx.down = up_q, down_q
+        ctx.up_dtype = up.dtype if isinstance(up, torch.Tensor) else None
+        ctx.down_dtype = down.dtype if isinstance(down, torch.Tensor) else None
+        ctx.shared_dtype = shared_TD.dtype if shared_TD is not None else None
+        ctx.stamps = stamp(up_proj=up if isinstance(up, torch.Tensor) else None,
+                           down_proj=down if isinstance(down, torch.Tensor) else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        check_stamps("moe_experts", ctx.stamps)
+        x_in, w_in, ids = ctx.saved_tensors
+        nx, nw, ns, nu, nd = ctx.needs_input_grad[:5]
+        g = acc(g_TD)
+        dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
+        g = g.to(dt)
+        up, down = ctx.up, ctx.down
+        x, wts = x_in.to(dt), w_in.to(dt)
+        E, I, D = up.shape
+        T, K = ids.shape
+        # per-expert weights are dequantized/upcast one expert at a time (no [E, I, D] fp32 copy);
+        # weight gradients go straight into buffers of the masters' dtype
+        dx = torch.zeros_like(x) if nx else None
+        dw = torch.zeros_like(wts) if nw else None
+        dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x.device) if nu else None
+        ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x.device) if nd else None
+        if nx or nw or nu or nd:
+            for e, rows in expert_rows(ids, E):
+                tok, slot = rows // K, rows % K
+                wu = expert_weight(up, e, x_in.dtype).to(dt)
+                wd = expert_weight(down, e, x_in.dtype).to(dt)
+                xe, ge = x[tok], g[tok]
+                u = xe @ wu.t()
+                r = torch.relu(u)
+                h = r * r
+                if nw:
+                    dw[tok, slot] = (ge * (h @ wd.t())).sum(-1)
+                if nx or nu or nd:
+                    dy = ge * wts[tok, slot][:, None]
+                    if nd:
+                        ddown[e] = (dy.t() @ h).to(ddown.dtype)
+                    if nx or nu:
+                        du = (dy @ wd) * (2.0 * r)
+                        if nu:
+                            dup[e] = (du.t() @ xe).to(dup.dtype)
+                        if nx:
+                            dx.index_add_(0, tok, du @ wu)
+        return (dx.to(x_in.dtype) if nx else None,
+                dw.to(w_in.dtype) if nw else None,
+                g_TD.to(ctx.shared_dtype) if ns else None,
+                (dup[0] if ctx.flat[0] else dup) if nu else None,
+                (ddown[0] if ctx.flat[1] else ddown) if nd else None,
+                None, None, None)
+
+
+def moe_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, e_score_correction_bias_E: torch.Tensor | None = None,
+              *, top_k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+              routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ops.moe.moe_route` (sigmoid top-k router), differentiable w.r.t. ``x_TD`` and
+    ``gate_weight_ED`` through the returned fp32 weights; ids are int32 constants.
+
+    Returns:
+        ``(weights_TK fp32, ids_TK int32)``, slots best first (ties: lower expert index).
+    """
+    cfg = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+               routed_scaling_factor=routed_scaling_factor)
+    if _needs_grad(x_TD, gate_weight_ED):
+        return RouteFn.apply(x_TD, gate_weight_ED, e_score_correction_bias_E, cfg)
+    return dispatch.moe_route(x_TD, gate_weight_ED, e_score_correction_bias_E, **cfg)
+
+
+def moe_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                up: ExpertWeight, down: ExpertWeight, shared_TD: torch.Tensor | None = None, *,
+                nvfp4: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`ops.moe.moe_experts` (relu2 experts + ordered fp32 combine), differentiable w.r.t.
+    ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and master expert weights.
+
+    Args:
+        up, down: ``[E, I, D]`` / ``[E, D, I]`` tensors (bf16 masters), or
+            :class:`NVFP4Weight` (e.g. loaded from a ModelOpt checkpoint; no gradient).
+        nvfp4: quantize tensor masters to NVFP4 by ModelOpt's rule on every call
+            (the trainer's W4A16 path; straight-through gradient to the masters).
+        out_dtype: default ``x_TD.dtype``.
+    """
+    out_dtype = out_dtype or x_TD.dtype
+    if _needs_grad(x_TD, topk_weights_TK, shared_TD, up, down):
+        if any(isinstance(w, torch.Tensor) and w.dim() != 3 for w in (up, down)):
+            raise ValueError(f"moe_experts: expert weights must be [E, N, K], got {list(up.shape)}, "
+                             f"{list(down.shape)}")
+        return ExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, up, down, topk_ids_TK, nvfp4, out_dtype)
+    if nvfp4:
+        up = nvfp4_quantize(up) if isinstance(up, torch.Tensor) else up
+        down = nvfp4_quantize(down) if isinstance(down, torch.Tensor) else down
+    return dispatch.moe_experts(x_TD, topk_ids_TK, topk_weights_TK, up, down, shared_TD, out_dtype)
+
+
+def moe_shared_expert(x_TD: torch.Tensor, up_ID: ExpertWeight, down_DI: ExpertWeight, *,
+                      nvfp4: bool = False) -> torch.Tensor:
+    """:func:`ops.moe.moe_shared_expert` (fp32 ``[T, D]``), differentiable w.r.t. ``x_TD`` and master
+    weights (``nvfp4`` as in :func:`moe_experts`)."""
+    T = x_TD.shape[0]
+    ids = torch.zeros(T, 1, dtype=torch.int32, device=x_TD.device)
+    ones = torch.ones(T, 1, dtype=torch.float32, device=x_TD.device)
+    if _needs_grad(x_TD, up_ID, down_DI):  # 2-D masters go in as they are (their stamps, their grads)
+        return ExpertsFn.apply(x_TD, ones, None, up_ID, down_DI, ids, nvfp4, torch.float32)
+    return moe_experts(x_TD, ids, ones, stack_expert(up_ID), stack_expert(down_DI), None,
+                       nvfp4=nvfp4, out_dtype=torch.float32)

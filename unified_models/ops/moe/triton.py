@@ -1,0 +1,305 @@
+"""MoE in Triton: grouped relu2-expert GEMMs over tokens sorted by expert, and the ordered combine.
+
+Grouped GEMM (one kernel, two launches per MoE):
+
+* assignments ``r = t*K + k`` are sorted by ``(expert, t, k)`` (a unique key:
+  one permutation for given ids) and each expert's run is padded to a
+  multiple of ``BLOCK_M``, so every ``BLOCK_M``-row tile belongs to ONE expert
+  (``tile_expert``); padding rows carry the sentinel ``R`` and are masked;
+* each program computes one ``[BLOCK_M, BLOCK_N]`` output tile over the FULL
+  reduction dim in fixed ``BLOCK_K`` steps: no split-K, no atomics, no
+  autotuning, tiles fixed per weight shape ``(N, K)`` (:func:`gemm_tiles`),
+  never by the number of tokens. A row's result is the same whichever tile or
+  rows it shares (DESIGN.md rules 1, 2); the number of tiles (the grid) is the
+  only thing that follows the batch. On GPU the grid is an upper bound
+  (``cdiv(R, BLOCK_M) + min(E, R)`` tiles, no host sync; extra programs exit);
+* launch 1 (up): A rows gathered from ``x[r // K]``; epilogue ``relu(acc)^2``
+  in fp32, rounded once to the activation dtype into ``h`` (padded layout);
+* launch 2 (down): A = ``h``; fp32 output scattered to row ``r`` of
+  ``y [R, D]``;
+* NVFP4 weights (uint8 codes ``[E, N, K/2]``, e4m3 block scales
+  ``[E, N, K/16]``, fp32 ``weight_scale_2 [E]``) are dequantized inside the K
+  loop to bf16 tiles by ModelOpt's rule, ``bf16(e2m1 * fp32(fp32(scale) *
+  ws2))`` (e4m3 and e2m1 decoded exactly with integer arithmetic), then fed
+  to the same ``tl.dot``: the H200 has no FP4 tensor cores (W4A16).
+
+Combine: per ``[BLOCK_T, BLOCK_D]`` tile, ``acc = acc + w_k * y_k`` for
+``k = 0..K-1`` in fp32 (slot order), then ``+ shared``, then one rounding.
+
+Under the interpreter (CPU) the dots are exact fp64 products summed in
+numpy's fixed order (:func:`interpreter_dot`) and rounded once, so the kernel
+equals the CPU torch implementation (``ops.moe.moe_expert_outputs_torch``,
+``moe_combine_torch``) bit for bit and does not depend on the host's BLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..nvfp4 import NVFP4Weight
+from .common import expert_counts
+from ..triton._common import _INTERP, INTERPRET, check_device, e4m3_bits_to_f32, interpreter_dot, round_f64_to, round_to
+
+if INTERPRET:
+    # Few, big programs (the interpreter pays per program); BLOCK_M stays small
+    # because every expert's run is padded to it. [16, 64, 128] fp64 products
+    # per interpreter_dot stay within Triton's 2**20-element limit.
+    BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 64
+    NUM_WARPS, NUM_STAGES = 4, 1
+    COMBINE_T, COMBINE_D = 64, 512
+else:
+    # Hopper: bf16 wgmma tiles, fp32 accumulation. One fixed config for every
+    # expert shape (not tuned on the H200 yet; a per-(N, K) table may replace it,
+    # never a per-batch choice).
+    BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+    NUM_WARPS, NUM_STAGES = 4, 3
+    COMBINE_T, COMBINE_D = 16, 256
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def gemm_tiles(n: int, k: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` for a ``[N, K]`` expert weight: a function of the
+    weight shape and the device kind only (today one constant config)."""
+    del n, k
+    return BLOCK_M, BLOCK_N, BLOCK_K
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """E2M1 codes (int32 0..15) -> fp32 {0, ±0.5, ..., ±6}; code 8 -> +0 (ModelOpt's table)."""
+    mi = c & 7
+    ex = mi >> 1
+    bits = ((ex + 126) << 23) | ((mi & 1) << 22)
+    mag = tl.where(ex == 0, mi.to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
+    return tl.where(((c & 8) != 0) & (mi != 0), -mag, mag)
+
+
+@triton.jit
+def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_kn, stride_we, stride_wn, stride_wk,
+            stride_se, stride_sn, stride_sk, NVFP4: tl.constexpr, dtype: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[e, n, k]^T`` in ``dtype`` (NVFP4 dequantized)."""
+    if NVFP4:
+        k2 = kk[:, None]
+        byte = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + (k2 // 2) * stride_wk,
+                       mask=mask_kn, other=0).to(tl.int32)
+        code = (byte >> ((k2 % 2) * 4)) & 15
+        sb = tl.load(ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn + (k2 // 16) * stride_sk,
+                     mask=mask_kn, other=0).to(tl.int32)
+        blk = e4m3_bits_to_f32(sb) * ws2
+        w = round_to(_e2m1_to_f32(code) * blk, dtype)
+    else:
+        w = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=mask_kn, other=0.0)
+    return w
+
+
+@triton.jit(do_not_specialize=["R"])
+def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_expert_ptr,
+                     R, N, K, E,
+                     stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                     stride_se, stride_sn, stride_sk, stride_om, stride_on,
+                     TOPK: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                     RELU2: tl.constexpr, NVFP4: tl.constexpr, FP32_DOT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < E:
+        e64 = e.to(tl.int64)
+        offs_p = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rid = tl.load(ids_ptr + offs_p).to(tl.int64)
+        valid = rid < R
+        if GATHER_A:
+            arow = rid // TOPK
+        else:
+            arow = offs_p
+        if SCATTER_OUT:
+            orow = rid
+        else:
+            orow = offs_p
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        if NVFP4:
+            ws2 = tl.load(ws2_ptr + e64)
+        else:
+            ws2 = 0.0
+        a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :] * stride_ak
+        wdt = a_ptr.dtype.element_ty
+        if _INTERP:
+            # exact fp64 products summed in numpy's fixed order, one rounding (== the CPU torch path)
+            acc64 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                mask_k = kk < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_k[:, None] & mask_n[None, :],
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt)
+                acc64 += interpreter_dot(a, w)
+                a_ptrs += BLOCK_K * stride_ak
+            acc = round_f64_to(acc64, tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                mask_k = kk < K
+                a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_k[:, None] & mask_n[None, :],
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt)
+                if FP32_DOT:
+                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                a_ptrs += BLOCK_K * stride_ak
+        if RELU2:
+            r = tl.maximum(acc, 0.0)
+            acc = r * r
+        out_ptrs = out_ptr + orow[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, round_to(acc, out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_combine_kernel(y_ptr, w_ptr, s_ptr, out_ptr, T, D, stride_yr, stride_wt, stride_st, stride_ot,
+                        TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_d < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        w = tl.load(w_ptr + offs_t * stride_wt + k, mask=mask_t, other=0.0)
+        y = tl.load(y_ptr + (offs_t * TOPK + k)[:, None] * stride_yr + offs_d[None, :], mask=mask, other=0.0)
+        acc = acc + w[:, None] * y
+    if HAS_SHARED:
+        acc = acc + tl.load(s_ptr + offs_t[:, None] * stride_st + offs_d[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_d[None, :], round_to(acc, out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def moe_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: bool):
+    """Padded expert-sorted layout of the assignments.
+
+    Returns:
+        ``(sorted_ids [n_tiles * block_m] int32, tile_expert [n_tiles] int32, n_tiles)``:
+        ``sorted_ids`` holds assignment ids ``r = t*K + k`` sorted by
+        ``(expert, t, k)``, each expert's run padded to ``block_m`` with the
+        sentinel ``R``; ``tile_expert[j]`` is tile j's expert (``E`` past the
+        end). ``exact``: the exact tile count (host sync; CPU); else the upper
+        bound ``cdiv(R, block_m) + min(E, R)`` (no sync; GPU, CUDA graphs).
+    """
+    dev = topk_ids_TK.device
+    flat = topk_ids_TK.reshape(-1).long()
+    R = flat.shape[0]
+    E = num_experts
+    ar = torch.arange(R, device=dev)
+    order = torch.argsort(flat * R + ar)
+    se = flat[order]
+    counts = expert_counts(se, E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    pstart = pend - padded
+    start = torch.cumsum(counts, 0) - counts
+    pos = pstart[se] + (ar - start[se])
+    n_tiles = int(pend[-1]) // block_m if exact else triton.cdiv(R, block_m) + min(E, R)
+    sorted_ids = torch.full((n_tiles * block_m,), R, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    tiles = torch.arange(n_tiles, device=dev, dtype=torch.long) * block_m
+    tile_expert = torch.searchsorted(pend, tiles, right=True).to(torch.int32)
+    return sorted_ids, tile_expert, n_tiles
+
+
+def _weight_args(w, what: str, dtype: torch.dtype):
+    """(w_ptr, ws_ptr, ws2_ptr, strides (we, wn, wk), scale strides (se, sn, sk), nvfp4)."""
+    if isinstance(w, NVFP4Weight):
+        if w.weight.dim() != 3:
+            raise ValueError(f"moe_triton: {what} NVFP4 weight must be stacked [E, N, K/2]")
+        s = w.weight_scale.view(torch.uint8)
+        s2 = w.weight_scale_2.contiguous()
+        return w.weight, s, s2, w.weight.stride(), s.stride(), True
+    if w.dtype != dtype:
+        raise ValueError(f"moe_triton: {what} weight dtype {w.dtype} differs from the activations' {dtype}")
+    return w, w, w, w.stride(), (0, 0, 0), False
+
+
+def _launch(a, w, out, sorted_ids, tile_expert, n_tiles, R, E, topk, gather, scatter, relu2, what):
+    N, K = w.shape[1], w.shape[2]
+    bm, bn, bk = gemm_tiles(N, K)
+    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), nvfp4 = _weight_args(w, what, a.dtype)
+    grid = (n_tiles * triton.cdiv(N, bn),)
+    _moe_gemm_kernel[grid](
+        a, w_ptr, ws_ptr, ws2_ptr, out, sorted_ids, tile_expert, R, N, K, E,
+        a.stride(0), a.stride(1), swe, swn, swk, sse, ssn, ssk, out.stride(0), out.stride(1),
+        TOPK=topk, GATHER_A=gather, SCATTER_OUT=scatter, RELU2=relu2, NVFP4=nvfp4,
+        FP32_DOT=INTERPRET or a.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up, down) -> torch.Tensor:
+    """fp32 ``[T*K, D]``: row ``t*K + k`` = ``fp32(round_x(relu(fp32(x_t up_e^T))^2) down_e^T)``,
+    ``e = ids[t, k]``.
+
+    Args:
+        x_TD: ``[T, D]`` bf16 (or fp32) activations.
+        topk_ids_TK: ``[T, K]`` integer expert ids.
+        up: ``[E, I, D]`` tensor in ``x``'s dtype or stacked :class:`NVFP4Weight`.
+        down: ``[E, D, I]`` likewise.
+
+    Raises:
+        ValueError: dtypes, shapes or devices do not match.
+    """
+    if x_TD.dtype not in _DTYPES:
+        raise ValueError(f"moe_triton: x must be bf16 or fp32, got {x_TD.dtype}")
+    E, I, D = up.shape
+    if tuple(down.shape) != (E, D, I) or x_TD.shape[1] != D:
+        raise ValueError(f"moe_triton: x {tuple(x_TD.shape)}, up {list(up.shape)}, down {list(down.shape)} "
+                         "do not match")
+    tensors = [x_TD, topk_ids_TK] + [t for w in (up, down) for t in
+                                    ((w.weight, w.weight_scale, w.weight_scale_2) if isinstance(w, NVFP4Weight)
+                                     else (w,))]
+    check_device("moe_triton", *tensors)
+    T, K = topk_ids_TK.shape
+    R = T * K
+    y = torch.empty(R, D, dtype=torch.float32, device=x_TD.device)
+    if R == 0 or D == 0:
+        return y
+    if I == 0:
+        return y.zero_()
+    sorted_ids, tile_expert, n_tiles = moe_plan(topk_ids_TK, E, BLOCK_M, exact=INTERPRET)
+    if n_tiles == 0:
+        return y
+    h = torch.empty(n_tiles * BLOCK_M, I, dtype=x_TD.dtype, device=x_TD.device)
+    _launch(x_TD, up, h, sorted_ids, tile_expert, n_tiles, R, E, K, True, False, True, "up")
+    _launch(h, down, y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down")
+    return y
+
+
+def moe_combine_triton(expert_out_RD: torch.Tensor, topk_weights_TK: torch.Tensor, shared_TD: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, D]`` in ``out_dtype``: ``round(sum_k w_k y_k (+ shared))``, fp32, slot order.
+
+    Raises:
+        ValueError: dtypes/devices do not match.
+    """
+    if expert_out_RD.dtype != torch.float32:
+        raise ValueError(f"moe_combine_triton: expert outputs must be fp32, got {expert_out_RD.dtype}")
+    check_device("moe_combine_triton", expert_out_RD, topk_weights_TK, shared_TD)
+    T, K = topk_weights_TK.shape
+    D = expert_out_RD.shape[1]
+    y = expert_out_RD.contiguous()
+    w = topk_weights_TK.float().contiguous()
+    out = torch.empty(T, D, dtype=out_dtype, device=y.device)
+    if T == 0 or D == 0:
+        return out
+    s = shared_TD.contiguous() if shared_TD is not None else out
+    grid = (triton.cdiv(T, COMBINE_T), triton.cdiv(D, COMBINE_D))
+    _moe_combine_kernel[grid](y, w, s, out, T, D, y.stride(0), w.stride(0), s.stride(0), out.stride(0),
+                              TOPK=K, HAS_SHARED=shared_TD is not None, BLOCK_T=COMBINE_T, BLOCK_D=COMBINE_D,
+                              num_warps=4)
+    return out
