@@ -207,7 +207,7 @@ def test_toy_family_engine_forward_matches_oracle_and_uses_both_streams(toy):
 def test_toy_family_check_diff_zero_through_both_engines(toy):
     """vLLM (generic model class, toy caches from the declarations) vs the Megatron module."""
     d, spec, _ = toy
-    from unified_models.backends.megatron.recompute import recompute_logprobs
+    from unified_models.backends.megatron.trainer import recompute_logprobs
     from unified_models.backends.vllm.rollout import rollout
     from unified_models.converters.hf_safetensors import spec_and_state_dict
 

@@ -13,12 +13,9 @@ from unified_models.private_state import PrivateStateStore
 
 
 def _with_rope(spec):
-    blocks = tuple(
-        dataclasses.replace(b, mixer=dataclasses.replace(b.mixer, rope=RopeSpec(theta=10000.0, rotary_dim=32)))
-        if isinstance(b.mixer, AttentionSpec) else b
-        for b in spec.blocks
-    )
-    return spec.replace(blocks=blocks, max_position_embeddings=512)
+    return spec.map_mixers(
+        lambda m: dataclasses.replace(m, rope=RopeSpec(theta=10000.0, rotary_dim=32)) if isinstance(m, AttentionSpec)
+        else m).replace(max_position_embeddings=512)
 
 
 def _logprobs(spec, sd, seqs, block_size):

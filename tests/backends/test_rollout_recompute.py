@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from unified_models.backends.megatron.recompute import recompute_logprobs
+from unified_models.backends.megatron.trainer import recompute_logprobs
 from unified_models.backends.vllm.rollout import rollout
 from unified_models.converters.hf_safetensors import spec_and_state_dict
 

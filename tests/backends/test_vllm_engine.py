@@ -20,7 +20,7 @@ import torch
 import vllm  # noqa: E402,F401  (a required dependency: a missing install must fail, not skip)
 
 from unified_models.backends.vllm import engine  # noqa: E402
-from unified_models.dsl import CheckpointError  # noqa: E402
+from unified_models.dsl import AttentionSpec, CheckpointError  # noqa: E402
 from unified_models.forward import forward_hidden, forward_logprobs  # noqa: E402
 from unified_models.state import FlatBatch
 from unified_models.private_state import PrivateStateStore

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 import vllm  # noqa: F401  (a required dependency: a missing install must fail, not skip)
 
 from unified_models import ops
-from unified_models.backends.megatron.recompute import recompute_logprobs
+from unified_models.backends.megatron.trainer import recompute_logprobs
 from unified_models.backends.vllm import engine
 from unified_models.backends.vllm.rollout import rollout
 from unified_models.converters.hf_safetensors import spec_and_state_dict

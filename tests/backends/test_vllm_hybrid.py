@@ -39,7 +39,7 @@ from unified_models.backends.vllm import engine, plugin
 from unified_models.backends.vllm.mamba_state import STATE_ORDER, model_state_layout, state_copy_funcs
 from unified_models.backends.vllm.model import UnifiedForCausalLM, UnifiedHybridForCausalLM
 from unified_models.consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
-from unified_models.dsl import SpecError
+from unified_models.dsl import AttentionSpec, Mamba2Spec, SpecError
 from unified_models.ops import Mamba2State
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +87,7 @@ class _StepRecorder:
 
         def rec(model, input_ids, positions, mds):
             batch, store = orig(model, input_ids, positions, mds)
-            groups = store._mamba_groups
+            groups = {k: g for k, g in (store._groups or {}).items() if k[1] == "state_cache"}  # the Mamba caches
             if groups:
                 first = groups[min(groups)]
                 for g in groups.values():
@@ -191,7 +191,7 @@ def test_hybrid_engine_settings(hybrid_model, tiny_model, hybrid_ckpt):
 def test_hybrid_rollout_chunked_prefill_diff_zero(hybrid_ckpt, hybrid_model, monkeypatch):
     """Fewer sequences than prompts, a 24-token budget per step: prompts split
     over several steps, continuing mid-chunk; every logprob and row bitwise."""
-    from unified_models.backends.megatron.recompute import recompute_logprobs
+    from unified_models.backends.megatron.trainer import recompute_logprobs
     from unified_models.backends.vllm.rollout import rollout
 
     spec, sd = hybrid_model
@@ -229,7 +229,7 @@ def test_hybrid_rollout_chunked_prefill_diff_zero(hybrid_ckpt, hybrid_model, mon
 def test_hybrid_rollout_default_settings_diff_zero(hybrid_ckpt, hybrid_model):
     """``check``'s path on the CPU: per-request seeds, whole prompts per step
     (chunked prefill off), fewer sequences than prompts."""
-    from unified_models.backends.megatron.recompute import recompute_logprobs
+    from unified_models.backends.megatron.trainer import recompute_logprobs
     from unified_models.backends.vllm.rollout import rollout
 
     spec, sd = hybrid_model
@@ -252,7 +252,7 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-    from unified_models.backends.megatron.recompute import recompute_logprobs
+    from unified_models.backends.megatron.trainer import recompute_logprobs
 
     spec, sd = hybrid_model
     width = spec.sublayers_of(Mamba2Spec)[0].mixer.conv_kernel

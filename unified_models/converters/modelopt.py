@@ -27,7 +27,6 @@ must sync the masters into the engine before its first rollout.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -37,9 +36,11 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..dsl import AttentionSpec, CheckpointError, Mamba2Spec, ModelSpec, MoESpec, SpecError
+from ..dsl import CheckpointError, ModelSpec, SpecError
+from ..layers import family_of
+from ..layers.quantization import QuantizationOptions
 from .hf_safetensors import save_state_dict, spec_and_state_dict
-from .quantized import kv_scale_names, validate_quantized
+from .quantized import validate_quantized
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 """What :func:`export_modelopt` writes as ``producer`` (the ModelOpt release whose rules ops/ transcribe)."""
@@ -47,35 +48,27 @@ PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 
 # ----------------------------------------------------------------------------- masters <-> stored format
 
+def _map_quantized_mixers(spec: ModelSpec, fn) -> ModelSpec:
+    """``spec`` with every mixer whose family has quantization rules replaced by ``fn(rules, mixer)``."""
+    def one(m):
+        rules = family_of(m).quantization
+        return m if rules is None else fn(rules, m)
+
+    return spec.map_mixers(one)
+
+
 def master_spec(spec: ModelSpec) -> ModelSpec:
     """The same model with model-dtype master weights (what a trainer trains): every
     ``checkpoint_format = "modelopt"`` mixer becomes ``"master"``; quantization
     recipes (NVFP4 experts, FP8 projections, FP8 KV) are kept."""
-    def master(m):
-        if getattr(m, "checkpoint_format", "master") != "modelopt":
-            return m
-        changes = {"checkpoint_format": "master"}
-        if isinstance(m, MoESpec):
-            changes["expert_input_scale"] = False
-        return dataclasses.replace(m, **changes)
-
-    return spec.map_mixers(master)
+    return _map_quantized_mixers(spec, lambda rules, m: rules.to_master(m))
 
 
 def dequantized_spec(spec: ModelSpec) -> ModelSpec:
     """The plain model-dtype model a quantized checkpoint stands for: every weight
     dequantized, no activation or KV quantization (what transformers runs when
     handed the dequantized weights; the peer check's common ground)."""
-    def plain(m):
-        if isinstance(m, MoESpec) and m.quantization != "bf16":
-            return dataclasses.replace(m, quantization="bf16")
-        if isinstance(m, Mamba2Spec) and m.proj_quantization != "bf16":
-            return dataclasses.replace(m, proj_quantization="bf16")
-        if isinstance(m, AttentionSpec) and getattr(m, "kv_cache_dtype", "auto") != "auto":
-            return dataclasses.replace(m, kv_cache_dtype="auto")
-        return m
-
-    return master_spec(spec).map_mixers(plain)
+    return _map_quantized_mixers(master_spec(spec), lambda rules, m: rules.dequantized(m))
 
 
 def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -102,26 +95,11 @@ def dequantize_state_dict(state: Mapping[str, torch.Tensor], spec: ModelSpec) ->
     ``weight_scale_2`` and NVFP4 ``input_scale`` are dropped; FP8 ``input_scale``
     and KV scales are kept (static, calibrated).
     """
-    from ..ops.nvfp4 import NVFP4Weight, nvfp4_dequantize
-
     out = dict(state)
     for blk in spec.sublayers:
-        m = blk.mixer
-        if isinstance(m, MoESpec) and m.packed:
-            for e in range(m.n_routed_experts):
-                for proj in ("up_proj", "down_proj"):
-                    names = m.expert_tensor_names(e, proj)
-                    q = NVFP4Weight(state[names["weight"]], state[names["weight_scale"]],
-                                    state[names["weight_scale_2"]].reshape(()))
-                    for f, n in names.items():
-                        out.pop(n, None)
-                    out[names["weight"]] = nvfp4_dequantize(q, spec.dtype)
-        elif isinstance(m, Mamba2Spec) and m.checkpoint_format == "modelopt":
-            for proj in ("in_proj", "out_proj"):
-                base = f"{m.name}.{proj}"
-                w, s = state[f"{base}.weight"], state[f"{base}.weight_scale"]
-                out[f"{base}.weight"] = (w.float() * s.float().reshape(())).to(spec.dtype)
-                out.pop(f"{base}.weight_scale")
+        rules = family_of(blk.mixer, blk.index).quantization
+        if rules is not None:
+            rules.dequantize_tensors(blk.mixer, state, out, spec.dtype)
     return out
 
 
@@ -144,36 +122,13 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
     Returns:
         HF name -> tensor in the stored dtype of ``spec``.
     """
-    from ..ops.nvfp4 import nvfp4_quantize
-
     wanted = set(only) if only is not None else set(masters)
     out: dict[str, torch.Tensor] = {}
     derived: set[str] = set()
     for blk in spec.sublayers:
-        m = blk.mixer
-        if isinstance(m, MoESpec) and m.packed:
-            for e in range(m.n_routed_experts):
-                for proj in ("up_proj", "down_proj"):
-                    names = m.expert_tensor_names(e, proj)
-                    derived.add(names["weight"])
-                    if names["weight"] not in wanted:
-                        continue
-                    q = nvfp4_quantize(masters[names["weight"]])
-                    out[names["weight"]] = q.weight
-                    out[names["weight_scale"]] = q.weight_scale
-                    out[names["weight_scale_2"]] = q.weight_scale_2.reshape(())
-                    # an NVFP4 W4A4 export's input_scale is calibrated, not derived: not written here
-        elif isinstance(m, Mamba2Spec) and m.checkpoint_format == "modelopt":
-            from ..ops.fp8 import fp8_quantize_weight, fp8_weight_scale
-
-            for proj in ("in_proj", "out_proj"):
-                n = f"{m.name}.{proj}.weight"
-                derived.add(n)
-                if n not in wanted:
-                    continue
-                s = fp8_weight_scale(masters[n])
-                out[n] = fp8_quantize_weight(masters[n], s)
-                out[f"{m.name}.{proj}.weight_scale"] = s
+        rules = family_of(blk.mixer, blk.index).quantization
+        if rules is not None:
+            derived |= rules.quantize_tensors(blk.mixer, masters, wanted, out)
     for n, t in masters.items():
         if n in wanted and n not in derived:
             out[n] = t
@@ -188,20 +143,14 @@ def quant_config_dict(spec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
     in/out projections), ``kv_cache_quant_algo`` FP8 or None."""
     layers: dict[str, dict] = {}
     for blk in spec.sublayers:
-        m = blk.mixer
-        if isinstance(m, MoESpec) and m.quantization == "nvfp4":
-            algo = "NVFP4" if m.expert_input_scale else "W4A16_NVFP4"
-            for e in range(m.n_routed_experts):
-                for proj in ("up_proj", "down_proj"):
-                    layers[f"{m.name}.experts.{e}.{proj}"] = {"quant_algo": algo, "group_size": 16}
-        elif isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
-            for proj in ("in_proj", "out_proj"):
-                layers[f"{m.name}.{proj}"] = {"quant_algo": "FP8"}
+        rules = family_of(blk.mixer, blk.index).quantization
+        if rules is not None:
+            layers.update(rules.quantized_layers(blk.mixer))
     return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8" if kv_cache_fp8 else None,
             "quantized_layers": layers}
 
 
-def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], *, mamba: bool, kv: bool
+def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], options: QuantizationOptions
                ) -> dict[str, torch.Tensor]:
     """ModelOpt "max" calibration on transformers' model: fp32 ``amax / 448`` of every Mamba
     in/out projection input (``input_scale``) and of every attention k/v projection output
@@ -222,14 +171,9 @@ def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], *, 
         m = blk.mixer
         mod = model.get_submodule(m.name.replace("backbone.", "model.", 1)) if not hasattr(model, "backbone") \
             else model.get_submodule(m.name)
-        if mamba and isinstance(m, Mamba2Spec) and m.proj_quantization == "fp8":
-            for proj in ("in_proj", "out_proj"):
-                hooks.append(getattr(mod, proj).register_forward_pre_hook(
-                    lambda _m, args, n=f"{m.name}.{proj}.input_scale": track(n, args[0])))
-        if kv and isinstance(m, AttentionSpec):
-            kn, vn = kv_scale_names(m)
-            hooks.append(mod.k_proj.register_forward_hook(lambda _m, _a, out, n=kn: track(n, out)))
-            hooks.append(mod.v_proj.register_forward_hook(lambda _m, _a, out, n=vn: track(n, out)))
+        rules = family_of(m, blk.index).quantization
+        if rules is not None:
+            hooks += rules.calibration_hooks(m, mod, options, track)
     try:
         with torch.no_grad():
             for ids in token_ids:
@@ -284,18 +228,9 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     if (mamba_proj or kv_cache) and not calibration_token_ids:
         raise CheckpointError("export_modelopt: FP8 input/KV scales need calibration_token_ids (static scales, "
                               "ModelOpt 'max' calibration)")
-    def quantized(m):
-        if isinstance(m, MoESpec) and experts:
-            return dataclasses.replace(m, quantization="nvfp4", checkpoint_format="modelopt")
-        if isinstance(m, Mamba2Spec) and mamba_proj:
-            return dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
-        if isinstance(m, AttentionSpec) and kv_cache:
-            return dataclasses.replace(m, kv_cache_dtype="fp8_e4m3")
-        return m
-
-    qspec = spec.map_mixers(quantized)
-    scales = _calibrate(src, qspec, calibration_token_ids or [], mamba=bool(mamba_proj), kv=bool(kv_cache)) \
-        if (mamba_proj or kv_cache) else {}
+    options = QuantizationOptions(experts=experts, mamba_proj=mamba_proj, kv_cache=kv_cache)
+    qspec = _map_quantized_mixers(spec, lambda rules, m: rules.quantized(m, options))
+    scales = _calibrate(src, qspec, calibration_token_ids or [], options) if (mamba_proj or kv_cache) else {}
     stored = quantize_state_dict({**masters, **scales}, qspec)
     missing = [n for n in qspec.parameter_shapes() if n not in stored]
     if missing:

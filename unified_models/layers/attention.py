@@ -6,7 +6,8 @@ N cache blocks, S block size.
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Any, Mapping
 
 import torch
 
@@ -19,6 +20,7 @@ from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
 from .oracle import linear_oracle
+from .quantization import QuantizationOptions, QuantizationRules, Track, scalar_problems
 
 CACHE = "attn"
 """The layer's one cache: paged K/V (forward-context name ``<mixer>.attn`` in vLLM)."""
@@ -114,5 +116,42 @@ def attention_megatron_fields(a: AttentionSpec) -> dict:
                 add_bias_linear=a.bias)
 
 
+# ----------------------------------------------------------------------------- ModelOpt quantization (FP8 KV cache)
+
+def attention_dequantized(a: AttentionSpec) -> AttentionSpec:
+    """A model-dtype KV cache."""
+    if a.kv_cache_dtype != "auto":
+        return dataclasses.replace(a, kv_cache_dtype="auto")
+    return a
+
+
+def attention_quantized(a: AttentionSpec, options: QuantizationOptions) -> AttentionSpec:
+    """An FP8 KV cache when ``options.kv_cache``."""
+    if options.kv_cache:
+        return dataclasses.replace(a, kv_cache_dtype="fp8_e4m3")
+    return a
+
+
+def attention_calibration_hooks(a: AttentionSpec, mod: Any, options: QuantizationOptions, track: Track) -> list:
+    """The outputs of ``k_proj`` / ``v_proj`` (``k_scale`` / ``v_scale``)."""
+    if not options.kv_cache:
+        return []
+    kn, vn = a.kv_scale_names()
+    return [mod.k_proj.register_forward_hook(lambda _m, _a, out, n=kn: track(n, out)),
+            mod.v_proj.register_forward_hook(lambda _m, _a, out, n=vn: track(n, out))]
+
+
+def attention_validate_quantized(a: AttentionSpec, layer_index: int, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The KV scales of an FP8-KV layer."""
+    problems: list[str] = []
+    if a.kv_cache_dtype != "auto":
+        for n in a.kv_scale_names():
+            problems += scalar_problems(n, state.get(n))
+    return problems
+
+
+QUANTIZATION = QuantizationRules(dequantized=attention_dequantized, quantized=attention_quantized,
+                                 calibration_hooks=attention_calibration_hooks, validate=attention_validate_quantized)
+
 FAMILY = LayerFamily(spec_type=AttentionSpec, forward=attention_forward, oracle=attention_oracle,
-                     caches=attention_caches, megatron_fields=attention_megatron_fields)
+                     caches=attention_caches, megatron_fields=attention_megatron_fields, quantization=QUANTIZATION)

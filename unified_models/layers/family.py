@@ -12,7 +12,8 @@ declarations instead of switching on spec types:
   (:func:`model_caches`);
 * the Megatron module takes its ``TransformerConfig`` fields from
   ``megatron_fields`` and its init from ``init_rules``;
-* parameter allocation stacks the groups of ``stacked_parameters`` into one buffer.
+* parameter allocation stacks the groups of ``stacked_parameters`` into one buffer;
+* the ModelOpt converters call ``quantization`` (:mod:`.quantization`).
 
 A new family = a spec dataclass (``dsl/``), a module with these functions
 (``layers/``), and one :func:`register_family` call; a family may also be
@@ -34,6 +35,7 @@ from .common import LayerFn
 if TYPE_CHECKING:  # pragma: no cover
     from ..caches import CacheDecl
     from ..dsl import ModelSpec
+    from .quantization import QuantizationRules
 
 OracleFn = Callable[[Any, Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 """``(spec, params, x_TD) -> y_TD``: the sublayer's math in plain PyTorch for ONE sequence
@@ -82,6 +84,10 @@ class LayerFamily:
         stacked_parameters: ``spec -> groups of HF names`` of equal shape and
             dtype allocated as views of one ``[len(group), ...]`` buffer (routed
             experts: the kernels take the whole stack without a copy).
+        quantization: the family's part of NVIDIA ModelOpt quantization
+            (:class:`~.quantization.QuantizationRules`: stored format <-> masters,
+            export, calibration, validation), or None for a family that is never
+            quantized (:mod:`unified_models.converters.modelopt`).
     """
 
     spec_type: type
@@ -91,6 +97,7 @@ class LayerFamily:
     init_rules: Callable[[Any], dict[str, InitRule]] = _no_rules
     megatron_fields: Callable[[Any], dict[str, Any]] = _no_fields
     stacked_parameters: Callable[[Any], tuple[tuple[str, ...], ...]] = _no_stacks
+    quantization: "QuantizationRules | None" = None
 
 
 FAMILIES: dict[type, LayerFamily] = {}

@@ -18,7 +18,8 @@ N state size, F = H*P, C = F + 2GN conv channels, W conv width.
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Any, Mapping
 
 import torch
 
@@ -31,6 +32,7 @@ from ..state import FlatBatch, SlotState, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
 from .oracle import linear_oracle
+from .quantization import QuantizationOptions, QuantizationRules, Track, scalar_problems
 
 CACHE = "state_cache"
 """The layer's one cache: its state slots (forward-context name ``<mixer>.state_cache`` in vLLM)."""
@@ -190,5 +192,101 @@ def mamba2_megatron_fields(m: Mamba2Spec) -> dict:
                 mamba_state_dim=m.ssm_state_size)
 
 
+# ----------------------------------------------------------------------------- ModelOpt quantization (FP8 in/out_proj)
+
+def mamba2_to_master(m: Mamba2Spec) -> Mamba2Spec:
+    """Stored e4m3 projections -> model-dtype masters (``checkpoint_format "master"``)."""
+    if m.checkpoint_format != "modelopt":
+        return m
+    return dataclasses.replace(m, checkpoint_format="master")
+
+
+def mamba2_dequantized(m: Mamba2Spec) -> Mamba2Spec:
+    """Model-dtype projections."""
+    if m.proj_quantization != "bf16":
+        return dataclasses.replace(m, proj_quantization="bf16")
+    return m
+
+
+def mamba2_quantized(m: Mamba2Spec, options: QuantizationOptions) -> Mamba2Spec:
+    """FP8 W8A8 projections in ModelOpt's stored format when ``options.mamba_proj``."""
+    if options.mamba_proj:
+        return dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
+    return m
+
+
+def mamba2_dequantize_tensors(m: Mamba2Spec, state: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor],
+                              dtype: torch.dtype) -> None:
+    """``weight = dtype(fp32(e4m3) * weight_scale)``; ``weight_scale`` dropped, ``input_scale`` kept."""
+    if m.checkpoint_format != "modelopt":
+        return
+    for proj in ("in_proj", "out_proj"):
+        base = f"{m.name}.{proj}"
+        w, s = state[f"{base}.weight"], state[f"{base}.weight_scale"]
+        out[f"{base}.weight"] = (w.float() * s.float().reshape(())).to(dtype)
+        out.pop(f"{base}.weight_scale")
+
+
+def mamba2_quantize_tensors(m: Mamba2Spec, masters: Mapping[str, torch.Tensor], wanted: set[str],
+                            out: dict[str, torch.Tensor]) -> set[str]:
+    """``ops.fp8_quantize_weight`` with ``ops.fp8_weight_scale`` per projection."""
+    derived: set[str] = set()
+    if m.checkpoint_format != "modelopt":
+        return derived
+    from ..ops.fp8 import fp8_quantize_weight, fp8_weight_scale
+
+    for proj in ("in_proj", "out_proj"):
+        n = f"{m.name}.{proj}.weight"
+        derived.add(n)
+        if n not in wanted:
+            continue
+        s = fp8_weight_scale(masters[n])
+        out[n] = fp8_quantize_weight(masters[n], s)
+        out[f"{m.name}.{proj}.weight_scale"] = s
+    return derived
+
+
+def mamba2_quantized_layers(m: Mamba2Spec) -> dict[str, dict]:
+    """One ``FP8`` entry per projection."""
+    layers: dict[str, dict] = {}
+    if m.proj_quantization == "fp8":
+        for proj in ("in_proj", "out_proj"):
+            layers[f"{m.name}.{proj}"] = {"quant_algo": "FP8"}
+    return layers
+
+
+def mamba2_calibration_hooks(m: Mamba2Spec, mod: Any, options: QuantizationOptions, track: Track) -> list:
+    """The input of each FP8 projection (its ``input_scale``)."""
+    hooks = []
+    if options.mamba_proj and m.proj_quantization == "fp8":
+        for proj in ("in_proj", "out_proj"):
+            hooks.append(getattr(mod, proj).register_forward_pre_hook(
+                lambda _m, args, n=f"{m.name}.{proj}.input_scale": track(n, args[0])))
+    return hooks
+
+
+def mamba2_validate_quantized(m: Mamba2Spec, layer_index: int, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The FP8 projections' scales and e4m3 codes."""
+    problems: list[str] = []
+    if m.proj_quantization != "fp8":
+        return problems
+    for proj in ("in_proj", "out_proj"):
+        base = f"{m.name}.{proj}"
+        problems += scalar_problems(f"{base}.input_scale", state.get(f"{base}.input_scale"))
+        if m.checkpoint_format == "modelopt":
+            problems += scalar_problems(f"{base}.weight_scale", state.get(f"{base}.weight_scale"))
+            w = state.get(f"{base}.weight")
+            if w is not None and w.dtype == torch.float8_e4m3fn:
+                nan = int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum())
+                if nan:
+                    problems.append(f"{base}.weight holds {nan} NaN e4m3 code(s)")
+    return problems
+
+
+QUANTIZATION = QuantizationRules(to_master=mamba2_to_master, dequantized=mamba2_dequantized,
+                                 quantized=mamba2_quantized, dequantize_tensors=mamba2_dequantize_tensors,
+                                 quantize_tensors=mamba2_quantize_tensors, quantized_layers=mamba2_quantized_layers,
+                                 calibration_hooks=mamba2_calibration_hooks, validate=mamba2_validate_quantized)
+
 FAMILY = LayerFamily(spec_type=Mamba2Spec, forward=mamba2_forward, oracle=mamba2_oracle, caches=mamba2_caches,
-                     init_rules=mamba2_init_rules, megatron_fields=mamba2_megatron_fields)
+                     init_rules=mamba2_init_rules, megatron_fields=mamba2_megatron_fields, quantization=QUANTIZATION)

@@ -25,6 +25,7 @@ Shapes: T tokens, D hidden, E experts, K top-k, I expert width.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
@@ -35,6 +36,7 @@ from ..ops.moe import moe_experts_reference, moe_route_reference, moe_shared_exp
 from ..state import FlatBatch, StateStore
 from .common import LayerContext
 from .family import LayerFamily
+from .quantization import QuantizationOptions, QuantizationRules
 
 
 def _as_stack(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -156,5 +158,101 @@ def moe_stacked_parameters(m: MoESpec) -> tuple[tuple[str, ...], ...]:
     return tuple(groups)
 
 
+# ----------------------------------------------------------------------------- ModelOpt quantization (NVFP4 experts)
+
+def moe_to_master(m: MoESpec) -> MoESpec:
+    """Stored NVFP4 codes -> bf16 masters (``checkpoint_format "master"``, no ``input_scale``)."""
+    if m.checkpoint_format != "modelopt":
+        return m
+    return dataclasses.replace(m, checkpoint_format="master", expert_input_scale=False)
+
+
+def moe_dequantized(m: MoESpec) -> MoESpec:
+    """bf16 experts."""
+    if m.quantization != "bf16":
+        return dataclasses.replace(m, quantization="bf16")
+    return m
+
+
+def moe_quantized(m: MoESpec, options: QuantizationOptions) -> MoESpec:
+    """NVFP4 (W4A16) experts in ModelOpt's stored format when ``options.experts``."""
+    if options.experts:
+        return dataclasses.replace(m, quantization="nvfp4", checkpoint_format="modelopt")
+    return m
+
+
+def moe_dequantize_tensors(m: MoESpec, state: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor],
+                           dtype: torch.dtype) -> None:
+    """Each expert's NVFP4 ``weight`` dequantized by ModelOpt's rule (``ops.nvfp4_dequantize``);
+    its ``weight_scale``, ``weight_scale_2`` and ``input_scale`` dropped."""
+    from ..ops.nvfp4 import NVFP4Weight, nvfp4_dequantize
+
+    if not m.packed:
+        return
+    for e in range(m.n_routed_experts):
+        for proj in ("up_proj", "down_proj"):
+            names = m.expert_tensor_names(e, proj)
+            q = NVFP4Weight(state[names["weight"]], state[names["weight_scale"]],
+                            state[names["weight_scale_2"]].reshape(()))
+            for f, n in names.items():
+                out.pop(n, None)
+            out[names["weight"]] = nvfp4_dequantize(q, dtype)
+
+
+def moe_quantize_tensors(m: MoESpec, masters: Mapping[str, torch.Tensor], wanted: set[str],
+                         out: dict[str, torch.Tensor]) -> set[str]:
+    """``ops.nvfp4_quantize`` per expert (each expert its own ``weight_scale_2``)."""
+    from ..ops.nvfp4 import nvfp4_quantize
+
+    derived: set[str] = set()
+    if not m.packed:
+        return derived
+    for e in range(m.n_routed_experts):
+        for proj in ("up_proj", "down_proj"):
+            names = m.expert_tensor_names(e, proj)
+            derived.add(names["weight"])
+            if names["weight"] not in wanted:
+                continue
+            q = nvfp4_quantize(masters[names["weight"]])
+            out[names["weight"]] = q.weight
+            out[names["weight_scale"]] = q.weight_scale
+            out[names["weight_scale_2"]] = q.weight_scale_2.reshape(())
+            # an NVFP4 W4A4 export's input_scale is calibrated, not derived: not written here
+    return derived
+
+
+def moe_quantized_layers(m: MoESpec) -> dict[str, dict]:
+    """One ``NVFP4`` / ``W4A16_NVFP4`` entry (``group_size`` 16) per expert projection."""
+    layers: dict[str, dict] = {}
+    if m.quantization == "nvfp4":
+        algo = "NVFP4" if m.expert_input_scale else "W4A16_NVFP4"
+        for e in range(m.n_routed_experts):
+            for proj in ("up_proj", "down_proj"):
+                layers[f"{m.name}.experts.{e}.{proj}"] = {"quant_algo": algo, "group_size": 16}
+    return layers
+
+
+def moe_validate_quantized(m: MoESpec, layer_index: int, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The stored NVFP4 experts (``ops.nvfp4.validate_nvfp4_experts``)."""
+    from ..ops.nvfp4 import NVFP4Error, validate_nvfp4_experts
+
+    if not m.packed:
+        return []
+    experts = {e: {proj: {f: state.get(n) for f, n in m.expert_tensor_names(e, proj).items()}
+                   for proj in ("up_proj", "down_proj")} for e in range(m.n_routed_experts)}
+    shapes = {"up_proj": (m.intermediate_size, m.hidden_size), "down_proj": (m.hidden_size, m.intermediate_size)}
+    try:
+        validate_nvfp4_experts(layer_index, experts, num_experts=m.n_routed_experts, shapes=shapes,
+                               require_input_scale=m.expert_input_scale)
+    except NVFP4Error as e:
+        return [str(e)]
+    return []
+
+
+QUANTIZATION = QuantizationRules(to_master=moe_to_master, dequantized=moe_dequantized, quantized=moe_quantized,
+                                 dequantize_tensors=moe_dequantize_tensors, quantize_tensors=moe_quantize_tensors,
+                                 quantized_layers=moe_quantized_layers, validate=moe_validate_quantized)
+
 FAMILY = LayerFamily(spec_type=MoESpec, forward=moe_forward, oracle=moe_oracle, init_rules=moe_init_rules,
-                     megatron_fields=moe_megatron_fields, stacked_parameters=moe_stacked_parameters)
+                     megatron_fields=moe_megatron_fields, stacked_parameters=moe_stacked_parameters,
+                     quantization=QUANTIZATION)

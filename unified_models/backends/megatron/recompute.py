@@ -4,7 +4,8 @@ Sequences (prompt + sampled completion) are packed into THD micro-batches
 (:func:`pack_sequences`) and run through :class:`UnifiedMegatronModel` under
 Megatron's parallel state (TP=1) by :class:`~.trainer.Trainer`; the logprob of
 every sampled token is read from the same logprob op vLLM used.
-:func:`recompute_logprobs` builds a trainer, recomputes once and closes it.
+:func:`unified_models.backends.megatron.trainer.recompute_logprobs` builds a trainer, recomputes once and
+closes it.
 """
 
 from __future__ import annotations
@@ -90,34 +91,3 @@ def pack_sequences(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Se
                               flat=slice(flat, flat + len(rows))))
         flat += len(rows)
     return out
-
-
-def recompute_logprobs(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], prompt_ids: list[list[int]],
-                       completions: list[list[int]], *, device: str = "cpu", temperature: float = 1.0,
-                       full_rows_for: list[tuple[int, int]] | None = None,
-                       max_tokens_per_batch: int | None = None) -> RecomputeResult:
-    """Logprob of every sampled token, recomputed by the Megatron module (a one-shot
-    :class:`~.trainer.Trainer`; keep a trainer to recompute more than once).
-
-    Args:
-        spec, state_dict: the model and its HF-named weights (the rollout's weights).
-        prompt_ids, completions: token ids per sequence.
-        device: ``"cpu"`` or ``"cuda"``.
-        temperature: as in the rollout.
-        full_rows_for: ``(sequence index, position)`` keys whose whole row to return.
-        max_tokens_per_batch: THD micro-batch size (default 4096 CPU / 32768 GPU).
-            Packing never changes a bit (each row depends only on its own sequence).
-
-    Returns:
-        :class:`RecomputeResult`.
-
-    Raises:
-        ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
-    """
-    from .trainer import Trainer, TrainerOptions
-
-    if len(prompt_ids) != len(completions):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
-    with Trainer(spec, state_dict, device=device,
-                 options=TrainerOptions(micro_batch_tokens=max_tokens_per_batch)) as trainer:
-        return trainer.logprobs(prompt_ids, completions, temperature=temperature, full_rows_for=full_rows_for)

@@ -30,7 +30,7 @@ import torch
 from ...dsl import ModelSpec
 from .recompute import MicroBatch, RecomputeResult, pack_sequences
 
-__all__ = ["Trainer", "TrainerOptions", "TrainBatch"]
+__all__ = ["Trainer", "TrainerOptions", "TrainBatch", "recompute_logprobs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,3 +272,32 @@ class Trainer:
         if self.optimizer is None:
             raise RuntimeError("this Trainer was built without an optimizer: nothing to resume")
         return load_training_checkpoint(path, self.model, self.optimizer, iteration=iteration)
+
+
+def recompute_logprobs(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], prompt_ids: list[list[int]],
+                       completions: list[list[int]], *, device: str = "cpu", temperature: float = 1.0,
+                       full_rows_for: list[tuple[int, int]] | None = None,
+                       max_tokens_per_batch: int | None = None) -> RecomputeResult:
+    """Logprob of every sampled token, recomputed by the Megatron module (a one-shot
+    :class:`~.trainer.Trainer`; keep a trainer to recompute more than once).
+
+    Args:
+        spec, state_dict: the model and its HF-named weights (the rollout's weights).
+        prompt_ids, completions: token ids per sequence.
+        device: ``"cpu"`` or ``"cuda"``.
+        temperature: as in the rollout.
+        full_rows_for: ``(sequence index, position)`` keys whose whole row to return.
+        max_tokens_per_batch: THD micro-batch size (default 4096 CPU / 32768 GPU).
+            Packing never changes a bit (each row depends only on its own sequence).
+
+    Returns:
+        :class:`RecomputeResult`.
+
+    Raises:
+        ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
+    """
+    if len(prompt_ids) != len(completions):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
+    with Trainer(spec, state_dict, device=device,
+                 options=TrainerOptions(micro_batch_tokens=max_tokens_per_batch)) as trainer:
+        return trainer.logprobs(prompt_ids, completions, temperature=temperature, full_rows_for=full_rows_for)
