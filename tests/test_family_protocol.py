@@ -225,3 +225,14 @@ def test_toy_family_check_diff_zero_through_both_engines(toy):
     assert n == 48 and keys
     for k in keys:
         assert torch.equal(ro.full_rows[k], rec.full_rows[k]), k
+
+
+def test_toy_family_peer_check_names_the_missing_transformers_class(toy):
+    """``check``'s peer needs transformers' own class for the config: without one, a clear error."""
+    from unified_models.check import peer_check
+    from unified_models.dsl import UnifiedModelsError
+
+    d, spec, sd = toy
+    with pytest.raises(UnifiedModelsError, match=r"transformers has no causal-LM class for ToyParallelConfig "
+                                                r"\(model_type 'toy_parallel_lm'\).*AutoModelForCausalLM.register"):
+        peer_check(spec, sd, d, _prompts(1, 5), 1e-4)

@@ -151,7 +151,12 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
         if hf_config is None:
             hf_config = load_hf_config(model_dir)
     ref.load_state_dict_hf(weights)
-    hf_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # what AutoModelForCausalLM picks for the config
+    hf_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)  # what AutoModelForCausalLM picks for the config
+    if hf_class is None:
+        raise UnifiedModelsError(
+            f"peer check: transformers has no causal-LM class for {type(hf_config).__name__} "
+            f"(model_type {getattr(hf_config, 'model_type', '?')!r}); the peer check compares with transformers' "
+            "own implementation, so register one (AutoModelForCausalLM.register) before running check")
     hf = hf_class.from_pretrained(None, config=hf_config, state_dict=dict(weights), dtype=torch.float32).to(dev)
     hf.eval()
     worst, tokens = 0.0, 0
@@ -292,6 +297,22 @@ def run_check(opts: CheckOptions) -> int:
     return 0 if report.passed else 1
 
 
+def _failure(r: CheckReport) -> str:
+    """What made a report fail, in words (engine diff, full-vocab rows, peer)."""
+    why = []
+    d = r.diff
+    if d.tokens_compared == 0:
+        why.append("no tokens compared")
+    elif not (d.bitwise_equal and d.mean_abs_diff == 0.0 and d.std_abs_diff == 0.0 and d.k3_kl == 0.0):
+        why.append("rollout and trainer logprobs differ")
+    if r.full_vocab_max_abs_diff != 0.0:
+        why.append("full-vocab rows differ")
+    if not r.peer.get("within_tolerance"):
+        why.append(f"peer max |logit diff| {r.peer.get('max_abs_logit_diff', float('nan')):.3g} over the tolerance "
+                   f"{r.peer.get('tolerance', float('nan')):g} (--peer-tolerance)")
+    return "; ".join(why) or "see the table"
+
+
 def print_report(r: CheckReport, console: Console) -> None:
     """The diff table (rich)."""
     t = Table(title=f"rollout (vLLM) vs trainer (Megatron) logprobs — {r.device}")
@@ -307,5 +328,5 @@ def print_report(r: CheckReport, console: Console) -> None:
     if r.engine:
         mode = str(r.engine.get("cudagraph_mode")).rsplit(".", 1)[-1]
         t.add_row("rollout CUDA graphs", f"on ({mode})" if r.engine.get("cuda_graphs") else "off (eager)")
-    t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else "[red]FAIL[/red]")
+    t.add_row("result", "[green]PASS: diff = 0[/green]" if r.passed else f"[red]FAIL: {_failure(r)}[/red]")
     console.print(t)
