@@ -57,7 +57,8 @@ def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_
     if expert_model_parallel_size > 1:
         raise ParallelismError(
             f"{where}: expert_model_parallel_size={expert_model_parallel_size} is not supported yet "
-            "(no MoE layer is implemented in this version); use EP=1.")
+            "(the MoE layer's token dispatch to expert owners is not wired to Megatron's EP group yet); "
+            "use EP=1.")
 
 
 def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 30) -> None:
