@@ -101,8 +101,8 @@ def random_prompts(workload: dict, seed: int, vocab_size: int) -> list[list[int]
 
 # --------------------------------------------------------------------------- worker (one engine per process)
 def _engine_settings(llm) -> dict:
-    """What the engine actually ran with (``unified_models.backends.vllm.engine.engine_settings``)."""
-    from unified_models.backends.vllm.engine import engine_settings
+    """What the engine actually ran with (``unified_models.backends.vllm.live.engine_settings``)."""
+    from unified_models.backends.vllm.live import engine_settings
 
     return engine_settings(llm)
 
@@ -139,7 +139,7 @@ def _sampling_params(which: str, plan: dict, n: int, max_tokens: int):
     kw = dict(max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
     seeds = [plan["seed"] + i if plan["request_seeds"] else None for i in range(n)]
     if which == "ours":
-        from unified_models.backends.vllm.engine import sampling_params
+        from unified_models.backends.vllm.sampling import sampling_params
 
         return [sampling_params(temperature=1.0, seed=s, **kw) for s in seeds]
     from vllm import SamplingParams

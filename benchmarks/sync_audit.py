@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     common = dict(max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.requests, seed=0,
                   skip_tokenizer_init=True)
     if args.engine == "ours":
-        from unified_models.backends.vllm.engine import make_llm, sampling_params
+        from unified_models.backends.vllm.engine import make_llm
+        from unified_models.backends.vllm.sampling import sampling_params
 
         llm = make_llm(path, gpu=True, gpu_memory_utilization=0.6, **common)
         params = lambda n, m: [sampling_params(temperature=1.0, seed=i, max_tokens=m, ignore_eos=True, logprobs=0,

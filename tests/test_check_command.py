@@ -16,7 +16,10 @@ def test_check_writes_the_report_and_exits_0(tiny_checkpoint, tmp_path, capsys):
     for k in ("max_abs_diff", "mean_abs_diff", "std_abs_diff", "k3_kl", "full_vocab_max_abs_diff"):
         assert r[k] == 0.0
     assert r["num_mismatched"] == 0
-    assert r["peer"]["within_tolerance"] and 0 < r["peer"]["max_abs_logit_diff"] < 1e-4
+    peer = r["peer"]
+    assert peer["within_tolerance"] and 0 < peer["max_abs_logit_diff"] < 1e-4
+    assert 0 < peer["max_rel_logit_diff"] < 1e-5 and peer["tolerance"] == 2.0 ** -13  # relative to the logit scale
+    assert peer["bound"] == peer["tolerance"] * peer["logit_scale"] and peer["logit_scale"] > 0
     assert r["options"]["seed"] == 7 and r["options"]["max_num_seqs"] == 2
     table = capsys.readouterr().out
     assert "tokens_compared" in table and "PASS" in table

@@ -37,10 +37,12 @@ def test_quantized_checkpoint_declares_every_format(quantized_hybrid):
     for b in spec.sublayers:
         m = b.mixer
         if isinstance(m, Mamba2Spec):
-            assert m.proj_quantization == "fp8" and sd[f"{m.name}.in_proj.weight"].dtype == torch.float8_e4m3fn
+            assert spec.weight_format(f"{m.name}.in_proj").format == "fp8"
+            assert sd[f"{m.name}.in_proj.weight"].dtype == torch.float8_e4m3fn
             assert 0 < float(sd[f"{m.name}.in_proj.input_scale"]) < 1  # calibrated amax / 448
         elif isinstance(m, MoESpec):
-            assert m.packed and sd[f"{m.name}.experts.0.up_proj.weight"].dtype == torch.uint8
+            assert spec.weight_format(m.expert_linear(0, "up_proj")).format == "nvfp4"
+            assert sd[f"{m.name}.experts.0.up_proj.weight"].dtype == torch.uint8
         elif isinstance(m, AttentionSpec):
             assert m.kv_cache_dtype == "fp8_e4m3"
             assert 0 < float(sd[f"{m.name}.k_proj.k_scale"]) < 1 and 0 < float(sd[f"{m.name}.v_proj.v_scale"]) < 1

@@ -50,7 +50,9 @@ from numerics_helpers import (BF16_LOGPROB_ULPS, downstream_of_flips, flipped_to
                               record_routing)
 from unified_models import ops
 from unified_models.backends.reference import ReferenceModel
+from unified_models.converters.modelopt import quantize_state_dict
 from unified_models.dsl import Mamba2Spec, MoESpec, SpecError
+from unified_models.dsl.weights import LinearFormat
 from unified_models.forward import forward_hidden, forward_logprobs
 from unified_models.layers import LayerContext
 from unified_models.layers.moe import moe_forward
@@ -105,8 +107,12 @@ def _with_mamba(spec, **changes):
     return spec.map_mixers(lambda m: dataclasses.replace(m, **changes) if isinstance(m, Mamba2Spec) else m)
 
 
-def _with_moe(spec, **changes):
-    return spec.map_mixers(lambda m: dataclasses.replace(m, **changes) if isinstance(m, MoESpec) else m)
+def _nvfp4_experts(spec, *, stored: bool = False):
+    """``spec`` with every routed expert in NVFP4 (master form by default)."""
+    return spec.with_weight_formats({
+        m.expert_linear(e, p): LinearFormat("nvfp4", stored=stored)
+        for m in (s.mixer for s in spec.sublayers_of(MoESpec)) for e in range(m.n_routed_experts)
+        for p in ("up_proj", "down_proj")})
 
 
 # ----------------------------------------------------------------------------- spec
@@ -121,7 +127,7 @@ def test_spec_has_every_layer_type_and_checkpoint_names(hybrid_checkpoint, hybri
     assert kinds == ["Mamba2Spec", "AttentionSpec", "MLPSpec", "MoESpec", "Mamba2Spec", "MLPSpec", "MoESpec"]
     m, e = spec.sublayers[0].mixer, spec.sublayers[3].mixer
     assert (m.chunk_size, m.conv_kernel, m.time_step_limit) == (16, 4, (0.0, math.inf))
-    assert (e.n_routed_experts, e.top_k, e.routed_scaling_factor, e.quantization) == (8, 2, 2.5, "bf16")
+    assert (e.n_routed_experts, e.top_k, e.routed_scaling_factor, spec.weight_formats) == (8, 2, 2.5, ())
     with safe_open(str(hybrid_checkpoint / "model.safetensors"), "pt") as f:
         theirs = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     assert spec.parameter_shapes() == theirs
@@ -148,29 +154,32 @@ def test_refusals_name_the_problem():
         "quant_algo": "NVFP4", "group_size": 16,
         "exclude_modules": ["lm_head", "*.mixer.in_proj", "*.mixer.out_proj", "*shared_experts*"]}}
     spec = spec_from_hf_config(cfg, quant_config=hf_quant)
-    assert spec.sublayers[1].mixer.quantization == "nvfp4"
+    expert = "backbone.layers.1.mixer.experts.0.up_proj"
+    assert spec.weight_format(expert) == LinearFormat("nvfp4", stored=True, input_scale=True)
+    assert spec.weight_format("backbone.layers.0.mixer.in_proj") is None
     mixed = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
         **{f"backbone.layers.1.mixer.experts.{e}.{p}": {"quant_algo": "NVFP4"} for e in range(4)
            for p in ("up_proj", "down_proj")}}}
-    assert spec_from_hf_config(cfg, quant_config=mixed).sublayers[1].mixer.quantization == "nvfp4"
+    assert spec_from_hf_config(cfg, quant_config=mixed).weight_format(expert).format == "nvfp4"
     fp8_mamba = {**mixed, "quantized_layers": {**mixed["quantized_layers"],
                                                "backbone.layers.0.mixer.in_proj": {"quant_algo": "FP8"}}}
-    with pytest.raises(SpecError, match="layer 0: Mamba projections quantized as .*in_proj.*FP8.*both FP8 or neither"):
+    with pytest.raises(SpecError, match="layers.0.mixer: Mamba projections in formats .*in_proj.*fp8.*both 'fp8' or neither"):
         spec_from_hf_config(cfg, quant_config=fp8_mamba)
     both = {**mixed, "quantized_layers": {**mixed["quantized_layers"], **{
         f"backbone.layers.0.mixer.{p}": {"quant_algo": "FP8"} for p in ("in_proj", "out_proj")}}}
     fp8_spec = spec_from_hf_config(cfg, quant_config=both)
-    assert (fp8_spec.sublayers[0].mixer.proj_quantization, fp8_spec.sublayers[0].mixer.checkpoint_format) == ("fp8", "modelopt")
-    assert fp8_spec.sublayers[1].mixer.packed and fp8_spec.sublayers[1].mixer.expert_input_scale  # "NVFP4" = W4A4 export
+    assert fp8_spec.weight_format("backbone.layers.0.mixer.in_proj") == LinearFormat("fp8", stored=True, input_scale=True)
+    assert fp8_spec.weight_format(expert).input_scale  # "NVFP4" = W4A4 export
+    assert fp8_spec.stores_quantized_weights and not spec_from_hf_config(cfg).stores_quantized_weights
     assert fp8_spec.parameter_dtypes()["backbone.layers.0.mixer.in_proj.weight"] == torch.float8_e4m3fn
     assert fp8_spec.parameter_shapes()["backbone.layers.1.mixer.experts.0.up_proj.weight_scale"] == (
         fp8_spec.sublayers[1].mixer.intermediate_size, fp8_spec.sublayers[1].mixer.hidden_size // 16)
-    with pytest.raises(SpecError, match="quantizes backbone.layers.1.mixer.shared_experts.up_proj with FP8"):
+    with pytest.raises(SpecError, match="shared_experts.up_proj: a weight format on the router or the shared expert is not supported"):
         spec_from_hf_config(cfg, quant_config={**mixed, "quantized_layers": {
             **mixed["quantized_layers"], "backbone.layers.1.mixer.shared_experts.up_proj": {"quant_algo": "FP8"}}})
-    with pytest.raises(SpecError, match="layer 0: Mamba projections quantized as .*'in_proj': 'NVFP4'"):
+    with pytest.raises(SpecError, match="layers.0.mixer: Mamba projections in formats .*'in_proj': 'nvfp4'"):
         spec_from_hf_config(cfg, quant_config={"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": []})
-    with pytest.raises(SpecError, match="MoE experts must be NVFP4|every expert"):
+    with pytest.raises(SpecError, match="every expert of a layer must have the same format"):
         half = {**mixed, "quantized_layers": {"backbone.layers.1.mixer.experts.0.up_proj": {"quant_algo": "NVFP4"}}}
         spec_from_hf_config(cfg, quant_config=half)
 
@@ -399,7 +408,7 @@ def test_gradients_match_fp64_reference(hybrid_checkpoint):
 
 def test_nvfp4_experts_match_reference_on_dequantized_weights(hybrid_bf16, monkeypatch):
     _, spec, sd = hybrid_bf16
-    nv = _with_moe(spec, quantization="nvfp4")
+    nv = _nvfp4_experts(spec)
     blk = nv.sublayers[3]
     m = blk.mixer
     x = (torch.randn(40, spec.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.5).to(spec.dtype)
@@ -412,12 +421,11 @@ def test_nvfp4_experts_match_reference_on_dequantized_weights(hybrid_bf16, monke
     # the quantization is real: the bf16 layer gives other values
     plain = moe_forward(spec.sublayers[3].mixer, blk.index, sd, x, None, None, LayerContext(model=spec))
     assert not torch.equal(plain, y)
-    # the NVFP4 stack handed by an engine (ModelOpt format) gives the same bits as the masters
-    up = torch.stack([sd[m.expert_weight_name(e, "up_proj")] for e in range(m.n_routed_experts)])
-    down = torch.stack([sd[m.expert_weight_name(e, "down_proj")] for e in range(m.n_routed_experts)])
-    engine = {**sd, m.stacked_expert_name("up_proj"): ops.nvfp4_quantize(up),
-              m.stacked_expert_name("down_proj"): ops.nvfp4_quantize(down)}
-    assert torch.equal(bits(moe_forward(m, blk.index, engine, x, None, None, LayerContext(model=nv))), bits(y))
+    # the stored NVFP4 codes an engine holds (ModelOpt format) give the same bits as the masters
+    stored = _nvfp4_experts(spec, stored=True)
+    engine = quantize_state_dict(sd, stored)
+    assert engine[m.expert_linear(0, "up_proj") + ".weight"].dtype == torch.uint8
+    assert torch.equal(bits(moe_forward(m, blk.index, engine, x, None, None, LayerContext(model=stored))), bits(y))
     # end to end: bf16 forward with NVFP4 experts vs the fp64 reference on the dequantized weights,
     # the bf16 bound of (b) on the rows no flipped expert reaches
     s = _seqs([45], seed=6)[0]

@@ -14,7 +14,16 @@ Kinds:
 
 * :class:`PagedKVCache`: paged K/V blocks ``[N, S, G, E]``; full attention or a
   sliding window; separate K and V, or one shared K = V tensor; model dtype or
-  FP8 (e4m3, static per-tensor scales).
+  FP8 (e4m3, static per-tensor scales). vLLM specs (both 0.26 and 0.32):
+  ``FullAttentionSpec`` / ``SlidingWindowSpec``, and for shared K = V the
+  one-vector ``MLAAttentionSpec`` / ``SlidingWindowMLASpec`` (what vLLM's own
+  DeepSeek-V4 uses for its SWA cache).
+* :class:`CompressedKVCache`: paged compressed KV, one entry per ``ratio``
+  tokens (DeepSeek-V4 CSA ratio 4 / HCA ratio 128): pages ``[N, S // ratio, G, E]``,
+  one vector per entry. vLLM: ``MLAAttentionSpec`` with ``tokens_per_state=ratio``
+  (0.32) / ``compress_ratio=ratio`` (0.26), as vLLM's DeepSeek-V4 declares it.
+* :class:`IndexerKeyCache`: paged lightning-indexer keys, one per ``ratio``
+  tokens; the same layout and vLLM spec as a compressed KV cache, its own group.
 * :class:`SlotStateCache`: one state *slot* per request (Mamba-2 conv/SSM
   state and pending chunk rows; a compressor's unfinished block): named
   tensors of fixed per-slot shapes.
@@ -40,10 +49,16 @@ class PagedKVCache:
         num_kv_heads: G.
         head_dim: E.
         fp8: e4m3 pages with the layer's static ``k_scale``/``v_scale``; else the model dtype.
-        sliding_window: ``None`` = full attention; else the window in tokens
-            (vLLM ``SlidingWindowSpec``; pages behind the window may be freed).
-        shared_kv: one tensor holds K = V (MLA-style shared-KV attention): the
-            store hands the same view as ``k_cache`` and ``v_cache``.
+        sliding_window: ``None`` = full attention; else the window W in tokens, the
+            token's own included (vLLM ``SlidingWindowSpec``: blocks wholly behind
+            ``num_computed - W + 1`` are swapped for the null block; the attention op
+            never reads them). The trainer's store keeps every block (same bits).
+        shared_kv: one tensor holds K = V (MLA-style shared-KV attention; vLLM's
+            one-vector MLA specs, half the page of separate K/V): both stores hand
+            the same view as ``k_cache`` and ``v_cache``.
+
+    Raises:
+        ValueError: a sliding window that is not an int >= 1, or G/E < 1.
     """
 
     num_kv_heads: int
@@ -51,6 +66,13 @@ class PagedKVCache:
     fp8: bool = False
     sliding_window: int | None = None
     shared_kv: bool = False
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"PagedKVCache: sliding_window={w!r} must be None or an int >= 1")
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"PagedKVCache: num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim} must be >= 1")
 
     def group_key(self) -> Hashable:
         """Layers with equal keys share one KV-cache group (one block table), as vLLM
@@ -62,6 +84,10 @@ class PagedKVCache:
     def element_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """Element type of the pages: :data:`KV_FP8_DTYPE` for an FP8 cache, else ``model_dtype``."""
         return KV_FP8_DTYPE if self.fp8 else model_dtype
+
+    def rows_per_block(self, block_size: int) -> int:
+        """Rows of one page: one per token, ``S``."""
+        return block_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,5 +115,70 @@ class SlotStateCache:
                             for name, shape, dtype in self.layout})
 
 
-CacheDecl = PagedKVCache | SlotStateCache
+@dataclass(frozen=True, kw_only=True)
+class CompressedKVCache:
+    """Paged compressed KV of one sublayer: entry ``j`` summarises tokens ``j*r .. j*r+r-1``.
+
+    Entry ``j`` of a sequence lives in the block of its first token (block-table
+    column ``j*r // S``) at offset ``(j*r % S) // r``: pages hold ``S // r`` entries
+    (:func:`unified_models.state.entry_slots`). Written when the entry's last token
+    (``(p+1) % r == 0``) is computed, from the block table (vLLM's compressed caches
+    take no per-token slot mapping either).
+
+    Attributes:
+        ratio: r >= 1 tokens per entry; the cache block size S must be a multiple of it.
+        num_kv_heads: G (1 for DeepSeek-V4's shared latent).
+        head_dim: E (elements per entry and head).
+
+    Raises:
+        ValueError: a field < 1.
+    """
+
+    ratio: int
+    head_dim: int
+    num_kv_heads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ratio", "head_dim", "num_kv_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{type(self).__name__}: {name}={v!r} must be an int >= 1")
+
+    shared_kv = True
+    """One tensor per entry (handed as both ``k_cache`` and ``v_cache``)."""
+
+    def group_key(self) -> Hashable:
+        """One group per kind, ratio and entry shape (vLLM: one per distinct spec)."""
+        return (type(self).__name__, self.ratio, self.num_kv_heads, self.head_dim)
+
+    def element_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The model dtype (no FP8 compressed cache yet)."""
+        return model_dtype
+
+    def rows_per_block(self, block_size: int) -> int:
+        """Rows of one page: one per entry, ``S // r`` (:meth:`entries_per_block`)."""
+        return self.entries_per_block(block_size)
+
+    def entries_per_block(self, block_size: int) -> int:
+        """``S // r``.
+
+        Raises:
+            ValueError: ``S`` is not a multiple of ``r``.
+        """
+        if block_size % self.ratio:
+            raise ValueError(f"{type(self).__name__}: block size {block_size} is not a multiple of the "
+                             f"compression ratio {self.ratio}")
+        return block_size // self.ratio
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexerKeyCache(CompressedKVCache):
+    """Paged lightning-indexer keys (one key per ``ratio`` tokens); layout as
+    :class:`CompressedKVCache`, a group of its own."""
+
+
+PAGED_KINDS = (PagedKVCache, CompressedKVCache)
+"""Kinds allocated as pages of a block table (the rest are per-request slots)."""
+
+CacheDecl = PagedKVCache | CompressedKVCache | SlotStateCache
 """Any cache declaration."""

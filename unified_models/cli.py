@@ -7,6 +7,7 @@ import math
 import sys
 
 from .dsl import UnifiedModelsError
+from .paths import check_destination
 
 
 def _positive(kind):
@@ -43,7 +44,27 @@ def _at_least(lo: int):
     return parse
 
 
+def _add_plugin_flag(parser: argparse.ArgumentParser) -> None:
+    """``--plugin MODULE`` (repeatable) on a command that loads models (imported by :func:`main` first)."""
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import this Python module first, so the layer families, model declarations or "
+                             "rewards it registers are known (repeatable; entry points of the "
+                             "'unified_models.plugins' group are always loaded)")
+
+
+def _plugin_modules(argv: list[str]) -> list[str]:
+    """The ``--plugin`` values of ``argv``, wherever they stand (a malformed one is left to the full parser)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return []
+    return known.plugin
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``unified-models`` parser; build it after :func:`~.plugins.load_plugins` so plugin rewards are choices."""
     p = argparse.ArgumentParser(prog="unified-models", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -60,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stop-at-eos", action="store_true", help="stop sequences at EOS (default: generate exactly --max-new-tokens)")
     c.add_argument("--max-num-seqs", type=_positive(int), default=None, help="vLLM batch limit (default: all prompts at once)")
     c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    c.add_argument("--peer-tolerance", type=_positive(float), default=1e-4,
-                   help="max |logit| difference allowed between our fp32 reference and transformers")
+    c.add_argument("--peer-tolerance", type=_positive(float), default=None,
+                   help="max |logit| difference allowed between our fp32 reference and transformers, relative to "
+                        "each position's max |logit| (transformers'); default 2**-13 = 1.2e-4, 1024 fp32 ulps")
     c.add_argument("--peer-prompts", type=_positive(int), default=2, help="prompts used for the peer check")
     c.add_argument("--full-vocab-rows", type=_at_least(-1), default=-1,
                    help="how many sampled positions compare whole logprob rows (-1 = all)")
@@ -69,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout decode steps in CUDA graphs (default: on for cuda with attention-only models; "
                         "hybrid models and the CPU run eagerly); the report says which ran")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
+    _add_plugin_flag(c)
 
     _add_rl_parser(sub)
 
@@ -78,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    _add_plugin_flag(v)
 
     q = sub.add_parser("quantize", help="export a bf16 Nemotron-H checkpoint in NVIDIA ModelOpt's quantized format "
                                         "(NVFP4 experts, FP8 Mamba projections, FP8 KV cache)")
@@ -90,9 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--num-calibration-prompts", type=_positive(int), default=16)
     q.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    _add_plugin_flag(q)
 
     i = sub.add_parser("inspect", help="print the spec built from a checkpoint's config")
     i.add_argument("model")
+    _add_plugin_flag(i)
     return p
 
 
@@ -169,24 +195,25 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--micro-batch-tokens", type=_positive(int), default=None,
                    help="THD micro-batch size of the trainer (default 4096 CPU / 32768 GPU; bits do not depend on it)")
     r.add_argument("--no-plot", dest="plot", action="store_false", help="do not write the PNG plot")
+    _add_plugin_flag(r)
 
 
 def _quantize(args) -> int:
     from pathlib import Path
 
-    from .check import _tokenizer_dir
     from .converters.hf_safetensors import load_hf_config
     from .converters.modelopt import export_modelopt
     from .models import spec_from_hf_config
     from .presets import default_prompts_path
     from .prompts import load_prompt_texts, tokenize_prompts
+    from .run_options import tokenizer_dir_for
 
     none = lambda v: None if v == "none" else v  # noqa: E731
     ids = None
     if args.mamba_proj != "none" or args.kv_cache != "none":
         spec = spec_from_hf_config(load_hf_config(args.src))
         texts = load_prompt_texts(args.calibration_prompts or default_prompts_path(), args.num_calibration_prompts)
-        ids = tokenize_prompts(texts, _tokenizer_dir(Path(args.src), args.tokenizer), vocab_size=spec.vocab_size)
+        ids = tokenize_prompts(texts, tokenizer_dir_for(Path(args.src), args.tokenizer), vocab_size=spec.vocab_size)
     out = export_modelopt(args.src, args.dst, experts=none(args.experts), mamba_proj=none(args.mamba_proj),
                           kv_cache=none(args.kv_cache), calibration_token_ids=ids, overwrite=args.overwrite)
     print(f"wrote {out}")
@@ -201,6 +228,15 @@ def _on_off(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (0 pass, 1 a failed check or run, 2 refused input)."""
+    from .plugins import load_plugins
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # before the parser: a plugin's rewards become --reward choices
+        load_plugins(_plugin_modules(argv))
+    except UnifiedModelsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         if args.command == "check":
@@ -208,23 +244,28 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.model and args.preset:
                 raise UnifiedModelsError("--model and --preset are mutually exclusive")
-            opts = CheckOptions(**{k: v for k, v in vars(args).items() if k != "command"})
+            # unset flags (None) take CheckOptions' defaults (--peer-tolerance: check.PEER_TOLERANCE)
+            opts = CheckOptions(**{k: v for k, v in vars(args).items()
+                                   if k not in ("command", "plugin") and v is not None})
             return run_check(opts)
         if args.command == "rl":
-            from .rl.loop import RLOptions, run_rl
+            from .rl.loop import run_rl
+            from .rl.options import RLOptions
 
-            opts = RLOptions(**{k: v for k, v in vars(args).items() if k != "command"})
+            opts = RLOptions(**{k: v for k, v in vars(args).items() if k not in ("command", "plugin")})
             return run_rl(opts)
         if args.command == "convert":
             from .backends.megatron.dist_ckpt import hf_to_megatron, megatron_to_hf
 
             if args.src_format == args.dst_format:
                 raise UnifiedModelsError(f"--from and --to are both {args.src_format!r}")
+            check_destination(args.src, args.dst)
             fn = hf_to_megatron if args.src_format == "hf" else megatron_to_hf
             out = fn(args.src, args.dst, overwrite=args.overwrite)
             print(f"wrote {out}")
             return 0
         if args.command == "quantize":
+            check_destination(args.src, args.dst)
             return _quantize(args)
         if args.command == "inspect":
             from .converters.hf_safetensors import load_hf_config

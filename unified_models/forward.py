@@ -22,13 +22,15 @@ import torch
 from . import ops
 from .dsl import ModelSpec
 from .layers import LayerContext, family_of, residual_policy
+from .layers.expert_parallel import LOCAL_EXPERTS, ExpertDispatcher, ShardPlan
 from .state import FlatBatch, StateStore
 
 __all__ = ["forward_hidden", "forward_logprobs", "logits_fp32"]
 
 
 def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: FlatBatch,
-                   store: StateStore) -> torch.Tensor:
+                   store: StateStore, *, shard_plan: ShardPlan | None = None,
+                   dispatcher: ExpertDispatcher | None = None) -> torch.Tensor:
     """Embedding -> blocks of sublayers (through the residual policy) -> final norm.
 
     Args:
@@ -36,6 +38,8 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
         params: HF parameter name -> tensor (``spec.dtype``).
         batch: the flat token batch.
         store: per-layer state; its slot mappings must match ``batch``.
+        shard_plan, dispatcher: expert parallelism (:mod:`unified_models.layers.expert_parallel`);
+            default EP = 1, every expert on this process.
 
     Returns:
         ``[T, D]`` final hidden states in ``spec.dtype``.
@@ -44,7 +48,7 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
         SpecError: a sublayer's mixer has no layer family, or the residual spec no
             policy (names type and layer).
     """
-    ctx = LayerContext(model=spec)
+    ctx = LayerContext(model=spec, shard_plan=shard_plan or ShardPlan(), dispatcher=dispatcher or LOCAL_EXPERTS)
     sublayers = [(sub, family_of(sub.mixer, sub.index).forward) for sub in spec.sublayers]  # refuse first
     policy, rspec = residual_policy(spec.residual), spec.residual
     r = policy.expand(rspec, params, ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"]))

@@ -18,9 +18,10 @@ from .dsl import ModelSpec
 
 def stacked_views(spec: ModelSpec, device: torch.device | str | None,
                   dtypes: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
-    """HF name -> ``buf[j]`` view for every name of a family's stacked group
+    """HF name -> ``buf[j]`` view for every tensor of a family's stacked group of linears
     (:attr:`unified_models.layers.LayerFamily.stacked_parameters`: one ``[len(group), ...]``
-    buffer per group; routed experts: one per projection and stored field).
+    buffer per group and tensor field of the linears' weight format; routed experts: one per
+    projection and stored field, e.g. ``weight``, NVFP4 ``weight_scale``).
 
     Args:
         spec: the model spec.
@@ -36,18 +37,24 @@ def stacked_views(spec: ModelSpec, device: torch.device | str | None,
     """
     from .dsl import SpecError
     from .layers import family_of
+    from .layers.weight_formats import linear_fields
 
     dtypes = dtypes if dtypes is not None else spec.parameter_dtypes()
     shapes = spec.parameter_shapes()
     views: dict[str, torch.Tensor] = {}
     for sub in spec.sublayers:
-        for group in family_of(sub.mixer, sub.index).stacked_parameters(sub.mixer):
-            shape, dtype = shapes[group[0]], dtypes[group[0]]
-            if any(shapes[n] != shape or dtypes[n] != dtype for n in group):
-                raise SpecError(f"stacked parameters {group[0]}...: members differ in shape or dtype")
-            buf = torch.empty((len(group), *shape), dtype=dtype, device=device)
-            for j, name in enumerate(group):
-                views[name] = buf[j]
+        for linears in family_of(sub.mixer, sub.index).stacked_parameters(sub.mixer):
+            for field in linear_fields(spec.weight_format(linears[0])):
+                group = tuple(f"{n}.{field}" for n in linears)
+                if any(n not in shapes for n in group):
+                    raise SpecError(f"stacked linears {linears[0]}...: not all have a {field!r} tensor "
+                                    "(mixed weight formats?)")
+                shape, dtype = shapes[group[0]], dtypes[group[0]]
+                if any(shapes[n] != shape or dtypes[n] != dtype for n in group):
+                    raise SpecError(f"stacked parameters {group[0]}...: members differ in shape or dtype")
+                buf = torch.empty((len(group), *shape), dtype=dtype, device=device)
+                for j, name in enumerate(group):
+                    views[name] = buf[j]
     return views
 
 

@@ -15,13 +15,13 @@ from typing import Hashable, Mapping
 
 import torch
 
-from .caches import PagedKVCache, SlotStateCache
+from .caches import PAGED_KINDS, SlotStateCache
 from .dsl import ModelSpec
 from .layers import model_caches
 from .ops.mamba2 import start_positions
 from .state import AttentionState, FlatBatch, PagedGroup, SlotState
 
-__all__ = ["PrivateStateStore"]
+__all__ = ["PrivateStateStore", "StateBuffers"]
 
 
 def _consecutive_table(nblocks: list[int], width: int) -> torch.Tensor:
@@ -33,6 +33,50 @@ def _consecutive_table(nblocks: list[int], width: int) -> torch.Tensor:
     return table
 
 
+class StateBuffers:
+    """Backing storage that successive :class:`PrivateStateStore` s reuse (one per model).
+
+    :meth:`take` returns the first ``shape[0]`` rows of a buffer kept per key, growing it
+    (a fresh allocation) only when a batch needs more rows or another shape/dtype/device.
+    The rows handed out hold what the previous store left there. That is bitwise safe for
+    every kind the store allocates today: the paged-attention ops read only the positions
+    of the batch's own sequences, each written by the same forward before it is read
+    (masked positions are replaced by zeros, never multiplied: the same kernels read
+    vLLM's pool, whose blocks hold other requests' old values), and the slot-state ops
+    never read a slot before writing it (allocated uninitialised anyway). A view has the
+    shape and strides a fresh tensor would have.
+
+    Reuse only without autograd: a graph may save cache tensors for its backward
+    (:class:`~unified_models.backends.megatron.module.UnifiedMegatronModel` passes its
+    buffers only under ``torch.no_grad()``).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[Hashable, torch.Tensor] = {}
+
+    def take(self, key: Hashable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+             *, zero: bool) -> torch.Tensor:
+        """``[shape]`` rows of the buffer kept under ``key`` (contiguous, any old contents).
+
+        Args:
+            key: names the buffer (e.g. ``((layer, cache name), "k")``).
+            shape: ``(rows, *row shape)``; rows may vary between calls.
+            dtype, device: of the buffer.
+            zero: a new allocation is zero-filled (else uninitialised); reused rows are never refilled.
+        """
+        buf = self._bufs.get(key)
+        dev = torch.device(device)
+        if (buf is None or buf.shape[1:] != tuple(shape[1:]) or buf.dtype != dtype or buf.device != dev
+                or buf.shape[0] < shape[0]):
+            buf = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=dev)
+            self._bufs[key] = buf
+        return buf[: shape[0]]
+
+    def clear(self) -> None:
+        """Free every buffer."""
+        self._bufs.clear()
+
+
 class PrivateStateStore:
     """The trainer's state store: private caches for the packed sequences, from the
     model's cache declarations (:func:`unified_models.layers.model_caches`).
@@ -40,7 +84,10 @@ class PrivateStateStore:
     Paged KV caches mirror vLLM's KV-cache groups (equal
     :meth:`~unified_models.caches.PagedKVCache.group_key`): one
     :class:`PagedGroup` per group, each with its own block table and block
-    size; sequences get consecutive blocks. The caches are written and read
+    size; sequences get consecutive blocks. A shared K = V cache is one
+    tensor handed as both ``k_cache`` and ``v_cache``; a sliding-window cache
+    keeps every block (vLLM frees those behind the window, which the attention
+    op never reads, so the bits are the same). The caches are written and read
     with the same kernels and tile alignment as vLLM's, so neither the block
     size nor the grouping changes any bit of the result (tiles are aligned at
     absolute positions).
@@ -58,11 +105,14 @@ class PrivateStateStore:
         group_block_sizes: group key -> S of that group.
         device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``; FP8-KV
             layers always get float8_e4m3fn caches, written and read with their scales).
+        buffers: :class:`StateBuffers` to take the caches from (reused across stores;
+            no-grad use only); ``None``: fresh caches (paged KV zero-filled).
     """
 
     def __init__(self, spec: ModelSpec, seq_lens: list[int], *, block_size: int = 64,
                  group_block_sizes: Mapping[Hashable, int] | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 buffers: StateBuffers | None = None):
         self.block_size = block_size
         sizes = dict(group_block_sizes or {})
         dtype = dtype or spec.dtype
@@ -74,9 +124,14 @@ class PrivateStateStore:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         for key, decl in model_caches(spec, dtype).items():
             if isinstance(decl, SlotStateCache):
-                self._slots[key] = decl.allocate(len(seq_lens), device)
+                if buffers is None:
+                    self._slots[key] = decl.allocate(len(seq_lens), device)
+                else:  # decl.allocate's tensors, taken from the reused buffers
+                    self._slots[key] = decl.view(**{
+                        name: buffers.take((key, name), (len(seq_lens), *shape), sdtype, device, zero=False)
+                        for name, shape, sdtype in decl.layout})
                 continue
-            if not isinstance(decl, PagedKVCache):
+            if not isinstance(decl, PAGED_KINDS):
                 raise TypeError(f"PrivateStateStore: cache {key} has an unknown kind {type(decl).__name__}")
             gkey = decl.group_key()
             self._group_of[key] = gkey
@@ -85,9 +140,15 @@ class PrivateStateStore:
             if gkey not in self._groups:
                 table = _consecutive_table(nblocks, max(nblocks) if nblocks else 1)
                 self._groups[gkey] = PagedGroup(table.to(device), empty, s)
-            shape = (sum(nblocks), s, decl.num_kv_heads, decl.head_dim)
-            k = torch.zeros(shape, dtype=decl.element_dtype(dtype), device=device)
-            self._paged[key] = (k, k if decl.shared_kv else torch.zeros_like(k))
+            shape = (sum(nblocks), decl.rows_per_block(s), decl.num_kv_heads, decl.head_dim)
+            if buffers is None:
+                k = torch.zeros(shape, dtype=decl.element_dtype(dtype), device=device)
+                v = k if decl.shared_kv else torch.zeros_like(k)
+            else:
+                k = buffers.take((key, "k"), shape, decl.element_dtype(dtype), device, zero=True)
+                v = k if decl.shared_kv else buffers.take((key, "v"), shape, decl.element_dtype(dtype), device,
+                                                           zero=True)
+            self._paged[key] = (k, v)
         self._slot_ids = torch.arange(len(seq_lens), dtype=torch.int32, device=device)
         self._slot_start = torch.zeros(len(seq_lens), dtype=torch.int64, device=device)
         self._slot_cu: torch.Tensor | None = None

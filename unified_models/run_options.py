@@ -39,3 +39,16 @@ def check_output_path(flag: str, path: Path) -> None:
             if not os.access(parent, os.W_OK):
                 raise UnifiedModelsError(f"{flag} {path}: {parent} is not writable")
             return
+
+
+def tokenizer_dir_for(model_dir: Path, explicit: str | None) -> Path:
+    """The tokenizer directory a command uses: ``explicit`` (``--tokenizer``) if given, else
+    ``model_dir`` when it holds ``tokenizer.json`` or ``tokenizer_config.json``, else the
+    bundled Phi-3 tokenizer (:func:`unified_models.presets.tokenizer_dir`)."""
+    from .presets import tokenizer_dir
+
+    if explicit:
+        return Path(explicit)
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        return model_dir
+    return tokenizer_dir()

@@ -104,6 +104,32 @@ class PagedGroup:
     block_size: int
 
 
+def entry_slots(block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor, ratio: int,
+                block_size: int) -> torch.Tensor:
+    """Cache slot of the compressed entry each token completes, or -1 (the
+    :class:`~unified_models.caches.CompressedKVCache` rule, both stores).
+
+    Token at position p completes entry ``j = p // r`` when ``(p + 1) % r == 0``; the
+    entry lives in block ``block_table[b, j*r // S]`` at offset ``(j*r % S) // r``, so
+    slot = ``block * (S // r) + offset`` in the ``[N, S // r, G, E]`` pages.
+
+    Args:
+        block_table_BN: int ``[B, max_blocks]`` of the cache's group.
+        seq_idx_T, positions_T: int ``[T]`` (positions < 0: padding, -1).
+        ratio: r; block_size: S (a multiple of r).
+
+    Returns:
+        int64 ``[T]``.
+    """
+    pos = positions_T.long()
+    first = (pos // ratio) * ratio  # first token of the entry
+    done = (pos >= 0) & ((pos + 1) % ratio == 0)
+    col = (first.clamp(min=0) // block_size).view(-1, 1)
+    blk = block_table_BN[seq_idx_T.long().clamp(min=0)].long().gather(1, col).view(-1)
+    slot = blk * (block_size // ratio) + (first.clamp(min=0) % block_size) // ratio
+    return torch.where(done, slot, torch.full_like(slot, -1))
+
+
 @dataclass(frozen=True)
 class AttentionState:
     """What one paged attention layer reads and writes this step.

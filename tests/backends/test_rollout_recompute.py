@@ -45,7 +45,8 @@ def test_temperature_is_applied_by_the_logprob_op_on_both_sides(fp32_checkpoint)
     """Requests at different temperatures in one batch: the reported logprob is
     ops.logprobs(logits, T) on the rollout side and on the trainer side."""
     from unified_models.backends.reference import ReferenceModel
-    from unified_models.backends.vllm.engine import generate_token_ids, make_llm, sampling_params, shutdown_llm
+    from unified_models.backends.vllm.engine import make_llm, shutdown_llm
+    from unified_models.backends.vllm.sampling import generate_token_ids, sampling_params
 
     _, spec, sd = spec_and_state_dict(fp32_checkpoint)
     prompts = [[1, 5, 9, 11, 40], [1, 7, 8], [3, 4]]

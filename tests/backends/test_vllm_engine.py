@@ -20,6 +20,8 @@ import torch
 import vllm  # noqa: E402,F401  (a required dependency: a missing install must fail, not skip)
 
 from unified_models.backends.vllm import engine  # noqa: E402
+from unified_models.backends.vllm.live import get_model, get_runner
+from unified_models.backends.vllm.sampling import SampleRecorder, generate_token_ids
 from unified_models.dsl import AttentionSpec, CheckpointError  # noqa: E402
 from unified_models.forward import forward_hidden, forward_logprobs  # noqa: E402
 from unified_models.state import FlatBatch
@@ -105,7 +107,7 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 # --------------------------------------------------------------------------- (a)
 def test_vllm_logprobs_equal_trainer_recompute(llm, trainer):
     spec, sd = trainer
-    outs = engine.generate_token_ids(llm, PROMPTS, [_sp(seed=11 + i) for i in range(len(PROMPTS))])
+    outs = generate_token_ids(llm, PROMPTS, [_sp(seed=11 + i) for i in range(len(PROMPTS))])
     seqs, vllm_lp = [], []
     for p, o in zip(PROMPTS, outs):
         toks, lps = _sampled(o)
@@ -124,14 +126,14 @@ def test_vllm_logprobs_equal_trainer_recompute(llm, trainer):
 # --------------------------------------------------------------------------- (b)
 def test_vllm_decode_equals_prefill(llm):
     llm.reset_prefix_cache()
-    with engine.SampleRecorder(llm) as rec:
-        outs = engine.generate_token_ids(llm, PROMPTS, [_sp(seed=21 + i) for i in range(len(PROMPTS))])
+    with SampleRecorder(llm) as rec:
+        outs = generate_token_ids(llm, PROMPTS, [_sp(seed=21 + i) for i in range(len(PROMPTS))])
     decoded = [_sampled(o) for o in outs]
     decode_rows = [rec.rows_for(o.request_id) for o in outs]
 
     # 1) prompt_logprobs over prompt+completion (one prefill) == decode logprobs
     full = [p + toks for p, (toks, _) in zip(PROMPTS, decoded)]
-    pl = engine.generate_token_ids(llm, full, SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs=0,
+    pl = generate_token_ids(llm, full, SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs=0,
                                                              temperature=1.0, seed=0))
     for i, (p, (toks, lps)) in enumerate(zip(PROMPTS, decoded)):
         prompt_lps = pl[i].prompt_logprobs
@@ -141,8 +143,8 @@ def test_vllm_decode_equals_prefill(llm):
     # 2) full rows: prefill of prompt+completion[:-1] (through the prefix cache for
     #    the long prompt) samples from the same row decode sampled completion[-1] from
     resub = [p + toks[:-1] for p, (toks, _) in zip(PROMPTS, decoded)]
-    with engine.SampleRecorder(llm) as rec2:
-        outs2 = engine.generate_token_ids(llm, resub, [_sp(seed=99, max_tokens=1)] * len(resub))
+    with SampleRecorder(llm) as rec2:
+        outs2 = generate_token_ids(llm, resub, [_sp(seed=99, max_tokens=1)] * len(resub))
     for i, (p, o2) in enumerate(zip(PROMPTS, outs2)):
         last = len(p) + MAX_TOKENS - 2  # position of the token completion[-1] was sampled after
         row_prefill = rec2.rows_for(o2.request_id)[last]
@@ -155,14 +157,14 @@ def test_vllm_batch_invariance(llm):
     target = PROMPTS[2]
     others = [_prompt(n, 50 + k) for k, n in enumerate((5, 33, 64, 90, 1))]
     llm.reset_prefix_cache()
-    with engine.SampleRecorder(llm) as rec_alone:
-        alone = engine.generate_token_ids(llm, [target], [_sp(seed=7)])[0]
+    with SampleRecorder(llm) as rec_alone:
+        alone = generate_token_ids(llm, [target], [_sp(seed=7)])[0]
     llm.reset_prefix_cache()
     batch = others[:2] + [target] + others[2:]
     params = [_sp(seed=100 + k) for k in range(len(batch))]
     params[2] = _sp(seed=7)
-    with engine.SampleRecorder(llm) as rec_batch:
-        outs = engine.generate_token_ids(llm, batch, params)
+    with SampleRecorder(llm) as rec_batch:
+        outs = generate_token_ids(llm, batch, params)
     in_batch = outs[2]
     t_alone, lp_alone = _sampled(alone)
     t_batch, lp_batch = _sampled(in_batch)
@@ -177,10 +179,10 @@ def test_vllm_batch_invariance(llm):
 # --------------------------------------------------------------------------- (d)
 def test_vllm_inplace_weight_update(llm, trainer):
     spec, sd = trainer
-    model = engine.get_model(llm)
+    model = get_model(llm)
     ptrs = {n: p.data_ptr() for n, p in model.params().items()}
     prompts = PROMPTS[:2]
-    before = [_sampled(o) for o in engine.generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
+    before = [_sampled(o) for o in generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
 
     g = torch.Generator().manual_seed(5)
     new_sd = {n: (t.float().cpu() + 0.02 * torch.randn(t.shape, generator=g)).to(t.dtype).to(t.device)
@@ -191,20 +193,20 @@ def test_vllm_inplace_weight_update(llm, trainer):
         assert {n: p.data_ptr() for n, p in model.params().items()} == ptrs
         for n, p in model.params().items():
             assert torch.equal(p.data, new_sd[n].to(p.device)), n
-        after = [_sampled(o) for o in engine.generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
+        after = [_sampled(o) for o in generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
         assert any(a[1] != b[1] for a, b in zip(after, before)), "outputs did not change with the weights"
         recomputed = trainer_logprobs(spec, new_sd, [(p, a[0]) for p, a in zip(prompts, after)])
         for i, (a, r) in enumerate(zip(after, recomputed)):
             assert_bitwise(torch.tensor(a[1]), r, f"prompt {i} after the update")
     finally:
         engine.load_weights_inplace(llm, sd)
-    again = [_sampled(o) for o in engine.generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
+    again = [_sampled(o) for o in generate_token_ids(llm, prompts, [_sp(seed=31), _sp(seed=32)])]
     assert again == before
 
 
 def test_vllm_inplace_update_rejects_bad_state_dict(llm, trainer):
     _, sd = trainer
-    model = engine.get_model(llm)
+    model = get_model(llm)
     name = "backbone.layers.0.mixer.q_proj.weight"
     snapshot = model.params()[name].detach().clone()
     partial = {n: t + 1 for n, t in sd.items() if n != name}
@@ -266,9 +268,9 @@ def test_vllm_plugin_registration_and_model_structure(llm, ckpt):
         eps = [ep.value for ep in entry_points(group="vllm.general_plugins")]
         assert "unified_models.backends.vllm.plugin:register" in eps
 
-    runner = engine.get_runner(llm)  # the V1 runner is pinned (not v1/worker/gpu/ = V2)
+    runner = get_runner(llm)  # the V1 runner is pinned (not v1/worker/gpu/ = V2)
     assert type(runner).__module__ in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.cpu_model_runner")
-    model = engine.get_model(llm)
+    model = get_model(llm)
     assert next(model.parameters()).device.type == DEVICE
     names = dict(model.named_parameters())
     assert set(names) == set(model.spec.parameter_shapes())
@@ -283,7 +285,7 @@ def test_vllm_plugin_registration_and_model_structure(llm, ckpt):
 
 
 def test_vllm_forward_without_metadata_is_a_profiling_run(llm):
-    model = engine.get_model(llm)
+    model = get_model(llm)
     dev = next(model.parameters()).device
     ids = torch.tensor([5, 6, 7, 8], device=dev)
     with torch.inference_mode():

@@ -45,6 +45,9 @@ import vllm  # noqa: F401  (a required dependency: a missing install must fail, 
 from unified_models import ops
 from unified_models.backends.megatron.trainer import recompute_logprobs
 from unified_models.backends.vllm import engine
+from unified_models.backends.vllm.live import get_model
+from unified_models.backends.vllm.sampling import generate_token_ids
+from unified_models.backends.vllm.settings import kv_cache_dtype_setting
 from unified_models.backends.vllm.rollout import rollout
 from unified_models.converters.hf_safetensors import spec_and_state_dict
 from unified_models.dsl import AttentionSpec, CheckpointError, SpecError
@@ -205,7 +208,7 @@ def llm(fp8_dir):
 def test_vllm_runs_an_fp8_cache(llm, fp8_model):
     spec, _ = fp8_model
     assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8_e4m3"
-    model = engine.get_model(llm)
+    model = get_model(llm)
     for (i, name), layer in model._caches.items():
         assert layer.kv_cache.dtype == torch.uint8  # as vLLM allocates fp8 pages
         k, v = layer.kv_views()
@@ -221,7 +224,7 @@ def test_vllm_prefill_rescore_equals_decode_and_cache_codes_equal_the_trainers(l
     tap = _WriteTap(monkeypatch)
     llm.reset_prefix_cache()
     sp = vllm.SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=0, ignore_eos=True, detokenize=False)
-    out = engine.generate_token_ids(llm, [prompt], sp)[0]
+    out = generate_token_ids(llm, [prompt], sp)[0]
     toks = list(out.outputs[0].token_ids)
     decode_lp = torch.tensor([out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(toks)])
     vllm_k, vllm_v = tap.codes()
@@ -243,7 +246,7 @@ def test_vllm_prefill_rescore_equals_decode_and_cache_codes_equal_the_trainers(l
 
     # vLLM's prefill rescore of prompt + completion == its decode logprobs
     monkeypatch.undo()
-    pl = engine.generate_token_ids(llm, [full], vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs=0,
+    pl = generate_token_ids(llm, [full], vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs=0,
                                                                     temperature=1.0, seed=0, detokenize=False))
     got = torch.tensor([pl[0].prompt_logprobs[len(prompt) + j][t].logprob for j, t in enumerate(toks)])
     assert torch.equal(got, decode_lp)
@@ -254,8 +257,8 @@ def test_conflicting_kv_cache_dtype_is_refused(fp8_dir, bf16_dir):
         engine.make_llm(fp8_dir, kv_cache_dtype="auto", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' conflicts with the checkpoint.*'auto'"):
         engine.make_llm(bf16_dir, kv_cache_dtype="fp8", skip_tokenizer_init=True)
-    assert engine.kv_cache_dtype_setting(spec_and_state_dict(fp8_dir)[1], "fp8") == "fp8"
-    assert engine.kv_cache_dtype_setting(spec_and_state_dict(bf16_dir)[1], None) == "auto"
+    assert kv_cache_dtype_setting(spec_and_state_dict(fp8_dir)[1], "fp8") == "fp8"
+    assert kv_cache_dtype_setting(spec_and_state_dict(bf16_dir)[1], None) == "auto"
 
 
 def test_attention_cache_layer_refuses_another_vllm_cache_dtype():

@@ -36,6 +36,9 @@ import torch
 import vllm  # noqa: F401  (a required dependency: a missing install must fail, not skip)
 
 from unified_models.backends.vllm import engine, plugin
+from unified_models.backends.vllm.live import get_model, get_runner
+from unified_models.backends.vllm.sampling import generate_token_ids, sampling_params
+from unified_models.backends.vllm.settings import hybrid_engine_settings
 from unified_models.backends.vllm.mamba_state import STATE_ORDER, model_state_layout, state_copy_funcs
 from unified_models.backends.vllm.model import UnifiedForCausalLM, UnifiedHybridForCausalLM
 from unified_models.consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
@@ -162,7 +165,7 @@ def test_hybrid_engine_settings(hybrid_model, tiny_model, hybrid_ckpt):
     spec, _ = hybrid_model
     _, plain, _ = tiny_model
     def s(m, gpu, prefix, chunked=None, **kw):
-        return engine.hybrid_engine_settings(m, gpu=gpu, enable_prefix_caching=prefix,
+        return hybrid_engine_settings(m, gpu=gpu, enable_prefix_caching=prefix,
                                              enable_chunked_prefill=chunked, engine_kwargs=kw)
 
     assert s(plain, False, None) == (True, None)
@@ -265,7 +268,7 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
         bs = int(cc.block_size)
         assert cc.mamba_cache_mode == "align" and int(cc.mamba_block_size) == bs
         # two groups: the attention KV blocks and the Mamba state slots (one page pool)
-        kv_cfg = engine.get_runner(llm).kv_cache_config
+        kv_cfg = get_runner(llm).kv_cache_config
         specs = [g.kv_cache_spec for g in kv_cfg.kv_cache_groups]
         assert {type(s).__name__ for s in specs} == {"FullAttentionSpec", "MambaSpec"}
         m_spec = next(s for s in specs if isinstance(s, MambaSpec))
@@ -277,7 +280,7 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
         mamba_layers = [n for g in kv_cfg.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)
                         for n in g.layer_names]
         assert sorted(mamba_layers) == [f"backbone.layers.{b.index}.mixer.state_cache" for b in spec.sublayers_of(Mamba2Spec)]
-        views = engine.get_model(llm)._caches[(spec.sublayers_of(Mamba2Spec)[0].index, "state_cache")].state_views()
+        views = get_model(llm)._caches[(spec.sublayers_of(Mamba2Spec)[0].index, "state_cache")].state_views()
         assert views.ssm.dtype == torch.float32 and views.conv.dtype == torch.bfloat16
 
         prefix = _ids(2 * bs, 100)
@@ -287,10 +290,10 @@ def test_hybrid_prefix_caching_align_diff_zero(hybrid_ckpt, hybrid_model, monkey
             "C": prefix[: bs + 5] + _ids(9, 103),
         }
         order = ["A", "B", "C", "A"]
-        sp = engine.sampling_params(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, detokenize=False)
+        sp = sampling_params(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, detokenize=False)
         results, cached = [], []
         for name in order:
-            out = engine.generate_token_ids(llm, [reqs[name]], sp)[0]
+            out = generate_token_ids(llm, [reqs[name]], sp)[0]
             c = out.outputs[0]
             toks = list(c.token_ids)
             results.append((reqs[name], toks, [c.logprobs[j][t].logprob for j, t in enumerate(toks)]))

@@ -18,7 +18,7 @@ import vllm  # noqa: F401  (a required dependency: a missing install must fail, 
 
 from unified_models.backends.megatron.optimizer import OptimizerConfig
 from unified_models.backends.megatron.trainer import Trainer, TrainerOptions
-from unified_models.backends.vllm import engine
+from unified_models.backends.vllm.live import get_model
 from unified_models.backends.vllm.rollout import RolloutEngine
 from unified_models.backends.vllm.weight_sync import sync_weights
 from unified_models.dsl import CheckpointError
@@ -71,7 +71,7 @@ def _assert_trainer_equals_rollout(trainer, ro) -> list[torch.Tensor]:
 
 def test_sync_keeps_pointers_and_next_rollout_equals_trainer(rollout_engine, llm, trainer):
     model = trainer.model
-    live = engine.get_model(llm).params()
+    live = get_model(llm).params()
     ptrs = {n: p.data_ptr() for n, p in live.items()}
     # the engine started on dummy weights and got the state dict in place: it holds the checkpoint's
     assert all(torch.equal(live[n], p.detach()) for n, p in model.named_parameters())
@@ -110,7 +110,7 @@ def test_sync_keeps_pointers_and_next_rollout_equals_trainer(rollout_engine, llm
 
 def test_bad_syncs_change_nothing(llm, trainer):
     model = trainer.model
-    live = engine.get_model(llm).params()
+    live = get_model(llm).params()
     before = {n: p.clone() for n, p in live.items()}
     good = {n: p.detach() for n, p in model.named_parameters()}
     victim = "backbone.layers.1.mixer.up_proj.weight"

@@ -35,7 +35,7 @@ def test_missing_extra_misshaped_are_all_named(ckpt_copy, tiny_model):
 
     def damage(sd):
         del sd["backbone.layers.0.mixer.q_proj.weight"]
-        sd["backbone.layers.9.extra.weight"] = torch.zeros(2)
+        sd["backbone.layers.0.mixer.extra.weight"] = torch.zeros(2)
         sd["lm_head.weight"] = sd["lm_head.weight"][:, :8].contiguous()
 
     _rewrite(ckpt_copy, damage)
@@ -43,7 +43,7 @@ def test_missing_extra_misshaped_are_all_named(ckpt_copy, tiny_model):
         load_state_dict(ckpt_copy, spec)
     msg = str(e.value)
     assert "missing tensors: ['backbone.layers.0.mixer.q_proj.weight']" in msg
-    assert "unexpected tensors: ['backbone.layers.9.extra.weight']" in msg
+    assert "unexpected tensors: ['backbone.layers.0.mixer.extra.weight']" in msg
     assert "lm_head.weight: expected (32064, 256), got (32064, 8)" in msg
 
 

@@ -19,6 +19,7 @@ from unified_models.converters.modelopt import (
     quantize_state_dict,
 )
 from unified_models.dsl import CheckpointError, MoESpec
+from unified_models.dsl.weights import LinearFormat
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +52,12 @@ def test_export_writes_modelopt_layout_and_codes_equal_the_quantizer(hybrid_bf16
 
     _, spec, stored = spec_and_state_dict(nvfp4_dir)
     moe = [b.mixer for b in spec.sublayers_of(MoESpec)]
-    assert moe and all(m.packed and m.quantization == "nvfp4" for m in moe)
+    assert moe and all(spec.weight_format(m.expert_linear(e, p)) == LinearFormat("nvfp4", stored=True)
+                       for m in moe for e in range(m.n_routed_experts) for p in ("up_proj", "down_proj"))
     m = moe[0]
     for e in (0, 5):
         for proj in ("up_proj", "down_proj"):
-            names = m.expert_tensor_names(e, proj)
+            names = {f: f"{m.expert_linear(e, proj)}.{f}" for f in ("weight", "weight_scale", "weight_scale_2")}
             q = ops.nvfp4_quantize(masters[names["weight"]])  # ModelOpt's rule (tests/ops: bitwise == ModelOpt)
             assert stored[names["weight"]].dtype == torch.uint8
             assert torch.equal(stored[names["weight"]], q.weight)
@@ -80,7 +82,7 @@ def test_bad_scales_name_layer_and_expert(nvfp4_dir, tmp_path):
     def zero_ws2(t):
         t["backbone.layers.3.mixer.experts.5.up_proj.weight_scale_2"] = torch.zeros((), dtype=torch.float32)
 
-    with pytest.raises(CheckpointError, match=r"layer 3: bad expert ids \[5\].*expert 5 up_proj: weight_scale_2 is zero"):
+    with pytest.raises(CheckpointError, match=r"layers\.3\.mixer\.experts\.5\.up_proj: weight_scale_2 is zero"):
         spec_and_state_dict(_rewrite(nvfp4_dir, tmp_path / "a", zero_ws2))
 
     def nan_block(t):
@@ -88,7 +90,7 @@ def test_bad_scales_name_layer_and_expert(nvfp4_dir, tmp_path):
         s[0, 0] = 0x7F
         t["backbone.layers.6.mixer.experts.2.down_proj.weight_scale"] = s.view(torch.float8_e4m3fn)
 
-    with pytest.raises(CheckpointError, match=r"layer 6: bad expert ids \[2\].*NaN block scale"):
+    with pytest.raises(CheckpointError, match=r"layers\.6\.mixer\.experts\.2\.down_proj: weight_scale has 1 NaN block scale"):
         spec_and_state_dict(_rewrite(nvfp4_dir, tmp_path / "b", nan_block))
 
     def missing(t):
@@ -129,7 +131,7 @@ def test_masters_requantize_to_the_trainer_forward_codes(nvfp4_dir):
     down_m = torch.stack([masters[m.expert_weight_name(e, "down_proj")] for e in range(m.n_routed_experts)])
 
     def stack(proj):
-        f = {k: torch.stack([requant[m.expert_tensor_names(e, proj)[k]] for e in range(m.n_routed_experts)])
+        f = {k: torch.stack([requant[f"{m.expert_linear(e, proj)}.{k}"] for e in range(m.n_routed_experts)])
              for k in ("weight", "weight_scale", "weight_scale_2")}
         return ops.NVFP4Weight(f["weight"], f["weight_scale"], f["weight_scale_2"])
 
@@ -141,7 +143,7 @@ def test_masters_requantize_to_the_trainer_forward_codes(nvfp4_dir):
     engine = ops.moe_experts(x, ids, w, stack("up_proj"), stack("down_proj"), None, out_dtype=torch.bfloat16)
     assert torch.equal(trainer.view(torch.int16), engine.view(torch.int16))
     # dequantize -> requantize is close to, but not, the identity: the engine is re-synced before rollouts
-    n = m.expert_tensor_names(0, "up_proj")["weight_scale_2"]
+    n = f"{m.expert_linear(0, 'up_proj')}.weight_scale_2"
     assert torch.allclose(requant[n], stored[n], rtol=2 ** -7)
 
 
@@ -180,5 +182,5 @@ def test_trainer_holds_the_stored_codes_frozen_and_refuses_bad_scales(nvfp4_dir)
     assert params["backbone.layers.3.mixer.gate.weight"].requires_grad
     bad = dict(stored)
     bad["backbone.layers.6.mixer.experts.3.up_proj.weight_scale_2"] = torch.tensor(0.0)
-    with pytest.raises(CheckpointError, match=r"layer 6: bad expert ids \[3\].*weight_scale_2 is zero"):
+    with pytest.raises(CheckpointError, match=r"layers\.6\.mixer\.experts\.3\.up_proj: weight_scale_2 is zero"):
         m.load_hf_state_dict(bad)

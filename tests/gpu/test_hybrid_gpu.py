@@ -104,7 +104,7 @@ def _checkpoint(preset: str) -> Path:
 # ------------------------------------------------------------------------- helpers
 def engine_settings(llm) -> dict:
     """The class the engine runs and the settings vLLM resolved (best effort per field)."""
-    from unified_models.backends.vllm.engine import engine_settings as settings
+    from unified_models.backends.vllm.live import engine_settings as settings
 
     return settings(llm)
 
@@ -151,7 +151,7 @@ def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NE
     import vllm
     from vllm import SamplingParams
 
-    from unified_models.backends.vllm import compat, engine
+    from unified_models.backends.vllm import compat, engine, sampling
     from unified_models.converters.hf_safetensors import load_hf_config
     from unified_models.models import spec_from_hf_config
 
@@ -180,7 +180,7 @@ def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NE
         # per-request seeds on the GPU; the CPU generator cannot rewind after a chunked prefill
         sp = [SamplingParams(temperature=1.0, seed=(100 + i) if gpu else None, max_tokens=new_tokens,
                              ignore_eos=True, logprobs=k, prompt_logprobs=k, detokenize=False) for i in range(n)]
-        nat_out = engine.generate_token_ids(native, prompts, sp)
+        nat_out = sampling.generate_token_ids(native, prompts, sp)
     finally:
         engine.shutdown_llm(native)
         del native
@@ -202,14 +202,14 @@ def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NE
                            skip_tokenizer_init=True, **mem)
     try:
         report["ours_engine"] = engine_settings(ours)
-        sp_full = engine.sampling_params(max_tokens=1, ignore_eos=True, prompt_logprobs=k, detokenize=False)
-        sp_own = [engine.sampling_params(seed=(200 + i) if gpu else None, max_tokens=new_tokens, ignore_eos=True,
+        sp_full = sampling.sampling_params(max_tokens=1, ignore_eos=True, prompt_logprobs=k, detokenize=False)
+        sp_own = [sampling.sampling_params(seed=(200 + i) if gpu else None, max_tokens=new_tokens, ignore_eos=True,
                                          logprobs=k, prompt_logprobs=k, detokenize=False) for i in range(n)]
-        outs = engine.generate_token_ids(ours, seqs + prompts, [sp_full] * n + sp_own)
+        outs = sampling.generate_token_ids(ours, seqs + prompts, [sp_full] * n + sp_own)
         full_out, own_out = outs[:n], outs[n:]
         own_seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, own_out)]
-        sp_re = engine.sampling_params(max_tokens=1, ignore_eos=True, prompt_logprobs=0, detokenize=False)
-        re_out = engine.generate_token_ids(ours, own_seqs, [sp_re] * n)
+        sp_re = sampling.sampling_params(max_tokens=1, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+        re_out = sampling.generate_token_ids(ours, own_seqs, [sp_re] * n)
     finally:
         engine.shutdown_llm(ours)
         del ours
@@ -339,13 +339,13 @@ class _EngineSpy:
     """Records what ``rollout``'s engine really ran: settings, schedule, prefix-cache hits."""
 
     def __init__(self, monkeypatch):
-        from unified_models.backends.vllm import engine
+        from unified_models.backends.vllm import engine, sampling
         from unified_models.backends.vllm.model import UnifiedHybridForCausalLM
 
         self.settings: dict = {}
         self.cached_tokens: list[int] = []
         self.steps: list[tuple[list[int], list[int]]] = []  # (start position, query length) per request
-        make_llm, gen, flat = engine.make_llm, engine.generate_token_ids, UnifiedHybridForCausalLM._flat_batch
+        make_llm, gen, flat = engine.make_llm, sampling.generate_token_ids, UnifiedHybridForCausalLM._flat_batch
 
         def spy_make_llm(*a, **kw):
             llm = make_llm(*a, **kw)
@@ -367,7 +367,7 @@ class _EngineSpy:
             return batch, store
 
         monkeypatch.setattr(engine, "make_llm", spy_make_llm)
-        monkeypatch.setattr(engine, "generate_token_ids", spy_generate)
+        monkeypatch.setattr(sampling, "generate_token_ids", spy_generate)
         monkeypatch.setattr(UnifiedHybridForCausalLM, "_flat_batch", spy_flat)
 
     def schedule(self) -> dict:

@@ -106,9 +106,9 @@ def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpo
     """Without the weight sync, vLLM samples step 2 with the old weights while the trainer
     has the new ones: the run must stop at step 2 (exit 1) and name where."""
     from unified_models.backends.vllm.weight_sync import SyncReport
-    from unified_models.rl import loop
+    from unified_models.rl.run import RLRun
 
-    monkeypatch.setattr(loop._Run, "sync", lambda self: SyncReport((), (), (), 0, False, 0.0))
+    monkeypatch.setattr(RLRun, "sync", lambda self: SyncReport((), (), (), 0, False, 0.0))
     metrics = tmp_path / "m.jsonl"
     status = main(["rl", "--model", str(tiny_checkpoint), *SMALL, "--steps", "3", "--metrics", str(metrics)])
     assert status == 1

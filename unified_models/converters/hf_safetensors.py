@@ -24,6 +24,8 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
 
     Raises:
         CheckpointError: directory or config missing, or unreadable/unknown config.
+        SpecError: ``num_hidden_layers`` disagrees with the layer pattern
+            (:func:`unified_models.models.check_declared_layer_count`).
     """
     from transformers import AutoConfig
 
@@ -35,14 +37,18 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}/config.json is missing")
     try:
-        json.loads((d / "config.json").read_text())
+        raw = json.loads((d / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
     try:
-        return AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+        config = AutoConfig.from_pretrained(str(d), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many (validation) types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{d}/config.json is not a valid transformers config: {first}") from None
+    from ..models import check_declared_layer_count
+
+    check_declared_layer_count(config, raw, source=f"{d}/config.json")
+    return config
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
@@ -129,7 +135,7 @@ def cast_to_stored_dtypes(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, 
         out[name] = t if t.dtype == want else t.to(want)
     if bad:
         raise CheckpointError(f"checkpoint {source}: tensors of the wrong dtype: {bad}")
-    if spec.is_packed or any(d != spec.dtype for d in dtypes.values()):
+    if spec.stores_quantized_weights or any(d != spec.dtype for d in dtypes.values()):
         validate_quantized(out, spec, source=source)
     return out
 
@@ -161,9 +167,13 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
     """Check names, shapes and values of a state dict against ``spec``.
 
     Raises:
-        CheckpointError: listing every missing, unexpected or mis-shaped tensor,
+        CheckpointError: the tensors cover another number of layers than the spec
+            (both named), or listing every missing, unexpected or mis-shaped tensor,
             or the first tensor holding NaN/Inf.
     """
+    from ..models import check_tensor_layer_count
+
+    check_tensor_layer_count(spec, tensors, source=source)
     expected = spec.parameter_shapes()
     problems = tensor_table_problems(expected, {n: tuple(t.shape) for n, t in tensors.items()})
     if problems:

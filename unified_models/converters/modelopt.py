@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -38,8 +37,12 @@ import torch
 
 from ..dsl import CheckpointError, ModelSpec, SpecError
 from ..layers import family_of
-from ..layers.quantization import QuantizationOptions
+from ..dsl.weights import FORMAT_LAYOUTS, LinearFormat
+from ..layers.quantization import QuantizationOptions, check_weight_formats, quantizable_linears
+from ..layers.weight_formats import format_rules, linear_fields
+from ..paths import check_destination
 from .hf_safetensors import save_state_dict, spec_and_state_dict
+from .megatron_dist_ckpt import atomic_output_dir
 from .quantized import validate_quantized
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
@@ -58,17 +61,17 @@ def _map_quantized_mixers(spec: ModelSpec, fn) -> ModelSpec:
 
 
 def master_spec(spec: ModelSpec) -> ModelSpec:
-    """The same model with model-dtype master weights (what a trainer trains): every
-    ``checkpoint_format = "modelopt"`` mixer becomes ``"master"``; quantization
-    recipes (NVFP4 experts, FP8 projections, FP8 KV) are kept."""
-    return _map_quantized_mixers(spec, lambda rules, m: rules.to_master(m))
+    """The same model with model-dtype master weights (what a trainer trains): every stored
+    weight format becomes its master form (:meth:`~unified_models.dsl.weights.LinearFormat.master`);
+    the quantization recipes (NVFP4 experts, FP8 projections, FP8 KV) are kept."""
+    return spec.replace(weight_formats=tuple((n, f.master()) for n, f in spec.weight_formats))
 
 
 def dequantized_spec(spec: ModelSpec) -> ModelSpec:
     """The plain model-dtype model a quantized checkpoint stands for: every weight
     dequantized, no activation or KV quantization (what transformers runs when
     handed the dequantized weights; the peer check's common ground)."""
-    return _map_quantized_mixers(master_spec(spec), lambda rules, m: rules.dequantized(m))
+    return _map_quantized_mixers(spec.replace(weight_formats=()), lambda rules, m: rules.dequantized(m))
 
 
 def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -88,31 +91,37 @@ def write_dequantized_checkpoint(model_dir: str | os.PathLike, out_dir: str | os
 
 
 def dequantize_state_dict(state: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Stored (ModelOpt) tensors -> the master state dict of :func:`master_spec` (model dtype).
+    """Stored tensors -> the master state dict of :func:`master_spec` (model dtype).
 
-    NVFP4 experts are dequantized by ModelOpt's rule (``ops.nvfp4_dequantize``),
-    FP8 weights as ``dtype(fp32(e4m3) * weight_scale)``; ``weight_scale``,
-    ``weight_scale_2`` and NVFP4 ``input_scale`` are dropped; FP8 ``input_scale``
-    and KV scales are kept (static, calibrated).
+    Each stored linear is dequantized by its format's rule (NVFP4 by ModelOpt's
+    ``NVFP4QTensor.dequantize``, FP8 as ``dtype(fp32(e4m3) * weight_scale)``);
+    its scales are dropped except an ``input_scale`` the master form keeps
+    (FP8: static, calibrated); KV scales are kept.
     """
     out = dict(state)
-    for blk in spec.sublayers:
-        rules = family_of(blk.mixer, blk.index).quantization
-        if rules is not None:
-            rules.dequantize_tensors(blk.mixer, state, out, spec.dtype)
+    for name, fmt in spec.weight_formats:
+        if not fmt.stored:
+            continue
+        fields = linear_fields(fmt)
+        stored = {f: state[f"{name}.{f}"] for f in fields}
+        for f in fields:
+            out.pop(f"{name}.{f}")
+        out[f"{name}.weight"] = format_rules(fmt).dequantize(stored, spec.dtype)
+        if fmt.master().input_scale:
+            out[f"{name}.input_scale"] = stored["input_scale"]
     return out
 
 
 def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
                         only: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """Master tensors -> the stored tensors of ``spec`` (its ModelOpt-format mixers), by the shared rules.
+    """Master tensors -> the stored tensors of ``spec`` (its stored weight formats), by the shared rules.
 
     The same functions the trainer's forward applies to its masters:
     ``ops.nvfp4_quantize`` per expert (each expert its own ``weight_scale_2``:
     Nemotron-H experts are not gated) and ``ops.fp8_quantize_weight`` with
-    ``ops.fp8_weight_scale``. Non-quantized tensors pass through. The
-    calibrated ``input_scale`` of an NVFP4 W4A4 export has no master and is
-    not written.
+    ``ops.fp8_weight_scale``. Non-quantized tensors and static input scales pass
+    through. The calibrated ``input_scale`` of an NVFP4 W4A4 export has no master
+    and is not written.
 
     Args:
         masters: HF name -> model-dtype tensor (names of :func:`master_spec`).
@@ -125,10 +134,13 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
     wanted = set(only) if only is not None else set(masters)
     out: dict[str, torch.Tensor] = {}
     derived: set[str] = set()
-    for blk in spec.sublayers:
-        rules = family_of(blk.mixer, blk.index).quantization
-        if rules is not None:
-            derived |= rules.quantize_tensors(blk.mixer, masters, wanted, out)
+    for name, fmt in spec.weight_formats:
+        if not fmt.stored:
+            continue
+        w = f"{name}.weight"
+        derived.add(w)
+        if w in wanted:
+            out.update({f"{name}.{f}": t for f, t in format_rules(fmt).quantize(masters[w]).items()})
     for n, t in masters.items():
         if n in wanted and n not in derived:
             out[n] = t
@@ -139,15 +151,40 @@ def quantize_state_dict(masters: Mapping[str, torch.Tensor], spec: ModelSpec,
 
 def quant_config_dict(spec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
     """ModelOpt's ``quantization`` block for a spec: ``MIXED_PRECISION`` with a
-    ``quantized_layers`` table (NVFP4 experts with ``group_size`` 16, FP8 Mamba
-    in/out projections), ``kv_cache_quant_algo`` FP8 or None."""
+    ``quantized_layers`` table (one entry per formatted linear: its format's
+    ``quant_algo`` and extra fields, e.g. NVFP4 ``group_size`` 16),
+    ``kv_cache_quant_algo`` FP8 or None.
+
+    Raises:
+        SpecError: a format ModelOpt does not write (block-FP8)."""
     layers: dict[str, dict] = {}
-    for blk in spec.sublayers:
-        rules = family_of(blk.mixer, blk.index).quantization
-        if rules is not None:
-            layers.update(rules.quantized_layers(blk.mixer))
+    for name, fmt in spec.weight_formats:
+        rules = format_rules(fmt)
+        if rules.modelopt_algo is None:
+            raise SpecError(f"{name}: weight format {fmt.format!r} has no ModelOpt quant_algo; a ModelOpt "
+                            "export cannot write it")
+        layers[name] = {"quant_algo": rules.modelopt_algo(fmt), **dict(rules.modelopt_entry)}
     return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8" if kv_cache_fp8 else None,
             "quantized_layers": layers}
+
+
+def quantized_spec(spec: ModelSpec, options: QuantizationOptions) -> ModelSpec:
+    """The stored-format spec an export with ``options`` writes: each quantizable linear whose
+    export role (:func:`~unified_models.layers.quantization.quantizable_linears`) is set in
+    ``options`` gets that format (FP8 with its static input scale), and each family's
+    non-weight rules apply (FP8 KV cache).
+
+    Raises:
+        SpecError: a combination the families refuse.
+    """
+    formats: dict[str, LinearFormat] = {}
+    for name, role in quantizable_linears(spec).items():
+        fmt = getattr(options, role, None)
+        if fmt:
+            formats[name] = LinearFormat(fmt, stored=True, input_scale=FORMAT_LAYOUTS[fmt].input_scale_required)
+    qspec = _map_quantized_mixers(spec.with_weight_formats(formats), lambda rules, m: rules.quantized(m, options))
+    check_weight_formats(qspec)
+    return qspec
 
 
 def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], options: QuantizationOptions
@@ -207,14 +244,17 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
         overwrite: replace an existing ``out_dir``.
 
     Returns:
-        ``out_dir``. Written in a temporary directory and renamed: an error
-        leaves nothing behind.
+        ``out_dir``. Written in a temporary directory and renamed into place (an
+        existing ``out_dir`` is renamed aside first and removed only after): an error
+        leaves nothing behind and no half-deleted destination.
 
     Raises:
         CheckpointError: source already quantized, bad source, ``out_dir``
             exists without ``overwrite``, calibration missing or degenerate.
         SpecError: widths not divisible by the NVFP4 block (16).
+        UnifiedModelsError: ``out_dir`` is ``src_dir``, holds it or lies inside it.
     """
+    check_destination(src_dir, out_dir, src_name="the source checkpoint", dst_name="the output")
     src, dst = Path(src_dir), Path(out_dir)
     for what, v, ok in (("experts", experts, ("nvfp4", None)), ("mamba_proj", mamba_proj, ("fp8", None)),
                         ("kv_cache", kv_cache, ("fp8", None))):
@@ -223,13 +263,13 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass overwrite=True (CLI --overwrite) to replace it")
     config, spec, masters = spec_and_state_dict(src)
-    if spec.is_packed or getattr(config, "quantization_config", None):
+    if spec.stores_quantized_weights or getattr(config, "quantization_config", None):
         raise CheckpointError(f"{src} is already quantized; export_modelopt takes a model-dtype checkpoint")
     if (mamba_proj or kv_cache) and not calibration_token_ids:
         raise CheckpointError("export_modelopt: FP8 input/KV scales need calibration_token_ids (static scales, "
                               "ModelOpt 'max' calibration)")
     options = QuantizationOptions(experts=experts, mamba_proj=mamba_proj, kv_cache=kv_cache)
-    qspec = _map_quantized_mixers(spec, lambda rules, m: rules.quantized(m, options))
+    qspec = quantized_spec(spec, options)
     scales = _calibrate(src, qspec, calibration_token_ids or [], options) if (mamba_proj or kv_cache) else {}
     stored = quantize_state_dict({**masters, **scales}, qspec)
     missing = [n for n in qspec.parameter_shapes() if n not in stored]
@@ -241,19 +281,11 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     qc = quant_config_dict(qspec, kv_cache_fp8=bool(kv_cache))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with atomic_output_dir(dst, overwrite) as tmp:
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
                     "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
                 shutil.copy(f, tmp / f.name)
         save_state_dict(stored, tmp, config_json=cfg)
         (tmp / "hf_quant_config.json").write_text(json.dumps({"producer": PRODUCER, "quantization": qc}, indent=2))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return dst

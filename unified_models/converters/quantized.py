@@ -14,19 +14,25 @@ import torch
 
 from ..dsl import CheckpointError, ModelSpec
 from ..layers import family_of
+from ..layers.weight_formats import weight_problems
 
 
 def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str) -> None:
-    """Check every quantized tensor of ``state`` against ``spec``: NVFP4 experts, FP8 Mamba projections,
-    FP8 KV scales.
+    """Check every quantized tensor of ``state`` against ``spec``: each linear's stored format
+    (NVFP4 experts, FP8 Mamba projections; :func:`~unified_models.layers.weight_formats.weight_problems`)
+    and the families' other quantization tensors (FP8 KV scales).
 
     Raises:
-        CheckpointError: one message listing every bad tensor: missing, zero,
-            negative, NaN or Inf scales (the NVFP4 part names the layer and the
-            expert ids, e.g. ``layer 3: bad expert ids [5]: expert 5 up_proj:
-            weight_scale_2 is zero``), NaN e4m3 codes.
+        CheckpointError: one message listing every bad tensor, each named: missing, zero,
+            negative, NaN or Inf scales (e.g. ``backbone.layers.3.mixer.experts.5.up_proj:
+            weight_scale_2 is zero``), NaN codes or block scales, wrong dtypes or shapes.
     """
     problems: list[str] = []
+    shapes = None
+    for name, _ in spec.weight_formats:
+        if shapes is None:
+            shapes = spec.replace(weight_formats=()).parameter_shapes()
+        problems += weight_problems(spec, name, state, shapes[f"{name}.weight"])
     for blk in spec.sublayers:
         rules = family_of(blk.mixer, blk.index).quantization
         if rules is not None:

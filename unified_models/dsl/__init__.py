@@ -13,7 +13,8 @@ One module per family: :mod:`.attention` (``AttentionSpec``, ``RopeSpec``),
 (``MoESpec``), :mod:`.norm` (``RMSNormSpec``), :mod:`.embedding`
 (``EmbeddingSpec``, ``LMHeadSpec``), :mod:`.model` (``BlockSpec``, ``SublayerSpec``,
 ``ModelSpec``, the ``Mixer`` union), :mod:`.residual` (residual-stream
-policies); :mod:`.errors`.
+policies), :mod:`.weights` (``LinearFormat``: the weight format of a quantized
+linear, ``ModelSpec.weight_formats``); :mod:`.errors`.
 
 Axis legend used in names and docstrings across the package:
 T tokens (flat, packed), B sequences, H query heads, G kv heads, E head dim,
@@ -34,12 +35,13 @@ from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
 from .moe import MoESpec
 from .model import BlockSpec, Mixer, ModelSpec, SublayerSpec
-from .residual import PLAIN_RESIDUAL, PlainResidualSpec
+from .residual import PLAIN_RESIDUAL, HyperConnectionSpec, PlainResidualSpec
 from .norm import RMSNormSpec
+from .weights import LinearFormat
 
 __all__ = [
     "AttentionSpec", "EmbeddingSpec", "LMHeadSpec", "MLPSpec", "ModelSpec",
-    "BlockSpec", "SublayerSpec", "PlainResidualSpec", "PLAIN_RESIDUAL", "RMSNormSpec", "RopeSpec", "CheckpointError",
+    "BlockSpec", "SublayerSpec", "PlainResidualSpec", "HyperConnectionSpec", "PLAIN_RESIDUAL", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
-    "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec",
+    "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec", "LinearFormat",
 ]

@@ -46,6 +46,17 @@ class AttentionSpec:
     (ModelOpt's export names; :meth:`kv_scale_names`), required: both engines
     must quantize with the same values, so a checkpoint without them is refused
     instead of defaulting to 1.0 as vLLM's own layers do.
+
+    ``sliding_window``: ``None`` = full causal attention; an int W >= 1 = a
+    query at position p attends positions ``max(0, p-W+1)..p`` (the window
+    includes the token itself, as in Mistral/vLLM). The layer's cache is then a
+    sliding-window paged cache (vLLM ``SlidingWindowSpec``: blocks behind the
+    window are freed).
+
+    ``shared_kv``: K = V (MLA-style shared-KV attention): no ``v_proj``; the
+    value of each position is its key (after RoPE), and the cache holds one
+    tensor (vLLM ``MLAAttentionSpec``/``SlidingWindowMLASpec``). Not combined
+    with an FP8 cache yet.
     """
 
     name: str
@@ -57,8 +68,19 @@ class AttentionSpec:
     rope: RopeSpec | None = None
     softmax_scale: float | None = None
     kv_cache_dtype: KVCacheDType = "auto"
+    sliding_window: int | None = None
+    shared_kv: bool = False
 
     def __post_init__(self) -> None:
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise SpecError(f"{self.name}: sliding_window={w!r} must be None (full attention) or an int >= 1 "
+                            "(positions attended, the token's own included)")
+        if not isinstance(self.shared_kv, bool):
+            raise SpecError(f"{self.name}: shared_kv={self.shared_kv!r} must be a bool")
+        if self.shared_kv and self.kv_cache_dtype != "auto":
+            raise SpecError(f"{self.name}: shared_kv=True with kv_cache_dtype={self.kv_cache_dtype!r} is not "
+                            "supported yet (a shared K = V cache has one scale; only 'auto' is implemented)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise SpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r}; known: {list(KV_CACHE_DTYPES)}")
         if self.rope is not None and self.rope.rotary_dim > self.head_dim:
@@ -101,6 +123,8 @@ class AttentionSpec:
                 f"{self.name}.v_proj.bias": (g * e,),
                 f"{self.name}.o_proj.bias": (d,),
             })
+        if self.shared_kv:  # V = K: no value projection
+            shapes = {n: s for n, s in shapes.items() if not n.startswith(f"{self.name}.v_proj.")}
         if self.kv_fp8:
             shapes.update({n: () for n in self.kv_scale_names()})
         return shapes

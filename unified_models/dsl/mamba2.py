@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
-
 from .errors import SpecError
 
-ProjQuantization = Literal["bf16", "fp8"]
-QUANTIZED_PROJS = ("in_proj", "out_proj")
+QUANTIZABLE_PROJS = ("in_proj", "out_proj")
+"""The linears a checkpoint may quantize (FP8 W8A8 in the published NVFP4 hybrids)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,13 +37,9 @@ class Mamba2Spec:
     ``(0, inf)``, as vLLM and mamba_ssm). ``chunk_size`` Q: chunks of the
     scan are aligned at absolute positions ``[kQ, (k+1)Q)`` of each sequence.
 
-    ``proj_quantization = "fp8"``: ``in_proj`` and ``out_proj`` are FP8 W8A8 in
-    ModelOpt's format (per-tensor e4m3 weight scale, static per-tensor input
-    scale; ``ops.fp8_linear``), as the published NVFP4 hybrid checkpoints mix
-    it. Each then has ``<proj>.input_scale`` fp32 ``[]`` (calibrated), and
-    either a model-dtype master ``<proj>.weight`` quantized on every forward
-    (``checkpoint_format = "master"``) or ModelOpt's stored e4m3 ``weight``
-    plus fp32 ``weight_scale []`` (``"modelopt"``).
+    ``in_proj``/``out_proj`` may have a weight format (``ModelSpec.weight_formats``:
+    FP8 W8A8 in the published NVFP4 hybrids); the spec itself declares them in
+    the model dtype.
     """
 
     name: str
@@ -63,21 +55,17 @@ class Mamba2Spec:
     use_conv_bias: bool = True
     use_bias: bool = False
     activation: str = "silu"
-    proj_quantization: ProjQuantization = "bf16"
-    checkpoint_format: Literal["master", "modelopt"] = "master"
 
     def __post_init__(self) -> None:
-        if self.proj_quantization not in ("bf16", "fp8"):
-            raise SpecError(f"{self.name}: in/out_proj quantization {self.proj_quantization!r}; known: 'bf16', 'fp8'")
-        if self.checkpoint_format not in ("master", "modelopt"):
-            raise SpecError(f"{self.name}: checkpoint_format {self.checkpoint_format!r}; known: 'master', 'modelopt'")
-        if self.checkpoint_format == "modelopt" and self.proj_quantization != "fp8":
-            raise SpecError(f"{self.name}: checkpoint_format 'modelopt' needs proj_quantization 'fp8'")
         for field in ("hidden_size", "num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel",
                       "chunk_size"):
             v = getattr(self, field)
             if not isinstance(v, int) or v < 1:
                 raise SpecError(f"{self.name}: {field}={v!r} must be an integer >= 1")
+        if self.chunk_size < 2:
+            # the decode state holds the chunk's pending rows (chunk_size - 1 of them)
+            raise SpecError(f"{self.name}: chunk_size={self.chunk_size} must be >= 2 (the decode state holds "
+                            "chunk_size - 1 pending rows of the current chunk)")
         if self.num_heads % self.n_groups:
             raise SpecError(f"{self.name}: mamba num_heads={self.num_heads} is not a multiple of "
                             f"n_groups={self.n_groups}")
@@ -113,17 +101,6 @@ class Mamba2Spec:
         return dict(num_heads=self.num_heads, head_dim=self.head_dim, n_groups=self.n_groups,
                     state_size=self.ssm_state_size, conv_width=self.conv_kernel, chunk_size=self.chunk_size)
 
-    def parameter_dtypes(self) -> dict[str, torch.dtype]:
-        """Tensors not stored in the model dtype: FP8 scales (fp32) and ModelOpt-format e4m3 weights."""
-        out: dict[str, torch.dtype] = {}
-        if self.proj_quantization == "fp8":
-            for proj in QUANTIZED_PROJS:
-                out[f"{self.name}.{proj}.input_scale"] = torch.float32
-                if self.checkpoint_format == "modelopt":
-                    out[f"{self.name}.{proj}.weight"] = torch.float8_e4m3fn
-                    out[f"{self.name}.{proj}.weight_scale"] = torch.float32
-        return out
-
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         d, f, c, h, w = self.hidden_size, self.intermediate_size, self.conv_dim, self.num_heads, self.conv_kernel
         p = self.name
@@ -142,9 +119,4 @@ class Mamba2Spec:
         })
         if self.use_bias:
             shapes[f"{p}.out_proj.bias"] = (d,)
-        if self.proj_quantization == "fp8":
-            for proj in QUANTIZED_PROJS:
-                shapes[f"{p}.{proj}.input_scale"] = ()
-                if self.checkpoint_format == "modelopt":
-                    shapes[f"{p}.{proj}.weight_scale"] = ()
         return shapes

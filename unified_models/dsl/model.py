@@ -29,6 +29,7 @@ from .mlp import MLPSpec
 from .moe import MoESpec
 from .norm import RMSNormSpec
 from .residual import PLAIN_RESIDUAL
+from .weights import LinearFormat, linear_tensors
 
 Mixer = Union[AttentionSpec, MLPSpec, Mamba2Spec, MoESpec]
 """The layer families of this package (each registered in ``layers.FAMILIES``). A
@@ -91,6 +92,12 @@ class ModelSpec:
 
     ``residual`` is the residual-stream policy spec (default: one plain stream).
 
+    ``weight_formats`` is the weight format of each quantized linear
+    (:mod:`.weights`): ``(linear module name, LinearFormat)`` pairs, from the
+    checkpoint's quantization config; every other linear is model-dtype. The
+    sublayer specs declare their linears in the model dtype; the stored tensors
+    of a quantized linear (:meth:`parameter_shapes`) come from its format.
+
     ``architecture`` is the name our vLLM plugin registers; ``hf_model_type``
     and ``hf_architecture`` say which transformers class is the peer.
     """
@@ -106,12 +113,63 @@ class ModelSpec:
     residual: Any = PLAIN_RESIDUAL
     dtype: torch.dtype = torch.bfloat16
     max_position_embeddings: int = 4096
+    weight_formats: tuple[tuple[str, LinearFormat], ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for i, block in enumerate(self.blocks):
             if block.index != i:
                 raise SpecError(f"block {i} carries index {block.index}")
+        check = getattr(self.residual, "validate_sublayers", None)  # mHC: one site per sublayer, in order
+        if check is not None:
+            check(self.sublayers)
+        formats = dict(self.weight_formats)
+        if len(formats) != len(self.weight_formats):
+            raise SpecError("weight_formats names a linear twice")
+        object.__setattr__(self, "_formats", formats)
+        self._tensor_layout()  # unknown linears, K not a multiple of a format's block
+
+    def weight_format(self, linear: str) -> LinearFormat | None:
+        """The format of the linear module ``linear`` (HF name without ``.weight``), or
+        None for a model-dtype linear."""
+        return self._formats.get(linear)
+
+    def with_weight_formats(self, formats: dict[str, LinearFormat | None]) -> "ModelSpec":
+        """A copy whose table has ``formats`` applied (None removes a linear's entry)."""
+        table = dict(self._formats)
+        for name, fmt in formats.items():
+            if fmt is None:
+                table.pop(name, None)
+            else:
+                table[name] = fmt
+        return self.replace(weight_formats=tuple(table.items()))
+
+    @property
+    def stores_quantized_weights(self) -> bool:
+        """True when some linear's checkpoint tensors are a format's codes and scales (not masters)."""
+        return any(f.stored for f in self._formats.values())
+
+    def _tensor_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """HF name -> (shape, stored dtype or None = component default), in model order."""
+        declared: dict[str, tuple[int, ...]] = {}
+        parts = [self.embedding, *self.blocks, self.residual, self.final_norm, self.lm_head]
+        for part in parts:
+            for name, shape in part.parameter_shapes().items():
+                if name in declared:
+                    raise SpecError(f"parameter {name} declared twice")
+                declared[name] = shape
+        linears = {n[: -len(".weight")]: n for n in declared if n.endswith(".weight")}
+        for name in self._formats:
+            if name not in linears or len(declared[linears[name]]) != 2:
+                raise SpecError(f"weight_formats names {name!r}, which is not a linear of this model")
+        out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        for name, shape in declared.items():
+            fmt = self._formats.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+            if fmt is None:
+                out[name] = (shape, None)
+            else:
+                out.update(linear_tensors(name[: -len(".weight")], fmt, shape[0], shape[1], self.dtype))
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -141,48 +199,46 @@ class ModelSpec:
             for b in self.blocks))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """All parameters, HF name -> shape, in model order.
+        """All parameters, HF name -> shape, in model order (a quantized linear's
+        ``weight`` replaced by its format's tensors, :func:`.weights.linear_tensors`).
 
         Raises:
             SpecError: two components declare the same parameter name.
         """
-        shapes: dict[str, tuple[int, ...]] = {}
-        parts = [self.embedding, *self.blocks, self.residual, self.final_norm, self.lm_head]
-        for part in parts:
-            for name, shape in part.parameter_shapes().items():
-                if name in shapes:
-                    raise SpecError(f"parameter {name} declared twice")
-                shapes[name] = shape
-        return shapes
+        return {n: shape for n, (shape, _) in self._tensor_layout().items()}
 
     def parameter_dtypes(self) -> dict[str, torch.dtype]:
         """All parameters, HF name -> stored dtype: ``self.dtype`` unless a
-        component's ``parameter_dtypes()`` says otherwise (fp32 scales and
-        router bias, ModelOpt-format uint8 / float8_e4m3fn tensors)."""
-        out = {n: self.dtype for n in self.parameter_shapes()}
+        component's ``parameter_dtypes()`` (never trained: fp32 router bias, KV
+        scales) or ``trainable_parameter_dtypes()`` (trained in their own dtype:
+        fp32 mHC mixing weights) or a linear's weight format (codes, scales) says
+        otherwise."""
+        layout = self._tensor_layout()
+        out = {n: dt or self.dtype for n, (_, dt) in layout.items()}
         for part in self._declaring_parts():
-            declared = getattr(part, "parameter_dtypes", None)
-            if declared is not None:
-                out.update(declared())
+            for method in ("parameter_dtypes", "trainable_parameter_dtypes"):
+                declared = getattr(part, method, None)
+                if declared is not None:
+                    out.update(declared())
         return out
 
     def _declaring_parts(self) -> list[Any]:
         return [self.residual, *(p for sub in self.sublayers for p in (sub.norm, sub.mixer))]
 
-    def frozen_parameter_names(self) -> set[str]:
-        """Parameters that are never trained: everything a component stores in a
-        dtype of its own (router correction bias, quantization scales, ModelOpt codes)."""
-        out: set[str] = set()
+    def untrained_parameter_names(self) -> set[str]:
+        """Parameters that are never trained: what a component's ``parameter_dtypes()``
+        stores in a dtype of its own (router correction bias, KV scales) and every tensor
+        of a quantized linear except a master ``weight`` (codes, weight and input
+        scales). ``trainable_parameter_dtypes()`` entries are trained."""
+        out = {n for n, (_, dt) in self._tensor_layout().items() if dt is not None}
+        for name, fmt in self._formats.items():
+            if not fmt.stored:
+                out.discard(f"{name}.weight")
         for part in self._declaring_parts():
             declared = getattr(part, "parameter_dtypes", None)
             if declared is not None:
                 out.update(declared())
         return out
-
-    @property
-    def is_packed(self) -> bool:
-        """True when some weights are stored in ModelOpt's quantized format (not masters)."""
-        return any(getattr(s.mixer, "checkpoint_format", "master") == "modelopt" for s in self.sublayers)
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

@@ -14,7 +14,7 @@ import torch
 from .. import ops
 from ..caches import PagedKVCache
 from ..dsl import AttentionSpec
-from ..ops.attention import kv_fp8_roundtrip
+from ..ops.attention import causal_mask, kv_fp8_roundtrip
 from ..ops.rope import apply_rope_reference
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
@@ -35,6 +35,9 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
     In profiling runs (``store.state(layer_index, "attn")`` gives ``None``) the attention
     output is zeros and no cache is touched.
 
+    ``spec.sliding_window`` W: each token attends its last W positions (its own
+    included); ``spec.shared_kv``: V = K, one cache tensor.
+
     FP8 KV cache (``spec.kv_cache_dtype == "fp8_e4m3"``): the store hands
     float8_e4m3fn cache views and the layer passes its ``k_proj.k_scale`` /
     ``v_proj.v_scale`` parameters to the write and the read (one rule for
@@ -45,11 +48,14 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
     bias = bias_getter(p, params, spec.bias)
     q_THE = ops.linear(x_TD, params[f"{p}.q_proj.weight"], bias("q_proj")).view(t, spec.num_heads, spec.head_dim)
     k_TGE = ops.linear(x_TD, params[f"{p}.k_proj.weight"], bias("k_proj")).view(t, spec.num_kv_heads, spec.head_dim)
-    v_TGE = ops.linear(x_TD, params[f"{p}.v_proj.weight"], bias("v_proj")).view(t, spec.num_kv_heads, spec.head_dim)
+    if not spec.shared_kv:
+        v_TGE = ops.linear(x_TD, params[f"{p}.v_proj.weight"], bias("v_proj")).view(t, spec.num_kv_heads, spec.head_dim)
     if spec.rope is not None:
         cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.rope.rotary_dim, spec.rope.theta, x_TD.device)
         q_THE = ops.apply_rope(q_THE, batch.positions, cos, sin)
         k_TGE = ops.apply_rope(k_TGE, batch.positions, cos, sin)
+    if spec.shared_kv:  # V = K (after RoPE); the store hands one cache as k_cache and v_cache
+        v_TGE = k_TGE
     state = store.state(layer_index, CACHE)
     if state is None:  # profiling / dummy run: no cache bound yet
         o_THE = torch.zeros_like(q_THE)
@@ -57,7 +63,7 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
         k_scale, v_scale = kv_scales(spec, params)
         ops.write_kv_cache(k_TGE, v_TGE, state.k_cache, state.v_cache, state.slot_mapping, k_scale, v_scale)
         o_THE = ops.paged_attention(q_THE, state.k_cache, state.v_cache, state.block_table, batch.seq_idx,
-                                    batch.positions, spec.scale, k_scale, v_scale)
+                                    batch.positions, spec.scale, k_scale, v_scale, spec.sliding_window)
     return ops.linear(o_THE.reshape(t, spec.num_heads * spec.head_dim), params[f"{p}.o_proj.weight"], bias("o_proj"))
 
 
@@ -79,12 +85,15 @@ def kv_scales(spec: AttentionSpec, params: Mapping[str, torch.Tensor]
 
 
 def attention_caches(spec: AttentionSpec, model_dtype: torch.dtype) -> dict[str, PagedKVCache]:
-    """One paged K/V cache, full attention, separate K and V; FP8 pages for an FP8-KV layer."""
-    return {CACHE: PagedKVCache(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, fp8=spec.kv_fp8)}
+    """One paged K/V cache: full attention or the spec's sliding window, separate K and V
+    or one shared K = V tensor; FP8 pages for an FP8-KV layer."""
+    return {CACHE: PagedKVCache(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, fp8=spec.kv_fp8,
+                                sliding_window=spec.sliding_window, shared_kv=spec.shared_kv)}
 
 
 def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
-    """Dense causal softmax attention of one sequence from position 0 in ``x_TD.dtype``.
+    """Dense causal softmax attention of one sequence from position 0 in ``x_TD.dtype``
+    (over the spec's sliding window if any; V = K for shared-KV).
 
     FP8 KV cache: K and V pass through the cache's write-then-read rule
     (``ops.attention.kv_fp8_roundtrip`` with the layer's scales), gradients straight through.
@@ -92,11 +101,14 @@ def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD:
     t = x_TD.shape[0]
     q = linear_oracle(x_TD, params, a.name + ".q_proj", a.bias).view(t, a.num_heads, a.head_dim)
     k = linear_oracle(x_TD, params, a.name + ".k_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
-    v = linear_oracle(x_TD, params, a.name + ".v_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
+    if not a.shared_kv:
+        v = linear_oracle(x_TD, params, a.name + ".v_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
     if a.rope is not None:
         pos = torch.arange(t, device=x_TD.device)
         q = apply_rope_reference(q, pos, a.rope.rotary_dim, a.rope.theta).to(x_TD.dtype)
         k = apply_rope_reference(k, pos, a.rope.rotary_dim, a.rope.theta).to(x_TD.dtype)
+    if a.shared_kv:
+        v = k
     if a.kv_fp8:  # the FP8 KV cache's write-then-read rule, straight-through to k and v
         ks, vs = (params[n].detach().float() for n in a.kv_scale_names())
         k = k + (kv_fp8_roundtrip(k.detach(), ks, k.dtype) - k).detach()
@@ -104,8 +116,7 @@ def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD:
     rep = a.num_heads // a.num_kv_heads
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = torch.einsum("the,she->hts", q, k) * a.scale
-    mask = torch.ones(t, t, dtype=torch.bool, device=x_TD.device).tril()
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(~causal_mask(t, a.sliding_window, x_TD.device), float("-inf"))
     o = torch.einsum("hts,she->the", torch.softmax(s, -1), v).reshape(t, -1)
     return linear_oracle(o, params, a.name + ".o_proj", a.bias)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from ..state import FlatBatch, StateStore
+from .expert_parallel import LOCAL_EXPERTS, ExpertDispatcher, ShardPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..dsl import ModelSpec
@@ -42,10 +43,16 @@ class LayerContext:
         cache: per-forward memo of batch-wide derived data shared by layers of
             one family (e.g. the Mamba-2 batch metadata, built once per forward
             for every Mamba layer); one fresh context per forward.
+        shard_plan: how the routed experts are sharded over expert parallelism
+            (:class:`~.expert_parallel.ShardPlan`; default EP = 1).
+        dispatcher: runs the routed experts (:class:`~.expert_parallel.ExpertDispatcher`;
+            default :class:`~.expert_parallel.LocalExperts`, every expert here).
     """
 
     model: "ModelSpec"
     cache: dict = field(default_factory=dict, compare=False, repr=False)
+    shard_plan: ShardPlan = field(default_factory=ShardPlan)
+    dispatcher: ExpertDispatcher = LOCAL_EXPERTS
 
     @property
     def max_positions(self) -> int:

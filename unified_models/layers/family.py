@@ -13,7 +13,8 @@ declarations instead of switching on spec types:
 * the Megatron module takes its ``TransformerConfig`` fields from
   ``megatron_fields`` and its init from ``init_rules``;
 * parameter allocation stacks the groups of ``stacked_parameters`` into one buffer;
-* the ModelOpt converters call ``quantization`` (:mod:`.quantization`).
+* the quantization converters call ``quantization`` (:mod:`.quantization`); a
+  linear's weight format is the model's table, computed by :mod:`.weight_formats`.
 
 A new family = a spec dataclass (``dsl/``), a module with these functions
 (``layers/``), and one :func:`register_family` call; a family may also be
@@ -63,6 +64,10 @@ def _no_stacks(spec: Any) -> tuple[tuple[str, ...], ...]:
     return ()
 
 
+def _no_views(spec: Any, model: Any, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerFamily:
     """The declarations of one layer family.
@@ -81,13 +86,19 @@ class LayerFamily:
             the family's sizes (Megatron reads them; the first sublayer of each
             family contributes, earlier-registered families win a shared field;
             ``add_bias_linear`` is OR-ed).
-        stacked_parameters: ``spec -> groups of HF names`` of equal shape and
-            dtype allocated as views of one ``[len(group), ...]`` buffer (routed
-            experts: the kernels take the whole stack without a copy).
-        quantization: the family's part of NVIDIA ModelOpt quantization
-            (:class:`~.quantization.QuantizationRules`: stored format <-> masters,
-            export, calibration, validation), or None for a family that is never
-            quantized (:mod:`unified_models.converters.modelopt`).
+        stacked_parameters: ``spec -> groups of linear module names`` of equal shape
+            and weight format whose tensors are allocated, field by field, as views
+            of one ``[len(group), ...]`` buffer (routed experts: the kernels take the
+            whole stack without a copy).
+        frozen_views: ``(spec, model, params) -> {key: value}``: values the forward derives
+            from the parameters and may take ready-made under ``key`` (routed-expert stacks),
+            each a view sharing the parameters' storage (so in-place weight updates are
+            seen). An engine whose parameter tensors stay fixed (vLLM) builds them once per
+            parameter-table rebuild, with grad off, instead of at every forward.
+        quantization: the family's part of quantization
+            (:class:`~.quantization.QuantizationRules`: which linears may carry a
+            weight format, KV-cache quantization, calibration), or None for a
+            family that is never quantized (:mod:`unified_models.converters.modelopt`).
     """
 
     spec_type: type
@@ -97,6 +108,7 @@ class LayerFamily:
     init_rules: Callable[[Any], dict[str, InitRule]] = _no_rules
     megatron_fields: Callable[[Any], dict[str, Any]] = _no_fields
     stacked_parameters: Callable[[Any], tuple[tuple[str, ...], ...]] = _no_stacks
+    frozen_views: Callable[[Any, Any, Mapping[str, torch.Tensor]], dict[str, Any]] = _no_views
     quantization: "QuantizationRules | None" = None
 
 

@@ -18,21 +18,22 @@ N state size, F = H*P, C = F + 2GN conv channels, W conv width.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import torch
 
 from .. import ops
 from ..caches import SlotStateCache
-from ..dsl import Mamba2Spec
+from ..dsl import Mamba2Spec, SpecError
+from ..dsl.mamba2 import QUANTIZABLE_PROJS
 from ..ops.mamba2 import (Mamba2State, causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
                           ssd_reference)
 from ..state import FlatBatch, SlotState, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
 from .oracle import linear_oracle
-from .quantization import QuantizationOptions, QuantizationRules, Track, scalar_problems
+from .quantization import QuantizationOptions, QuantizationRules, Track
+from .weight_formats import apply_linear
 
 CACHE = "state_cache"
 """The layer's one cache: its state slots (forward-context name ``<mixer>.state_cache`` in vLLM)."""
@@ -104,20 +105,6 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | No
     return meta
 
 
-def _projection(spec: Mamba2Spec, params: Mapping[str, torch.Tensor], proj: str, x_TK: torch.Tensor,
-                bias) -> torch.Tensor:
-    """``in_proj`` / ``out_proj``: bf16 ``ops.linear``, or FP8 W8A8 ``ops.fp8_linear`` (ModelOpt
-    per-tensor scales) on the stored e4m3 weight (``checkpoint_format "modelopt"``) or on the
-    master quantized on this call (``"master"``, straight-through gradient)."""
-    p = f"{spec.name}.{proj}"
-    if spec.proj_quantization != "fp8":
-        return ops.linear(x_TK, params[f"{p}.weight"], bias(proj))
-    if spec.checkpoint_format == "modelopt":
-        w = ops.FP8Weight(params[f"{p}.weight"], params[f"{p}.weight_scale"], params[f"{p}.input_scale"])
-        return ops.fp8_linear(x_TK, w, None, bias(proj), out_dtype=x_TK.dtype)
-    return ops.fp8_linear(x_TK, params[f"{p}.weight"], params[f"{p}.input_scale"], bias(proj), out_dtype=x_TK.dtype)
-
-
 def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
                    batch: FlatBatch, store: StateStore, ctx: LayerContext) -> torch.Tensor:
     """The Mamba-2 mixer: ``[T, D] -> [T, D]``, reading and writing the layer's state slots.
@@ -127,16 +114,15 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
     Rounding points (as vLLM's mixer and transformers' torch path): in_proj
     output and conv output in the model dtype, dt and the scan in fp32, the
     gated norm rounds once to the model dtype, out_proj. With
-    ``proj_quantization "fp8"`` both projections are FP8 W8A8 (``ops.fp8_linear``:
-    activations quantized by the static ``input_scale``, fp32 accumulation,
-    one rounding to the model dtype).
+    a weight format on ``in_proj``/``out_proj`` (``ModelSpec.weight_formats``,
+    e.g. FP8 W8A8) they run through :func:`.weight_formats.apply_linear`.
     """
     p = spec.name
     t = x_TD.shape[0]
     H, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.ssm_state_size
     F, C, W = spec.intermediate_size, spec.conv_dim, spec.conv_kernel
     bias = bias_getter(p, params, spec.use_bias)
-    zxbcdt = _projection(spec, params, "in_proj", x_TD, bias)  # [T, F + C + H]
+    zxbcdt = apply_linear(ctx.model, params, f"{p}.in_proj", x_TD, bias("in_proj"))  # [T, F + C + H]
     z_TF, xBC_TC, dt_TH = zxbcdt.split([F, C, H], dim=-1)
     ms = store.state(layer_index, CACHE)
     meta = mamba2_batch_metadata(spec, batch, ms, ctx)
@@ -149,7 +135,7 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
                                C_TGN.view(t, G, N), params[f"{p}.D"], meta, state, out_dtype=torch.float32)
     y_TF = ops.gated_rms_norm(y_THP.reshape(t, F), z_TF, params[f"{p}.norm.weight"], spec.group_size, spec.eps,
                               out_dtype=x_TD.dtype)
-    return _projection(spec, params, "out_proj", y_TF, bias)
+    return apply_linear(ctx.model, params, f"{p}.out_proj", y_TF, bias("out_proj"))
 
 
 def mamba2_caches(spec: Mamba2Spec, model_dtype: torch.dtype) -> dict[str, SlotStateCache]:
@@ -159,7 +145,8 @@ def mamba2_caches(spec: Mamba2Spec, model_dtype: torch.dtype) -> dict[str, SlotS
 
 def mamba2_oracle(m: Mamba2Spec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
     """One sequence from position 0 with the ops' fp64 oracles (conv, dt, SSD, gated
-    norm), result in ``x_TD.dtype``. FP8 projections are not modelled (bf16 masters)."""
+    norm), result in ``x_TD.dtype``. Quantized projections come fake-quantized in ``params``
+    (the reference model's view); FP8 activation quantization is not modelled."""
     t, dtype = x_TD.shape[0], x_TD.dtype
     H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
     F, C = m.intermediate_size, m.conv_dim
@@ -192,101 +179,35 @@ def mamba2_megatron_fields(m: Mamba2Spec) -> dict:
                 mamba_state_dim=m.ssm_state_size)
 
 
-# ----------------------------------------------------------------------------- ModelOpt quantization (FP8 in/out_proj)
+# ----------------------------------------------------------------------------- quantization (FP8 in/out_proj)
 
-def mamba2_to_master(m: Mamba2Spec) -> Mamba2Spec:
-    """Stored e4m3 projections -> model-dtype masters (``checkpoint_format "master"``)."""
-    if m.checkpoint_format != "modelopt":
-        return m
-    return dataclasses.replace(m, checkpoint_format="master")
+def mamba2_linears(m: Mamba2Spec) -> dict[str, str]:
+    """``in_proj`` and ``out_proj``: export role ``"mamba_proj"`` (FP8 W8A8 in ModelOpt's exports)."""
+    return {f"{m.name}.{proj}": "mamba_proj" for proj in QUANTIZABLE_PROJS}
 
 
-def mamba2_dequantized(m: Mamba2Spec) -> Mamba2Spec:
-    """Model-dtype projections."""
-    if m.proj_quantization != "bf16":
-        return dataclasses.replace(m, proj_quantization="bf16")
-    return m
-
-
-def mamba2_quantized(m: Mamba2Spec, options: QuantizationOptions) -> Mamba2Spec:
-    """FP8 W8A8 projections in ModelOpt's stored format when ``options.mamba_proj``."""
-    if options.mamba_proj:
-        return dataclasses.replace(m, proj_quantization="fp8", checkpoint_format="modelopt")
-    return m
-
-
-def mamba2_dequantize_tensors(m: Mamba2Spec, state: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor],
-                              dtype: torch.dtype) -> None:
-    """``weight = dtype(fp32(e4m3) * weight_scale)``; ``weight_scale`` dropped, ``input_scale`` kept."""
-    if m.checkpoint_format != "modelopt":
-        return
-    for proj in ("in_proj", "out_proj"):
-        base = f"{m.name}.{proj}"
-        w, s = state[f"{base}.weight"], state[f"{base}.weight_scale"]
-        out[f"{base}.weight"] = (w.float() * s.float().reshape(())).to(dtype)
-        out.pop(f"{base}.weight_scale")
-
-
-def mamba2_quantize_tensors(m: Mamba2Spec, masters: Mapping[str, torch.Tensor], wanted: set[str],
-                            out: dict[str, torch.Tensor]) -> set[str]:
-    """``ops.fp8_quantize_weight`` with ``ops.fp8_weight_scale`` per projection."""
-    derived: set[str] = set()
-    if m.checkpoint_format != "modelopt":
-        return derived
-    from ..ops.fp8 import fp8_quantize_weight, fp8_weight_scale
-
-    for proj in ("in_proj", "out_proj"):
-        n = f"{m.name}.{proj}.weight"
-        derived.add(n)
-        if n not in wanted:
-            continue
-        s = fp8_weight_scale(masters[n])
-        out[n] = fp8_quantize_weight(masters[n], s)
-        out[f"{m.name}.{proj}.weight_scale"] = s
-    return derived
-
-
-def mamba2_quantized_layers(m: Mamba2Spec) -> dict[str, dict]:
-    """One ``FP8`` entry per projection."""
-    layers: dict[str, dict] = {}
-    if m.proj_quantization == "fp8":
-        for proj in ("in_proj", "out_proj"):
-            layers[f"{m.name}.{proj}"] = {"quant_algo": "FP8"}
-    return layers
+def mamba2_check_formats(m: Mamba2Spec, weight_format) -> None:
+    """Both projections FP8, or neither (the published hybrids; vLLM's mixer takes one method for both)."""
+    fmts = {proj: weight_format(f"{m.name}.{proj}") for proj in QUANTIZABLE_PROJS}
+    kinds = {None if f is None else f.format for f in fmts.values()}
+    if kinds not in ({None}, {"fp8"}):
+        raise SpecError(f"{m.name}: Mamba projections in formats "
+                        f"{ {p: None if f is None else f.format for p, f in fmts.items()} }; supported: both "
+                        "'fp8' or neither")
 
 
 def mamba2_calibration_hooks(m: Mamba2Spec, mod: Any, options: QuantizationOptions, track: Track) -> list:
     """The input of each FP8 projection (its ``input_scale``)."""
     hooks = []
-    if options.mamba_proj and m.proj_quantization == "fp8":
-        for proj in ("in_proj", "out_proj"):
+    if options.mamba_proj:
+        for proj in QUANTIZABLE_PROJS:
             hooks.append(getattr(mod, proj).register_forward_pre_hook(
                 lambda _m, args, n=f"{m.name}.{proj}.input_scale": track(n, args[0])))
     return hooks
 
 
-def mamba2_validate_quantized(m: Mamba2Spec, layer_index: int, state: Mapping[str, torch.Tensor]) -> list[str]:
-    """The FP8 projections' scales and e4m3 codes."""
-    problems: list[str] = []
-    if m.proj_quantization != "fp8":
-        return problems
-    for proj in ("in_proj", "out_proj"):
-        base = f"{m.name}.{proj}"
-        problems += scalar_problems(f"{base}.input_scale", state.get(f"{base}.input_scale"))
-        if m.checkpoint_format == "modelopt":
-            problems += scalar_problems(f"{base}.weight_scale", state.get(f"{base}.weight_scale"))
-            w = state.get(f"{base}.weight")
-            if w is not None and w.dtype == torch.float8_e4m3fn:
-                nan = int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum())
-                if nan:
-                    problems.append(f"{base}.weight holds {nan} NaN e4m3 code(s)")
-    return problems
-
-
-QUANTIZATION = QuantizationRules(to_master=mamba2_to_master, dequantized=mamba2_dequantized,
-                                 quantized=mamba2_quantized, dequantize_tensors=mamba2_dequantize_tensors,
-                                 quantize_tensors=mamba2_quantize_tensors, quantized_layers=mamba2_quantized_layers,
-                                 calibration_hooks=mamba2_calibration_hooks, validate=mamba2_validate_quantized)
+QUANTIZATION = QuantizationRules(linears=mamba2_linears, check_formats=mamba2_check_formats,
+                                 calibration_hooks=mamba2_calibration_hooks)
 
 FAMILY = LayerFamily(spec_type=Mamba2Spec, forward=mamba2_forward, oracle=mamba2_oracle, caches=mamba2_caches,
                      init_rules=mamba2_init_rules, megatron_fields=mamba2_megatron_fields, quantization=QUANTIZATION)

@@ -15,16 +15,23 @@ separate oracle (the reference model's fp32/fp64 form; default: the same object,
 when the policy is plain elementwise torch that follows the dtype of its inputs).
 Each method must keep rows independent (DESIGN rule 2) and round at fixed points.
 
+Policies here: :class:`PlainResidual` (one stream) and :class:`HyperConnectionResidual`
+(mHC, :class:`~unified_models.dsl.HyperConnectionSpec`; the math is :mod:`unified_models.ops.mhc`,
+the oracle the same class over the ops' fp64 references).
+
 Shapes: T tokens, D hidden.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from ..dsl import PlainResidualSpec, SpecError
+from .. import ops
+from ..dsl import HyperConnectionSpec, PlainResidualSpec, SpecError
+from ..ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
 
 class ResidualPolicy(Protocol):
@@ -56,6 +63,64 @@ class PlainResidual:
         return r
 
 
+@dataclass
+class HCState:
+    """mHC residual state: the streams ``[T, n, D]`` and, between a sublayer's
+    ``sublayer_input`` and its ``add``, the ``(post, comb)`` its HC pre computed (by HC name)."""
+
+    streams: torch.Tensor
+    pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class HyperConnectionResidual:
+    """mHC over :mod:`unified_models.ops.mhc`; ``pre`` / ``post`` / ``head`` are the engine's
+    differentiable ops (default) or the fp64 oracle's. ``expand`` copies the embedding into n
+    streams (``DeepseekV4Model.forward``), ``sublayer_input`` is the sublayer's HC pre, ``add``
+    its HC post, ``contract`` ``hc_head``; the state is an :class:`HCState`.
+
+    Raises:
+        SpecError: a sublayer has no site in the spec (``HyperConnectionSpec.site``).
+        RuntimeError: ``add`` of a sublayer whose ``sublayer_input`` was not called first.
+    """
+
+    def __init__(self, pre: Callable = ops.hc_pre, post: Callable = ops.hc_post, head: Callable = ops.hc_head):
+        self.pre, self.post, self.head = pre, post, head
+
+    def expand(self, rspec, params, h_TD):
+        return HCState(h_TD.unsqueeze(1).expand(-1, rspec.hc_mult, -1).contiguous())
+
+    def sublayer_input(self, rspec, params, r, sub):
+        p = rspec.site(sub)
+        x_TD, post, comb = self.pre(r.streams, params[p + ".fn"], params[p + ".base"], params[p + ".scale"],
+                                    norm_eps=rspec.norm_eps, hc_eps=rspec.hc_eps, sinkhorn_iters=rspec.sinkhorn_iters)
+        r.pending[p] = (post, comb)
+        return x_TD
+
+    def add(self, rspec, params, r, sub, y_TD):
+        p = rspec.site(sub)
+        if p not in r.pending:
+            raise RuntimeError(f"mHC: add() of sublayer {p!r} without its sublayer_input() first")
+        post, comb = r.pending.pop(p)
+        return HCState(self.post(r.streams, y_TD.to(r.streams.dtype), post, comb))
+
+    @staticmethod
+    def init_rules(rspec) -> dict[str, Callable[[torch.Tensor], Any]]:
+        """transformers' ``DeepseekV4PreTrainedModel._init_weights`` for the non-generic ones:
+        ``base`` / ``hc_base`` 0, ``scale`` / ``hc_scale`` 1 (``fn`` / ``hc_fn``: the generic normal)."""
+        rules: dict[str, Callable[[torch.Tensor], Any]] = {}
+        for name in rspec.parameter_shapes():
+            if name.endswith("base"):
+                rules[name] = lambda p: p.zero_()
+            elif name.endswith("scale"):
+                rules[name] = lambda p: p.fill_(1.0)
+        return rules
+
+    def contract(self, rspec, params, r):
+        h = rspec.head_name
+        return self.head(r.streams, params[h + ".hc_fn"], params[h + ".hc_base"], params[h + ".hc_scale"],
+                         norm_eps=rspec.norm_eps, hc_eps=rspec.hc_eps)
+
+
 RESIDUALS: dict[type, tuple[ResidualPolicy, ResidualPolicy]] = {}
 """Residual spec type -> ``(engine policy, oracle policy)``."""
 
@@ -80,3 +145,5 @@ def residual_policy(rspec: Any, *, oracle: bool = False) -> ResidualPolicy:
 
 
 register_residual(PlainResidualSpec, PlainResidual())
+register_residual(HyperConnectionSpec, HyperConnectionResidual(),
+                  oracle=HyperConnectionResidual(hc_pre_reference, hc_post_reference, hc_head_reference))

@@ -8,11 +8,12 @@ be registered from outside the package (``tests/test_family_protocol.py``).
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..dsl import ModelSpec, SpecError
+from ..dsl import CheckpointError, ModelSpec, SpecError
 from . import nemotron_h
 
 _FAMILIES: dict[str, Any] = {}
@@ -47,3 +48,56 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwar
 def architectures() -> dict[str, str]:
     """Our registered architecture name per family."""
     return dict(_ARCHITECTURES)
+
+
+def check_declared_layer_count(config: Any, config_json: Mapping, *, source: str) -> None:
+    """Refuse a ``config.json`` whose ``num_hidden_layers`` disagrees with its layer pattern.
+
+    transformers derives some configs' layer count from their layer pattern and drops a
+    conflicting ``num_hidden_layers`` with a log line (NemotronH: ``layers_block_type`` /
+    ``hybrid_override_pattern``). ``config`` is the parsed config, ``config_json`` the raw
+    JSON it was parsed from; nothing happens when the JSON has no ``num_hidden_layers``.
+
+    Raises:
+        SpecError: ``num_hidden_layers`` is not an integer, or differs from the parsed
+            config's layer count; the message names both numbers and the pattern.
+    """
+    declared = config_json.get("num_hidden_layers")
+    derived = getattr(config, "num_hidden_layers", None)
+    if declared is None or derived is None:
+        return
+    if isinstance(declared, bool) or not isinstance(declared, int):
+        raise SpecError(f"{source}: num_hidden_layers must be an integer, got {declared!r}")
+    if declared != derived:
+        pattern = getattr(config, "hybrid_override_pattern", None)
+        what = f"the layer pattern {pattern!r} (layers_block_type / hybrid_override_pattern)" if pattern else \
+            "the layer types transformers read from it"
+        raise SpecError(f"{source}: num_hidden_layers is {declared} but {what} has {derived} layers; "
+                        "make the two agree")
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+"""The layer index in a parameter name (``backbone.layers.3.mixer.A_log`` -> 3)."""
+
+
+def check_tensor_layer_count(spec: ModelSpec, tensor_names: Iterable[str], *, source: str) -> None:
+    """Refuse a checkpoint whose tensors cover another number of layers than ``spec``.
+
+    Layers are counted as 1 + the largest ``layers.<i>.`` index among the names, on both
+    sides (the spec's :meth:`~ModelSpec.parameter_shapes` and ``tensor_names``); a spec
+    without such names is not checked.
+
+    Raises:
+        CheckpointError: the counts differ; the message names both numbers.
+    """
+    def count(names: Iterable[str]) -> int | None:
+        idx = [int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))]
+        return max(idx) + 1 if idx else None
+
+    want = count(spec.parameter_shapes())
+    have = count(tensor_names)
+    if want is not None and have is not None and have != want:
+        pattern = spec.extra.get("pattern")
+        raise CheckpointError(
+            f"checkpoint {source} holds tensors of {have} layers (layer indices 0..{have - 1}) but its config "
+            f"declares {want} layers" + (f" (layer pattern {pattern!r})" if pattern else ""))

@@ -1,7 +1,7 @@
 """The numerical contract: one package per operator family.
 
-Every op family (``activations``, ``attention``, ``embedding``, ``fp8``,
-``linear``, ``logprob``, ``mamba2``, ``moe``, ``rmsnorm``, ``rope``) is a package
+Every op family (``activations``, ``attention``, ``embedding``, ``fp8``, ``fp8_block``,
+``linear``, ``logprob``, ``mamba2``, ``mhc``, ``moe``, ``rmsnorm``, ``rope``) is a package
 ``ops/<family>/`` with the same files:
 
 * ``__init__.py``  the family's public names (imported from the files below);
@@ -12,7 +12,7 @@ Every op family (``activations``, ``attention``, ``embedding``, ``fp8``,
 * ``triton.py``    the Triton kernel (``*_triton``), imported on first use;
 * ``reference.py`` the fp64 oracle (``*_reference``);
 * ``backward.py``  the autograd functions and the differentiable entry points;
-* ``common.py``    (attention, fp8, mamba2, moe) what several of these share:
+* ``common.py``    (attention, fp8, fp8_block, mamba2, moe) what several of these share:
   formats, data classes, checks.
 
 Imports point one way: ``dispatch`` imports ``cpu`` and (lazily) ``triton``;
@@ -70,3 +70,9 @@ from .fp8 import (FP8_E4M3_MAX, FP8Error, FP8Weight, fp8_input_scale, fp8_linear
 
 __all__ += ["FP8_E4M3_MAX", "FP8Error", "FP8Weight", "fp8_input_scale", "fp8_linear", "fp8_quantize",
             "fp8_quantize_activation", "fp8_quantize_into", "fp8_quantize_weight", "fp8_weight_scale", "validate_fp8"]
+from .mhc.backward import hc_head, hc_post, hc_pre
+
+__all__ += ["hc_pre", "hc_post", "hc_head"]
+from .fp8_block import FP8BlockWeight, fp8_block_linear
+
+__all__ += ["FP8BlockWeight", "fp8_block_linear"]

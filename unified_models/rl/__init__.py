@@ -5,6 +5,10 @@
 * :mod:`.data`     prompt rows and the deterministic per-step prompt / seed schedule
 * :mod:`.metrics`  one JSON line per step
 * :mod:`.plot`     reward and diff per step as a PNG
+* :mod:`.options`  the ``rl`` options, their defaults and refusals
+* :mod:`.startup`  checkpoint and prompts read once, the engines started, resume and save
+* :mod:`.run`      one GRPO step over the two engines (:class:`~.run.RLRun`)
+* :mod:`.report`   the per-step line and the summary table
 * :mod:`.loop`     the run behind ``unified-models rl`` (imports the engines lazily)
 """
 

@@ -45,6 +45,7 @@ from ...converters.megatron_dist_ckpt import (
     verify_digests,
 )
 from ...dsl import CheckpointError, ModelSpec, SpecError, UnifiedModelsError
+from ...paths import check_destination
 from . import compat
 from .parallel import ensure_process_group
 
@@ -244,9 +245,12 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
         CheckpointError: missing directory / config / weights, corrupt files,
             tensors not matching the config (all named), NaN/Inf, output exists.
         SpecError: the config declares something unsupported.
+        UnifiedModelsError: ``out_dir`` is ``hf_dir``, holds it or lies inside it
+            (:func:`unified_models.paths.check_destination`).
     """
     from ...models import spec_from_hf_config
 
+    check_destination(hf_dir, out_dir, src_name="the HF checkpoint", dst_name="the output")
     src = Path(hf_dir)
     config = load_hf_config(src)
     try:
@@ -271,6 +275,7 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
     """
     from safetensors.torch import save_file
 
+    check_destination(ckpt_dir, out_dir, src_name="the Megatron checkpoint", dst_name="the output")
     text, _, tensors = _load(ckpt_dir, "cpu", True)
     out = Path(out_dir)
     with layout.atomic_output_dir(out, overwrite) as tmp:

@@ -44,11 +44,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...dsl import CheckpointError, ModelSpec, SpecError
-from ...layers import family_of, megatron_fields
+from ...layers import family_of, megatron_fields, residual_policy
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch
-from ...private_state import PrivateStateStore
+from ...private_state import PrivateStateStore, StateBuffers
 from ...parameters import allocate_parameters
 from . import compat
 from .parallel import check_current_parallel_state, check_parallel_sizes
@@ -161,7 +161,7 @@ class UnifiedMegatronModel(MegatronModule):
         embed_names = {f"{spec.embedding.name}.weight"}
         if spec.lm_head.tied_to is None:
             embed_names.add(f"{spec.lm_head.name}.weight")
-        frozen = spec.frozen_parameter_names()
+        frozen = spec.untrained_parameter_names()
         for name, tensor in allocate_parameters(spec, device).items():
             # quantization scales / codes and the router's correction bias are never trained
             param = torch.nn.Parameter(tensor, requires_grad=name not in frozen)
@@ -191,20 +191,25 @@ class UnifiedMegatronModel(MegatronModule):
         """Megatron-style init: weights ``config.init_method`` (normal, std
         ``init_method_std``), norm weights 1, biases 0; each family's own rules
         (:attr:`unified_models.layers.LayerFamily.init_rules`: Mamba-2 as
-        transformers' ``NemotronHMamba2Mixer``, MoE correction bias 0); static FP8 scales (``input_scale``, ``k_scale``, ``v_scale``) 1.0 (vLLM's
-        default KV scale; calibrate before exporting).
+        transformers' ``NemotronHMamba2Mixer``, MoE correction bias 0) and the residual
+        policy's (``init_rules`` when it has them; mHC: ``base`` 0, ``scale`` 1); static FP8
+        scales (``input_scale``, ``k_scale``, ``v_scale``) 1.0 (vLLM's default KV scale;
+        calibrate before exporting).
 
         Raises:
-            SpecError: a ModelOpt-format (packed) spec: stored codes are not
-                initialised, build the module from ``converters.modelopt.master_spec``.
+            SpecError: a spec with stored quantized weights (codes are not initialised:
+                build the module from ``converters.modelopt.master_spec``).
         """
-        if self.spec.is_packed:
+        if self.spec.stores_quantized_weights:
             raise SpecError("a ModelOpt-format spec (stored NVFP4/FP8 codes) cannot be randomly initialised; "
                             "build the module from unified_models.converters.modelopt.master_spec(spec)")
         norms = {f"{s.norm.name}.weight" for s in self.spec.sublayers} | {f"{self.spec.final_norm.name}.weight"}
         special: dict[str, Any] = {}
         for sub in self.spec.sublayers:
             special.update(family_of(sub.mixer, sub.index).init_rules(sub.mixer))
+        policy_rules = getattr(residual_policy(self.spec.residual), "init_rules", None)  # mHC: base 0, scale 1
+        if policy_rules is not None:
+            special.update(policy_rules(self.spec.residual))
         embed = f"{self.spec.embedding.name}.weight"
         embed_init = getattr(self.config, "embedding_init_method", None) or self.config.init_method
         for name, p in self.named_parameters():
@@ -249,7 +254,7 @@ class UnifiedMegatronModel(MegatronModule):
         from ...converters.hf_safetensors import validate_state_dict
 
         validate_state_dict(dict(state_dict), self.spec, source="state_dict")
-        if self.spec.frozen_parameter_names():  # quantization scales / codes: zero, NaN, Inf are errors
+        if self.spec.untrained_parameter_names():  # quantization scales / codes: zero, NaN, Inf are errors
             from ...converters.modelopt import validate_quantized
 
             validate_quantized(state_dict, self.spec, source="state_dict")
@@ -358,7 +363,11 @@ class UnifiedMegatronModel(MegatronModule):
     def _hidden(self, ids_T: torch.Tensor, cu: torch.Tensor) -> tuple[torch.Tensor, FlatBatch]:
         batch = FlatBatch.from_cu_seqlens(ids_T, cu)
         seq_lens = (cu[1:] - cu[:-1]).tolist()
-        store = PrivateStateStore(self.spec, seq_lens, block_size=self.block_size, device=ids_T.device)
+        buffers = None
+        if not torch.is_grad_enabled():  # recompute: reuse the caches' storage (a graph may save them)
+            buffers = self.__dict__.setdefault("_state_buffers", StateBuffers())
+        store = PrivateStateStore(self.spec, seq_lens, block_size=self.block_size, device=ids_T.device,
+                                  buffers=buffers)
         store.bind(batch)
         return forward_hidden(self.spec, self._params(), batch, store), batch
 

@@ -57,7 +57,8 @@ def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_
     if expert_model_parallel_size > 1:
         raise ParallelismError(
             f"{where}: expert_model_parallel_size={expert_model_parallel_size} is not supported yet "
-            "(the MoE layer's token dispatch to expert owners is not wired to Megatron's EP group yet); "
+            "(the MoE layer takes an expert dispatcher through its layer context, "
+            "unified_models.layers.expert_parallel, but no dispatcher over Megatron's EP group exists yet); "
             "use EP=1.")
 
 

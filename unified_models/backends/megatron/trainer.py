@@ -115,7 +115,7 @@ class Trainer:
         self._owns_parallel_state = stale or not compat.model_parallel_is_initialized()
         init_parallel_state(tp=1)
         train_masters = options.optimizer is not None if options.train_masters is None else options.train_masters
-        self.trains_masters = bool(train_masters and spec.is_packed)
+        self.trains_masters = bool(train_masters and spec.stores_quantized_weights)
         """True when a quantized checkpoint's masters are trained: the engine needs a sync of
         them (re-quantized) before its first rollout, dequantize -> quantize not being the identity."""
         if isinstance(weights, UnifiedMegatronModel):

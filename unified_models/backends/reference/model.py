@@ -5,7 +5,7 @@ tolerance tests of the engine path. Computes in ``dtype`` (fp32 or fp64) end
 to end. It is the forward's loop over the layer families' oracles
 (:attr:`unified_models.layers.LayerFamily.oracle`: dense causal softmax
 attention per sequence; Mamba-2 and MoE with the ops' fp64 oracles; NVFP4
-experts with the dequantized weights, FP8 KV through the cache's
+experts (any linear with a weight format) with the fake-quantized masters, FP8 KV through the cache's
 write-then-read rule, gradients straight through) and the residual policy's
 oracle (:func:`unified_models.layers.residual_policy`).
 """
@@ -20,16 +20,23 @@ from torch import nn
 from ...dsl import ModelSpec, SpecError
 from ...layers import family_of, residual_policy
 from ...layers.oracle import rms_norm_oracle
+from ...layers.weight_formats import oracle_weight
 
 
 class _HFView(Mapping):
-    """Read-only ``{HF name: tensor}`` view of the reference model's parameters."""
+    """Read-only ``{HF name: tensor}`` view of the reference model's parameters, as the
+    oracles take them: the ``weight`` of a linear with a (master-form) weight format is
+    its fake-quantized form (:func:`~unified_models.layers.weight_formats.oracle_weight`,
+    straight-through), so the oracles never branch on formats."""
 
     def __init__(self, model: "ReferenceModel"):
         self._m = model
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._m.p(name)
+        t = self._m.p(name)
+        if name.endswith(".weight") and self._m.spec.weight_format(name[: -len(".weight")]) is not None:
+            return oracle_weight(self._m.spec, name[: -len(".weight")], {name: t})
+        return t
 
     def __iter__(self):
         return iter(self._m._names)
@@ -50,6 +57,9 @@ class ReferenceModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
+        if spec.stores_quantized_weights:
+            raise SpecError("the reference model takes master weights; convert the stored codes first "
+                            "(unified_models.converters.modelopt.master_spec / dequantize_state_dict)")
         self.spec = spec
         self.dtype = dtype
         self._names = list(spec.parameter_shapes())

@@ -212,3 +212,17 @@ class UnifiedAttentionBackend(AttentionBackend):
     @classmethod
     def is_ssm(cls) -> bool:
         return False
+
+
+class UnifiedSharedKVBackend(UnifiedAttentionBackend):
+    """Backend of one-vector caches (shared K = V: vLLM's MLA specs). The same metadata;
+    only vLLM 0.26's cache shape differs (``[N, 1, S, G, E]``, one vector per token)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME + "_SHARED_KV"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return compat.kv_cache_shape_026_shared(num_blocks, block_size, num_kv_heads, head_size)

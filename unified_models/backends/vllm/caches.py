@@ -7,8 +7,14 @@ declaration``); :data:`CACHE_MODULES` maps each declaration's kind to the
 ``<mixer name>.<cache name>``, exactly one integer in it, the layer index):
 
 * :class:`~unified_models.caches.PagedKVCache` -> :class:`UnifiedAttentionCache`
-  (vLLM ``FullAttentionSpec``; our attention backend's metadata, a
-  :class:`~unified_models.state.PagedGroup` per KV-cache group and step);
+  (vLLM ``FullAttentionSpec``, ``SlidingWindowSpec`` with a window, and for a
+  shared K = V cache the one-vector ``MLAAttentionSpec`` /
+  ``SlidingWindowMLASpec``, as vLLM's own DeepSeek-V4 declares its SWA cache;
+  our attention backend's metadata, a :class:`~unified_models.state.PagedGroup`
+  per KV-cache group and step);
+* :class:`~unified_models.caches.CompressedKVCache` and
+  :class:`~unified_models.caches.IndexerKeyCache` -> :class:`UnifiedCompressedCache`
+  (vLLM ``MLAAttentionSpec`` with one entry per ``ratio`` tokens);
 * :class:`~unified_models.caches.SlotStateCache` ->
   :class:`~.mamba_state.UnifiedSlotStateCache` (vLLM ``MambaSpec``, one slot per
   request; our slot-state backend's metadata, a :class:`~.mamba_state.SlotGroup`
@@ -31,14 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ...caches import PagedKVCache, SlotStateCache
+from ...caches import CompressedKVCache, IndexerKeyCache, PagedKVCache, SlotStateCache
 from ...dsl import SpecError
 from ...state import AttentionState, PagedGroup, SlotState  # noqa: F401 (SlotState: store type)
 from . import compat
 from .attention_backend import (KV_BLOCK_MULTIPLE, UnifiedAttentionBackend, UnifiedAttentionMetadata,
-                                vllm_kv_cache_dtypes)
+                                UnifiedSharedKVBackend, vllm_kv_cache_dtypes)
 from .mamba_state import UnifiedSlotStateCache
 
 
@@ -66,20 +72,22 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
     uint8 as vLLM's own layers declare them and viewed as float8_e4m3fn. The
     scales are the layer's ``k_proj.k_scale`` / ``v_proj.v_scale`` parameters.
 
+    Sliding window (``decl.sliding_window`` W): vLLM's ``SlidingWindowSpec``
+    (``SlidingWindowMLASpec`` when shared); its manager swaps blocks wholly
+    behind ``num_computed - W + 1`` for the null block, which the attention op
+    never reads (it reads ``p-W+1..p`` only). Shared K = V (``decl.shared_kv``):
+    one vector per token (the MLA specs, :class:`UnifiedSharedKVBackend`), the
+    same view handed as ``k_cache`` and ``v_cache``.
+
     Raises:
         SpecError: vLLM's ``cache_config.cache_dtype`` disagrees with the
             declaration (names the layer and both settings).
-        NotImplementedError: a sliding-window or shared-K=V declaration (no
-            family binds one yet; DeepSeek-V4 brings them).
     """
 
     metadata_type = UnifiedAttentionMetadata
 
     def __init__(self, decl: PagedKVCache, layer_name: str, vllm_config) -> None:
         nn.Module.__init__(self)
-        if decl.sliding_window is not None or decl.shared_kv:
-            raise NotImplementedError(f"{layer_name}: sliding-window / shared-K=V paged KV caches have no vLLM "
-                                      "cache module yet")
         self.decl = decl
         self.layer_name = layer_name
         self.dtype = vllm_config.model_config.dtype
@@ -95,22 +103,26 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
         _register(self, layer_name, vllm_config)
 
     def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
-        return UnifiedAttentionBackend
+        return UnifiedSharedKVBackend if self.decl.shared_kv else UnifiedAttentionBackend
 
-    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+    def get_kv_cache_spec(self, vllm_config) -> AttentionSpec:
         block_size = int(vllm_config.cache_config.block_size)
         if block_size % KV_BLOCK_MULTIPLE:
             raise ValueError(
                 f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
                 "(the attention op's KV tile)"
             )
-        fp8 = self.decl.fp8
-        return FullAttentionSpec(block_size=block_size, num_kv_heads=self.decl.num_kv_heads,
-                                 head_size=self.decl.head_dim, dtype=torch.uint8 if fp8 else self.dtype,
-                                 **compat.attention_spec_kwargs(fp8))
+        d = self.decl
+        return compat.attention_kv_cache_spec(block_size=block_size, num_kv_heads=d.num_kv_heads,
+                                              head_size=d.head_dim, dtype=torch.uint8 if d.fp8 else self.dtype,
+                                              sliding_window=d.sliding_window, one_vector=d.shared_kv, fp8=d.fp8)
 
     def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache, or ``None``."""
+        """``(k_cache, v_cache)`` ``[N, S, G, E]`` views of the bound cache (one object twice
+        for a shared K = V cache), or ``None``."""
+        if self.decl.shared_kv:
+            kv = compat.shared_kv_cache_view(self.kv_cache, self.decl.num_kv_heads, self.decl.head_dim)
+            return None if kv is None else (kv, kv)
         return compat.split_kv_cache(self.kv_cache, self.decl.num_kv_heads, self.decl.head_dim)
 
     @staticmethod
@@ -133,7 +145,48 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
         return None
 
 
-CACHE_MODULES: dict[type, type[nn.Module]] = {PagedKVCache: UnifiedAttentionCache, SlotStateCache: UnifiedSlotStateCache}
+class UnifiedCompressedCache(UnifiedAttentionCache):
+    """A paged compressed-KV or indexer-key cache (one vector per ``decl.ratio`` tokens).
+
+    vLLM spec: ``MLAAttentionSpec`` with ``tokens_per_state=r`` (0.32) /
+    ``compress_ratio=r`` (0.26), as vLLM's DeepSeek-V4 declares its compressed KV
+    and indexer keys; pages ``[N, S // r, G, E]`` (:meth:`kv_views`, one view as
+    ``k_cache`` and ``v_cache``). Entries are addressed from the block table
+    (:func:`unified_models.state.entry_slots`), not the per-token slot mapping.
+
+    Raises:
+        ValueError: (spec) a block size that is not a multiple of 16 and of ``r``.
+    """
+
+    def __init__(self, decl: CompressedKVCache, layer_name: str, vllm_config) -> None:
+        nn.Module.__init__(self)
+        self.decl = decl
+        self.layer_name = layer_name
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache: torch.Tensor = torch.tensor([])
+        _register(self, layer_name, vllm_config)
+
+    def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
+        return UnifiedSharedKVBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> AttentionSpec:
+        block_size = int(vllm_config.cache_config.block_size)
+        if block_size % KV_BLOCK_MULTIPLE or block_size % self.decl.ratio:
+            raise ValueError(f"{self.layer_name}: KV-cache block_size={block_size} must be a multiple of "
+                             f"{KV_BLOCK_MULTIPLE} and of the compression ratio {self.decl.ratio}")
+        d = self.decl
+        return compat.attention_kv_cache_spec(block_size=block_size, num_kv_heads=d.num_kv_heads, head_size=d.head_dim,
+                                              dtype=self.dtype, one_vector=True, tokens_per_entry=d.ratio)
+
+    def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``[N, S // r, G, E]`` entry pages twice (one tensor), or ``None`` before binding."""
+        kv = compat.shared_kv_cache_view(self.kv_cache, self.decl.num_kv_heads, self.decl.head_dim)
+        return None if kv is None else (kv, kv)
+
+
+CACHE_MODULES: dict[type, type[nn.Module]] = {PagedKVCache: UnifiedAttentionCache, SlotStateCache: UnifiedSlotStateCache,
+                                              CompressedKVCache: UnifiedCompressedCache,
+                                              IndexerKeyCache: UnifiedCompressedCache}
 """Cache declaration kind -> the vLLM cache module class that holds it."""
 
 

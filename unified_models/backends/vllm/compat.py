@@ -57,6 +57,21 @@ Differences handled (file references are inside the ``vllm`` package):
   ``AttentionSpec`` also carries ``kv_quant_mode`` (``FP8_PER_TENSOR`` for
   this cache; only used to merge specs), absent in 0.26:
   :func:`attention_spec_kwargs` sets it where it exists.
+* **Paged KV-cache spec classes by cache kind** (:func:`attention_kv_cache_spec`).
+  Both versions have ``FullAttentionSpec``, ``SlidingWindowSpec``,
+  ``MLAAttentionSpec`` and ``SlidingWindowMLASpec`` (``v1/kv_cache_interface.py``);
+  the MLA ones hold one vector per token (no V part: page = S x G x E
+  elements), which is what a shared K = V cache is (vLLM's own DeepSeek-V4
+  declares its SWA cache as ``SlidingWindowMLASpec`` and its compressed KV and
+  indexer keys as ``MLAAttentionSpec``). A compressed cache (one entry per r
+  tokens) is ``tokens_per_state=r`` in 0.32 and ``compress_ratio=r`` in 0.26.
+  Fields a version lacks are dropped (e.g. ``kv_quant_mode`` in 0.26). 0.26
+  sizes the tensor it hands a layer with the backend's
+  ``get_kv_cache_shape``: a one-vector cache declares ``[N, 1, S, G, E]``
+  (:func:`kv_cache_shape_026_shared`); 0.32 hands the logical ``[N, G, S, E]``
+  view. :func:`shared_kv_cache_view` turns either into ``[N, S, G, E]``. The
+  0.26 side is read from its source (and the integration manual), to be
+  confirmed on the H200.
 * ``vllm.envs`` caches environment variables after the first engine starts
   (``enable_envs_cache``, both versions); :func:`reset_envs_cache` undoes it so
   that the pins of :func:`~unified_models.backends.vllm.engine.make_llm` apply
@@ -90,6 +105,83 @@ def kv_cache_shape_026(num_blocks: int, block_size: int, num_kv_heads: int, head
     block dim outermost, ``v1/worker/gpu/attn_utils.py``) applies.
     """
     return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def kv_cache_shape_026_shared(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+                              ) -> tuple[int, ...]:
+    """The shape we declare to vLLM 0.26 for a one-vector (shared K = V, MLA-spec) cache:
+    ``[N, 1, S, G, E]`` (blocks first; the 1 tells it apart from 0.32's 4-D view)."""
+    return (num_blocks, 1, block_size, num_kv_heads, head_size)
+
+
+_SPEC_CLASSES = {("full", False): "FullAttentionSpec", ("sliding", False): "SlidingWindowSpec",
+                 ("full", True): "MLAAttentionSpec", ("sliding", True): "SlidingWindowMLASpec"}
+
+
+def attention_kv_cache_spec(*, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                            sliding_window: int | None = None, one_vector: bool = False, fp8: bool = False,
+                            tokens_per_entry: int = 1) -> Any:
+    """The vLLM KV-cache spec of one paged cache, in this version's classes and field names.
+
+    Args:
+        block_size, num_kv_heads, head_size, dtype: the page (``dtype`` as vLLM allocates it:
+            uint8 for an FP8 cache).
+        sliding_window: ``None`` -> ``FullAttentionSpec``/``MLAAttentionSpec``; W ->
+            ``SlidingWindowSpec``/``SlidingWindowMLASpec`` (vLLM frees blocks behind the window).
+        one_vector: one vector per token (shared K = V, compressed KV, indexer keys): the MLA specs.
+        fp8: static per-tensor FP8 (``kv_quant_mode`` where the version has it).
+        tokens_per_entry: r > 1: one cache entry per r tokens (0.32 ``tokens_per_state``,
+            0.26 ``compress_ratio``; MLA specs only).
+
+    Raises:
+        ValueError: ``tokens_per_entry > 1`` without ``one_vector``, or a version whose MLA
+            spec has no compression field.
+    """
+    import dataclasses
+
+    from vllm.v1 import kv_cache_interface as kvi
+
+    kind = ("full" if sliding_window is None else "sliding", one_vector)
+    cls = getattr(kvi, _SPEC_CLASSES[kind])
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw: dict[str, Any] = dict(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    if sliding_window is not None:
+        kw["sliding_window"] = sliding_window
+    kw.update(attention_spec_kwargs(fp8))
+    if tokens_per_entry != 1:
+        if not one_vector:
+            raise ValueError("a compressed paged cache (tokens_per_entry > 1) is a one-vector (MLA) spec")
+        field = next((n for n in ("tokens_per_state", "compress_ratio") if n in names), None)
+        if field is None:
+            raise ValueError(f"vLLM {'.'.join(map(str, vllm_version()))}: {cls.__name__} has no compression field")
+        kw[field] = tokens_per_entry
+    return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def shared_kv_cache_view(kv: torch.Tensor | None, num_kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """The ``[N, S, G, E]`` view of a one-vector cache vLLM bound to a layer (shared K = V).
+
+    Args:
+        kv: 0.26 ``[N, 1, S, G, E]`` (:func:`kv_cache_shape_026_shared`); 0.32 the logical
+            ``[N, G, S, E]`` view; ``None``/empty before binding. uint8 is viewed as float8_e4m3fn.
+
+    Raises:
+        RuntimeError: a shape neither version produces.
+    """
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    if kv is None or kv.numel() == 0:
+        return None
+    if kv.dtype == torch.uint8:
+        kv = kv.view(torch.float8_e4m3fn)
+    if kv.dim() == 5 and kv.shape[1] == 1 and kv.shape[3] == num_kv_heads and kv.shape[4] == head_dim:
+        return kv[:, 0]
+    if kv.dim() == 4 and kv.shape[1] == num_kv_heads and kv.shape[3] == head_dim:
+        return kv.permute(0, 2, 1, 3)
+    raise RuntimeError(
+        f"unexpected shared K=V cache tensor of shape {tuple(kv.shape)} for {num_kv_heads} kv heads x head dim "
+        f"{head_dim} (vLLM {'.'.join(map(str, vllm_version()))}); expected [N, 1, S, {num_kv_heads}, {head_dim}] "
+        f"(0.26) or [N, {num_kv_heads}, S, {head_dim}] (0.32)")
 
 
 def attention_spec_kwargs(fp8: bool) -> dict[str, Any]:

@@ -24,12 +24,12 @@ How ``compute_logits`` rows map to requests (vLLM V1 model runner, both 0.26 and
   logprobs (``_get_prompt_logprobs_dict``), one call per request that asked for
   them, in the order of the runner's ``num_prompt_logprobs`` dict: rows are that
   request's consecutive scheduled tokens starting at its first one.
-* ``runner = unified_models.backends.vllm.engine.get_runner(llm)``; read
+* ``runner = unified_models.backends.vllm.live.get_runner(llm)``; read
   ``runner.input_batch.req_ids`` inside the tap (it is valid during the step).
   Those are vLLM's internal ids: 0.26 and 0.32 append ``-<8 random chars>`` to the
   user request id (``RequestOutput.request_id``);
-  ``engine.external_request_id(req_id)`` strips it.
-  :class:`~unified_models.backends.vllm.engine.SampleRecorder` does all of this.
+  ``sampling.external_request_id(req_id)`` strips it.
+  :class:`~unified_models.backends.vllm.sampling.SampleRecorder` does all of this.
 
 KV-cache groups. The caches are the families' declarations
 (:func:`unified_models.layers.model_caches`), one vLLM cache module per
@@ -68,15 +68,15 @@ registered under :func:`hybrid_architecture` of the family's name
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
-from ...dsl import CheckpointError, ModelSpec, ParallelismError, SpecError
+from ...dsl import ModelSpec, ParallelismError, SpecError
 from ...forward import forward_hidden, forward_logprobs
 from ...layers import declares_slot_state, family_of, model_caches
 from ...parameters import allocate_parameters
@@ -85,6 +85,8 @@ from . import compat
 from .attention_backend import register_step_listener
 from .caches import VllmStateStore, cache_layer_name, cache_module
 from .mamba_state import model_state_layout, state_copy_funcs
+from .param_table import ParamTable, submodule
+from .weight_loading import WeightLoading
 
 
 def hybrid_architecture(architecture: str) -> str:
@@ -105,22 +107,37 @@ def model_architecture(spec: ModelSpec) -> str:
     return name(spec)
 
 
-class _Node(nn.Module):
-    """A plain container so parameters sit under their Hugging Face names."""
+_SPECS: dict[tuple[str, str], ModelSpec] = {}
+"""(config JSON, dtype) -> spec: what :func:`spec_of_config` built in this process."""
 
 
-def _submodule(root: nn.Module, path: list[str]) -> nn.Module:
-    mod = root
-    for part in path:
-        child = mod._modules.get(part)
-        if child is None:
-            child = _Node()
-            mod.add_module(part, child)
-        mod = child
-    return mod
+def spec_of_config(hf_config, dtype: torch.dtype | None) -> ModelSpec:
+    """The spec of a transformers config, built once per process per distinct config and dtype.
+
+    vLLM hands the model class, and the hybrid class methods it calls before the model
+    exists, only its own copy of the config; building the spec is deterministic in the
+    config's content, so equal contents (``to_json_string``) share one spec. A config
+    that cannot be serialized is built every time.
+
+    Raises:
+        SpecError / CheckpointError: as :func:`unified_models.models.spec_from_hf_config`.
+    """
+    from ...models import spec_from_hf_config
+
+    try:
+        key = (f"{type(hf_config).__name__}:{hf_config.to_json_string(use_diff=False)}", str(dtype))
+    except (TypeError, ValueError, AttributeError):  # not serializable: no memo
+        return spec_from_hf_config(hf_config, dtype=dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = spec_from_hf_config(hf_config, dtype=dtype)
+        if len(_SPECS) >= 8:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
 
 
-class UnifiedForCausalLM(nn.Module):
+class UnifiedForCausalLM(WeightLoading, nn.Module):
     """vLLM model class for any :class:`ModelSpec` (registered as ``spec.architecture``).
 
     Attributes:
@@ -143,8 +160,6 @@ class UnifiedForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
-        from ...models import spec_from_hf_config
-
         parallel = vllm_config.parallel_config
         tp = int(getattr(parallel, "tensor_parallel_size", 1))
         pp = int(getattr(parallel, "pipeline_parallel_size", 1))
@@ -154,19 +169,25 @@ class UnifiedForCausalLM(nn.Module):
                 f"(got {tp} and {pp}): cross-GPU reductions would break bitwise equality (docs/consistency.md, row 12)"
             )
         dtype = vllm_config.model_config.dtype
-        self.spec: ModelSpec = spec_from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
+        self.spec: ModelSpec = spec_of_config(vllm_config.model_config.hf_config, dtype)
         self.vllm_config = vllm_config
         self.prefix = prefix
 
         self._shapes = self.spec.parameter_shapes()
         self._dtypes = self.spec.parameter_dtypes()
-        # (HF name, owning module's parameter table, leaf name): params() reads these each step
+        # parameter tables count their changes here; params() rebuilds its dict when this moves
+        self._param_generation: list[int] = [0]
+        self.__dict__["_parameters"] = ParamTable(self._param_generation)
+        self._params_cache: dict[str, torch.Tensor] | None = None
+        self._forward_params_cache: dict[str, object] | None = None
+        self._params_cache_generation = -1
+        # (HF name, owning module's parameter table, leaf name): params() reads these on a rebuild
         self._param_slots: list[tuple[str, dict, str]] = []
         for name, tensor in allocate_parameters(self.spec).items():  # routed experts: views of one stack
             *path, leaf = name.split(".")
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-            owner = _submodule(self, path)
+            owner = submodule(self, path, self._param_generation)
             owner.register_parameter(leaf, param)
             self._param_slots.append((name, owner._parameters, leaf))
 
@@ -187,7 +208,7 @@ class UnifiedForCausalLM(nn.Module):
             for cname, decl in family_of(sub.mixer, sub.index).caches(sub.mixer, dtype).items():
                 layer = cache_module(decl, cache_layer_name(sub.mixer.name, cname, prefix), vllm_config)
                 *path, leaf = cache_layer_name(sub.mixer.name, cname).split(".")
-                owner = _submodule(self, path)
+                owner = submodule(self, path, self._param_generation)
                 if leaf in owner._modules or leaf in owner._parameters:
                     raise SpecError(f"layer {sub.index}: cache module {cache_layer_name(sub.mixer.name, cname)} "
                                     "collides with a parameter path of the spec; rename the mixer or the cache")
@@ -223,21 +244,52 @@ class UnifiedForCausalLM(nn.Module):
         self.last_sample_positions = (m.seq_lens_cpu_upper_bound[:r].long() - 1)[real].cpu()
 
     # ------------------------------------------------------------------ params
-    def params(self) -> dict[str, torch.Tensor]:
-        """HF name -> parameter tensor (the live tensors vLLM's cache graph uses).
+    def params(self) -> Mapping[str, torch.Tensor]:
+        """HF name -> parameter (the live ``nn.Parameter`` objects vLLM's CUDA graphs use).
 
-        Called at every step (``compute_logits`` runs outside the CUDA graph), so it reads
-        each parameter from its owning module's ``_parameters`` table, recorded when the
-        parameter was registered, instead of walking the module tree: a parameter
-        re-registered under the same name is still seen.
+        Read-only and cached: the dict is built once from each parameter's owning
+        ``_parameters`` table and rebuilt only when a table changes (a parameter
+        re-registered, added or removed under any name: :class:`ParamTable`) or after
+        :meth:`invalidate_params` (every :meth:`load_weights` / :meth:`copy_weights`
+        calls it). In-place copies (``param.data.copy_``) keep the objects and their
+        ``data_ptr``; a parameter whose ``.data`` is swapped is still the same object,
+        so the dict sees the new tensor (call :meth:`invalidate_params` after such a swap
+        so the views of :meth:`forward_params` are rebuilt too).
         """
-        return {name: table[leaf] for name, table, leaf in self._param_slots}
+        if self._params_cache is None or self._params_cache_generation != self._param_generation[0]:
+            self._params_cache = {name: table[leaf] for name, table, leaf in self._param_slots}
+            self._forward_params_cache = None
+            self._params_cache_generation = self._param_generation[0]
+        return MappingProxyType(self._params_cache)
+
+    def forward_params(self) -> Mapping[str, object]:
+        """What the forward reads: :meth:`params` plus the views a family derives from them.
+
+        Each family's ``frozen_views(spec, model, params) -> {key: value}``
+        (:attr:`unified_models.layers.LayerFamily.frozen_views`; e.g. the routed-expert
+        stacks, which the MoE forward takes as they are) is called with grad off once per
+        :meth:`params` rebuild, instead of the forward rebuilding them at every step. The
+        views share the parameters' storage, so in-place copies are seen.
+        """
+        params = self.params()
+        if self._forward_params_cache is None:
+            out: dict[str, object] = dict(params)
+            with torch.no_grad():
+                for sub in self.spec.sublayers:
+                    out.update(family_of(sub.mixer, sub.index).frozen_views(sub.mixer, self.spec, params))
+            self._forward_params_cache = out
+        return MappingProxyType(self._forward_params_cache)
+
+    def invalidate_params(self) -> None:
+        """Drop the cached :meth:`params` / :meth:`forward_params` dicts (rebuilt on next use)."""
+        self._params_cache = None
+        self._forward_params_cache = None
 
     # ----------------------------------------------------------------- forward
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         from ... import ops
 
-        return ops.embedding(input_ids, self.params()[self.spec.embedding.name + ".weight"])
+        return ops.embedding(input_ids, self.forward_params()[self.spec.embedding.name + ".weight"])
 
     def _metadata(self) -> dict[tuple[int, str], object] | None:
         """This step's metadata of every cache (cache key -> its group's object), or
@@ -304,7 +356,7 @@ class UnifiedForCausalLM(nn.Module):
         mds = self._metadata()
         batch, store = self._flat_batch(input_ids, positions, mds)
         self.logits_call_index = -1  # also set by _begin_step (a graph replay runs no Python here)
-        return forward_hidden(self.spec, self.params(), batch, store)
+        return forward_hidden(self.spec, self.forward_params(), batch, store)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 ``[R, V]`` log-probabilities of the rows vLLM samples from.
@@ -319,13 +371,13 @@ class UnifiedForCausalLM(nn.Module):
         if self.row_temperatures is not None and sampling_call:
             temps = self.row_temperatures(hidden_states.shape[0])
         if temps is None or all(t == 1.0 for t in temps):
-            rows = forward_logprobs(self.spec, self.params(), hidden_states, temperature=1.0)
+            rows = forward_logprobs(self.spec, self.forward_params(), hidden_states, temperature=1.0)
         else:
             rows = torch.empty((hidden_states.shape[0], self.spec.vocab_size), dtype=torch.float32,
                                device=hidden_states.device)
             for t in sorted(set(temps)):
                 idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], device=hidden_states.device)
-                rows[idx] = forward_logprobs(self.spec, self.params(), hidden_states[idx], temperature=t)
+                rows[idx] = forward_logprobs(self.spec, self.forward_params(), hidden_states[idx], temperature=t)
         self.logits_call_index += 1
         if self.logprob_tap is not None:
             self.logprob_tap(rows.clone())
@@ -359,59 +411,6 @@ class UnifiedForCausalLM(nn.Module):
         torch.cuda.synchronize(w.device)
         torch.cuda.empty_cache()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader``.
-
-        The first call (vLLM's initial load) must cover every parameter; later
-        calls (vLLM's ``reload_weights``, weight-transfer engines) may load a subset.
-
-        Returns:
-            The set of loaded parameter names.
-
-        Raises:
-            CheckpointError: unknown name, wrong shape, NaN/Inf values, or (first
-                call) missing tensors; every offending name is listed.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if name not in self._shapes:
-                unknown.append(name)
-                continue
-            expected = self._shapes[name]
-            if tuple(tensor.shape) != expected:
-                raise CheckpointError(
-                    f"checkpoint {self._source}: tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"the spec expects {expected}")
-            want = self._dtypes[name]
-            codes = (torch.uint8, torch.float8_e4m3fn)
-            if (want in codes or tensor.dtype in codes) and tensor.dtype != want:
-                raise CheckpointError(f"checkpoint {self._source}: tensor {name} has dtype {tensor.dtype}, "
-                                      f"the spec stores {want}")
-            if tensor.dtype not in codes and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor)
-            loaded.add(name)
-        if unknown:
-            raise CheckpointError(
-                f"checkpoint {self._source} has tensors the {self.spec.family} spec does not declare: "
-                f"{sorted(unknown)}")
-        if not self._initial_load_done:
-            missing = [n for n in self._shapes if n not in loaded]
-            if missing:
-                raise CheckpointError(
-                    f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
-            self._initial_load_done = True
-            self._compile_logits_kernels()
-        if any(d != self.spec.dtype for d in self._dtypes.values()):
-            from ...converters.modelopt import validate_quantized
-
-            validate_quantized(self.params(), self.spec, source=str(self._source))
-        return loaded
-
 
 class UnifiedHybridForCausalLM(UnifiedForCausalLM, IsHybrid, HasInnerState):
     """:class:`UnifiedForCausalLM` for specs with Mamba-2 layers (registered as
@@ -427,11 +426,8 @@ class UnifiedHybridForCausalLM(UnifiedForCausalLM, IsHybrid, HasInnerState):
 
     @classmethod
     def _layout(cls, vllm_config):
-        from ...models import spec_from_hf_config
-
         dtype = vllm_config.model_config.dtype
-        spec = spec_from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
-        return model_state_layout(spec, dtype)
+        return model_state_layout(spec_of_config(vllm_config.model_config.hf_config, dtype), dtype)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, ...], ...]:

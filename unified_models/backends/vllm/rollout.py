@@ -4,7 +4,7 @@
 for the life of a run: :meth:`~RolloutEngine.generate` samples and returns, for
 every sampled token, the logprob vLLM reported (our logprob op's output,
 gathered by vLLM in ``raw_logits`` mode) and, through
-:class:`~.engine.SampleRecorder`, the whole fp32 row it was sampled from where
+:class:`~.sampling.SampleRecorder`, the whole fp32 row it was sampled from where
 asked; :meth:`~RolloutEngine.sync_weights` copies new weights in place
 (:mod:`.weight_sync`); :meth:`~RolloutEngine.close` frees the engine.
 
@@ -45,7 +45,7 @@ class RolloutResult:
     full_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     full_row_keys: list[tuple[int, int]] = field(default_factory=list)
     engine: dict = field(default_factory=dict)
-    """What the engine ran with (``engine.engine_settings``) plus ``cuda_graphs`` (bool: graphs captured)."""
+    """What the engine ran with (``live.engine_settings``) plus ``cuda_graphs`` (bool: graphs captured)."""
 
 
 def eos_token_ids(model_dir) -> list[int]:
@@ -82,7 +82,7 @@ _SEEDED_CHUNKED_CPU = ("rollout: per-request seeds with chunked prefill do not w
 def chunked_prefill_setting(spec, device: str, *, enable_prefix_caching: bool | None = None,
                             enable_chunked_prefill: bool | None = None) -> bool:
     """Whether :func:`.engine.make_llm` will run chunked prefill for ``spec`` (hybrid prefix caching turns it on)."""
-    from .engine import hybrid_engine_settings
+    from .settings import hybrid_engine_settings
 
     _, chunked = hybrid_engine_settings(spec, gpu=device == "cuda", enable_prefix_caching=enable_prefix_caching,
                                         enable_chunked_prefill=enable_chunked_prefill, engine_kwargs={})
@@ -121,8 +121,9 @@ class RolloutEngine:
                  device: str = "cpu", seed: int = 0, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool | None = None,
                  enable_prefix_caching: bool | None = None, cuda_graphs: bool | None = None, **engine_kwargs: Any):
-        from .engine import (check_spec_supported, cuda_graphs_ran, engine_settings, load_weights_inplace, make_llm,
-                             shutdown_llm)
+        from .engine import load_weights_inplace, make_llm, shutdown_llm
+        from .live import cuda_graphs_ran, engine_settings
+        from .settings import check_spec_supported
 
         check_spec_supported(spec)
         self.spec = spec
@@ -135,7 +136,7 @@ class RolloutEngine:
         if state_dict is not None:
             kwargs.setdefault("load_format", "dummy")
             kwargs.setdefault("validate", False)  # the caller's state dict is validated by spec_and_state_dict
-        self.llm = make_llm(self.model_dir, seed=seed, max_model_len=max_model_len, gpu=(device == "cuda"),
+        self.llm = make_llm(self.model_dir, spec=spec, seed=seed, max_model_len=max_model_len, gpu=(device == "cuda"),
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             enable_chunked_prefill=enable_chunked_prefill,
                             enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, **kwargs)
@@ -146,7 +147,7 @@ class RolloutEngine:
                         for k, v in engine_settings(self.llm).items()}
             settings["cuda_graphs"] = cuda_graphs_ran(self.llm)
             self.settings: dict = settings
-            """What the engine runs with (``engine.engine_settings``) plus ``cuda_graphs``."""
+            """What the engine runs with (``live.engine_settings``) plus ``cuda_graphs``."""
         except BaseException:
             shutdown_llm(self.llm)
             self.llm = None
@@ -196,7 +197,7 @@ class RolloutEngine:
                 Neither ``seed`` nor ``seeds``: every request samples from the global RNG
                 (needed on the CPU with chunked prefill, see :func:`rollout`).
             temperature: > 0; the rows (and reported logprobs) are ``log_softmax(logits / T)``
-                from the logprob op (see ``engine.sampling_params``).
+                from the logprob op (see ``sampling.sampling_params``).
             stop_at_eos: stop a request at the config's EOS ids.
             full_vocab_rows: how many sampled positions keep whole rows (-1 = all, 0 = none),
                 spread evenly over the rollout (every row leaves the device first).
@@ -213,7 +214,7 @@ class RolloutEngine:
             RuntimeError: the engine is closed; vLLM returned a logprob that differs from the
                 recorded row (the tap and the sampler disagree: a bug, never ignored).
         """
-        from .engine import SampleRecorder, generate_token_ids, sampling_params
+        from .sampling import SampleRecorder, generate_token_ids, sampling_params
 
         llm = self._live()
         n = len(prompt_ids)
@@ -298,13 +299,13 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         full_vocab_rows: how many sampled positions keep whole rows (-1 = all),
             spread evenly over the rollout.
         temperature: > 0; the rows (and reported logprobs) are ``log_softmax(logits / T)``
-            from the logprob op (see ``engine.sampling_params``).
+            from the logprob op (see ``sampling.sampling_params``).
         max_num_batched_tokens: engine token budget per step (default :func:`token_budget`:
             every prompt fits in one step). Smaller values with
             ``enable_chunked_prefill=True`` split prompts over several steps.
         enable_chunked_prefill, enable_prefix_caching: passed to ``engine.make_llm``
             (``None``: its defaults).
-        cuda_graphs: decode steps in CUDA graphs (``engine.cuda_graph_settings``; None = on
+        cuda_graphs: decode steps in CUDA graphs (``settings.cuda_graph_settings``; None = on
             where supported: CUDA, attention-only models).
         per_request_seeds: sample request ``i`` with its own seed (draws
             independent of the batch). ``False``: vLLM's global RNG (seeded with
@@ -321,7 +322,7 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         CheckpointError: the model produced a NaN logprob (an overflowing weight or scale).
         RuntimeError: vLLM returned a logprob that differs from the recorded row.
     """
-    from .engine import sampling_params
+    from .sampling import sampling_params
 
     sampling_params(temperature=temperature)  # refuse a bad temperature before the engine starts
     if spec is None:

@@ -5,9 +5,12 @@
 differs from the engine's, copies it into vLLM's existing parameter buffer
 (``data_ptr`` unchanged, so CUDA graphs and cached views stay valid), lets the
 model recompute derived tensors in place, and resets vLLM's prefix cache so no
-KV computed with the old weights is reused. Copying reuses
-:func:`.engine.load_weights_inplace` (validation, ``weight_loader`` copies, cache
-reset).
+KV computed with the old weights is reused. Each tensor is validated once per
+sync: names and shapes, then one cast to its parameter's dtype and device, then
+its NaN/Inf and "unchanged" flags, gathered on the device and read with one host
+sync for the whole sync (:meth:`~.model.UnifiedForCausalLM.prepare_weights`);
+the copies go through each parameter's ``weight_loader``
+(:meth:`~.model.UnifiedForCausalLM.copy_weights`).
 
 Quantized engines: when the engine holds a ModelOpt-format model (NVFP4
 experts, FP8 Mamba projections), the trainer's tensors are its bf16 masters
@@ -35,7 +38,7 @@ from typing import Iterable, Mapping
 import torch
 
 from ...dsl import CheckpointError
-from . import engine
+from . import engine, live
 
 __all__ = ["SyncReport", "sync_weights"]
 
@@ -94,7 +97,7 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
             engine dtype by ``copy_`` (round to nearest even); pass the bf16
             model parameters, not fp32 main weights, to copy bits unchanged.
         strict: every engine parameter must be given (a full sync).
-        skip_unchanged: copy only tensors whose values differ from the engine's.
+        skip_unchanged: copy only tensors whose bits (after the cast) differ from the engine's.
 
     Returns:
         :class:`SyncReport`. Afterwards every given tensor equals the engine's
@@ -112,9 +115,9 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
 
     start = time.perf_counter()
     pairs = _pairs(named_tensors)
-    model = engine.get_model(llm)
+    model = live.get_model(llm)
     params = model.params()
-    if model.spec.is_packed:
+    if model.spec.stores_quantized_weights:
         from ...converters.modelopt import quantize_state_dict
 
         masters = dict(pairs)
@@ -127,19 +130,13 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
                                      {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
     if problems:
         raise CheckpointError("weight sync rejected; " + "; ".join(problems))
-    changed: dict[str, torch.Tensor] = {}
-    unchanged: list[str] = []
-    for name, t in pairs:
-        p = params[name]
-        new = t.to(device=p.device, dtype=p.dtype)
-        if skip_unchanged and torch.equal(new, p):  # NaN never compares equal: it reaches the finite check
-            unchanged.append(name)
-        else:
-            changed[name] = new
+    # the one validation: cast once, NaN/Inf and bitwise-unchanged flags read with one host sync
+    changed, unchanged = model.prepare_weights(pairs, skip_unchanged=skip_unchanged, what="weight sync")
     derived: list[str] = []
     if changed:
         ptrs = {n: params[n].data_ptr() for n in changed}
-        engine.load_weights_inplace(llm, changed, strict=False)  # validates, copies, resets the prefix cache
+        model.copy_weights(changed)
+        engine.reset_prefix_cache(llm)
         moved = [n for n, ptr in ptrs.items() if params[n].data_ptr() != ptr]
         if moved:
             raise RuntimeError(f"weight sync replaced the storage of {moved[:5]}; in-place copies are required "

@@ -1,7 +1,8 @@
 """Causal GQA attention over a paged KV cache, and the KV-cache write.
 
 One kernel for prefill, decode and training (DESIGN.md rule 3): a token at
-position ``p`` of its sequence reads positions ``0..p`` through the block
+position ``p`` of its sequence reads positions ``0..p`` (with a sliding window
+W: ``max(0, p-W+1)..p``, never a block behind it) through the block
 table, in KV tiles aligned at absolute position 0, in increasing order, with an
 fp32 online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022).
 Tiles past a token's own position are fully masked for it, which leaves the
@@ -12,6 +13,7 @@ each from a fresh state, merged in increasing order by a second kernel.
 
 Cache layout: ``k_cache``/``v_cache`` are ``[N, S, G, E]`` views with any strides
 (N blocks, S positions per block, G kv heads, E head dim); slot = block*S + offset.
+A shared K = V cache is one tensor passed as both (``v_cache is k_cache``, ``v = k``).
 
 FP8 KV cache (``float8_e4m3fn`` caches, static per-tensor fp32 scales
 ``k_scale``/``v_scale``; vLLM's ``kv_cache_dtype="fp8"``, whose CUDA cache write
@@ -40,12 +42,13 @@ FP8 KV-cache rule and the scale checks, which the kernel, the CPU path, the orac
 the backward share.
 """
 
-from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, check_kv_scales, kv_cache_is_fp8, kv_fp8_dequantize, kv_fp8_quantize,
-                     kv_fp8_roundtrip)
+from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, check_kv_scales, check_sliding_window, kv_cache_is_fp8,
+                     kv_fp8_dequantize, kv_fp8_quantize, kv_fp8_roundtrip, window_start)
 from .cpu import KV_TILE_CPU, paged_attention_torch, write_kv_cache_torch
 from .dispatch import paged_attention, write_kv_cache
-from .reference import dense_causal_attention_reference, paged_attention_reference
+from .reference import causal_mask, dense_causal_attention_reference, paged_attention_reference
 
 __all__ = ["write_kv_cache", "paged_attention", "KV_FP8_DTYPE", "FP8_E4M3_MAX", "kv_cache_is_fp8", "check_kv_scales",
            "kv_fp8_quantize", "kv_fp8_dequantize", "kv_fp8_roundtrip", "KV_TILE_CPU", "write_kv_cache_torch",
-           "paged_attention_torch", "dense_causal_attention_reference", "paged_attention_reference"]
+           "paged_attention_torch", "dense_causal_attention_reference", "paged_attention_reference",
+           "check_sliding_window", "window_start", "causal_mask"]

@@ -41,7 +41,7 @@ import torch
 
 from ..grad.helpers import acc, needs_grad
 from . import dispatch
-from .common import kv_fp8_dequantize, kv_fp8_roundtrip
+from .common import kv_fp8_dequantize, kv_fp8_roundtrip, window_start
 
 
 TAPE_ATTR = "_um_kv_tape"
@@ -95,13 +95,17 @@ def record_write(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, differentiable:
 class _Plan:
     """Where every key of every query sequence comes from (built once in the forward).
 
-    ``groups``: per sequence ``(token indices [Tb], their positions [Tb], first key row, P keys)``;
+    ``groups``: per sequence ``(token indices [Tb], their positions [Tb], first key row, P keys,
+    position of the first key)``; the keys of a sequence are positions ``lo..max position``,
+    ``lo`` the window start of its lowest query position (0 without a window), so nothing
+    behind every query's window is read;
     ``index [Kt]``: row of each key in ``[cache snapshot rows | write 0 rows | write 1 rows | ...]``.
     """
 
     def __init__(self, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes: list[_Write],
-                 k_scale=None, v_scale=None, read_dtype=None):
+                 k_scale=None, v_scale=None, read_dtype=None, sliding_window: int | None = None):
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+        self.sliding_window = sliding_window
         self.block_table, self.seq_idx, self.positions = block_table_BN, seq_idx_T, positions_T
         self.writes = writes
         self.cache_dtype = k_cache.dtype
@@ -130,9 +134,10 @@ class _Plan:
         for b, n in zip(uniq.tolist(), counts.tolist()):
             tok = order[tok0:tok0 + n]
             tok0 += n
-            p = torch.arange(int(pos[tok].max()) + 1, device=dev)
+            lo = int(window_start(pos[tok].min(), self.sliding_window))
+            p = torch.arange(lo, int(pos[tok].max()) + 1, device=dev)
             key_slots.append(self.block_table[b].long()[p // s] * s + p % s)
-            self.groups.append((tok, pos[tok], start, p.shape[0]))
+            self.groups.append((tok, pos[tok], start, p.shape[0], lo))
             start += p.shape[0]
         kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
         owner = torch.full_like(kslots, -1)
@@ -158,10 +163,14 @@ class _Plan:
         self.k_cache = self.v_cache = self.block_table = self.writes = None  # keep no cache alive
 
 
-def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale):
-    """fp32 attention of queries at positions ``qpos`` over keys at ``0..P-1`` (key <= query)."""
+def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: int | None = None):
+    """fp32 attention of queries at positions ``qpos`` over keys at ``key0..key0+P-1``
+    (key <= query, and with a window W also key > query - W)."""
     rep = q_THE.shape[1] // k_PGE.shape[1]
-    mask = torch.arange(k_PGE.shape[0], device=q_THE.device)[None, :] <= qpos_T[:, None]
+    kpos = key0 + torch.arange(k_PGE.shape[0], device=q_THE.device)
+    mask = kpos[None, :] <= qpos_T[:, None]
+    if sliding_window is not None:
+        mask &= kpos[None, :] > qpos_T[:, None] - sliding_window
     o = torch.nn.functional.scaled_dot_product_attention(
         q_THE.transpose(0, 1), k_PGE.repeat_interleave(rep, 1).transpose(0, 1),
         v_PGE.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
@@ -174,7 +183,7 @@ class PagedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THE, plan: _Plan, *kv):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
-                                        plan.positions, plan.scale, plan.k_scale, plan.v_scale)
+                                        plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window)
         plan.build()
         ctx.plan = plan
         ctx.save_for_backward(q_THE, *kv)
@@ -189,12 +198,12 @@ class PagedAttentionFn(torch.autograd.Function):
         k_all, v_all = torch.cat(srcs_k)[plan.index], torch.cat(srcs_v)[plan.index]
         q, g = acc(q_in), acc(g_THE)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
-        for tok, qpos, start, n in plan.groups:  # one sequence at a time: memory of one sequence
+        for tok, qpos, start, n, key0 in plan.groups:  # one sequence at a time: memory of one sequence
             with torch.enable_grad():
                 qb = q[tok].detach().requires_grad_()
                 kb = k_all[start:start + n].detach().requires_grad_()
                 vb = v_all[start:start + n].detach().requires_grad_()
-                ob = _causal(qb, kb, vb, qpos, plan.scale)
+                ob = _causal(qb, kb, vb, qpos, plan.scale, key0, plan.sliding_window)
                 gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), g[tok])
             dq[tok] = gq
             dk[start:start + n] = gk
@@ -213,13 +222,14 @@ class PagedAttentionFn(torch.autograd.Function):
 
 
 def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                         tape: KVTape | None, k_scale=None, v_scale=None) -> torch.Tensor:
+                         tape: KVTape | None, k_scale=None, v_scale=None, sliding_window: int | None = None
+                         ) -> torch.Tensor:
     """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q and the taped K/V
     (FP8 caches: straight through the quantization; the scales are constants)."""
     writes = list(tape.writes) if tape is not None else []
     plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes,
                  None if k_scale is None else k_scale.detach(), None if v_scale is None else v_scale.detach(),
-                 q_THE.dtype)
+                 q_THE.dtype, sliding_window)
     return PagedAttentionFn.apply(q_THE, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))
 
 
@@ -246,7 +256,7 @@ def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tens
 def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE`` and the
     K/V written into this cache by differentiable :func:`write_kv_cache` calls.
 
@@ -254,12 +264,15 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     recomputed per sequence in the backward; K/V slots no differentiable write
     covers (earlier chunks) are constants. An FP8 cache (``k_scale``/``v_scale``)
     is differentiated at the dequantized values, straight through the
-    quantization. Shapes and errors as the op.
+    quantization. ``sliding_window`` W: the recomputation masks keys at or
+    behind ``p - W`` as the kernel does. A shared K = V cache (``v_cache is
+    k_cache``, written with ``v = k``) sends both gradients to the one tensor.
+    Shapes and errors as the op.
     """
     tape = getattr(k_cache, "_um_kv_tape", None)
     grad_kv = tape is not None and tape.differentiable
     if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv):
         return dispatch.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                        k_scale, v_scale)
+                                        k_scale, v_scale, sliding_window)
     return paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                tape_of(k_cache, v_cache), k_scale, v_scale)
+                                tape_of(k_cache, v_cache), k_scale, v_scale, sliding_window)

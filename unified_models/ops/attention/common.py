@@ -83,3 +83,27 @@ def kv_fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 def kv_fp8_roundtrip(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """What the attention reads back after writing ``x`` into an FP8 cache (no gradient rule)."""
     return kv_fp8_dequantize(kv_fp8_quantize(x, scale), scale, dtype)
+
+
+def check_sliding_window(what: str, sliding_window: int | None) -> int | None:
+    """Validate a sliding window: ``None`` (full causal attention) or an int W >= 1.
+
+    Raises:
+        ValueError: W is not an int or is < 1 (names the value).
+    """
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"{what}: sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    return sliding_window
+
+
+def window_start(positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """First position each token reads: ``max(0, p - W + 1)`` (``0`` without a window).
+
+    A token at position p attends positions ``window_start(p)..p`` (W positions
+    once p >= W - 1; Mistral/vLLM convention: the window includes the token itself).
+    """
+    if sliding_window is None:
+        return torch.zeros_like(positions)
+    return (positions - (sliding_window - 1)).clamp(min=0)

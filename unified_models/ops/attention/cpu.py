@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import ROW_TILE, pad_rows
-from .common import check_kv_scales, kv_fp8_dequantize, kv_fp8_quantize
+from .common import check_kv_scales, kv_fp8_dequantize, kv_fp8_quantize, window_start
 
 
 KV_TILE_CPU = 16
@@ -15,23 +15,35 @@ KV_TILE_CPU = 16
 
 
 def write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale=None, v_scale=None) -> None:
-    """CPU: an indexed copy (exact), or for an FP8 cache :func:`kv_fp8_quantize` then the copy."""
+    """CPU: an indexed copy (exact), or for an FP8 cache :func:`kv_fp8_quantize` then the copy.
+    A shared K = V cache (``v_cache is k_cache``) is written once, from ``k_TGE``."""
     scales = check_kv_scales("write_kv_cache_torch", k_cache, v_cache, k_scale, v_scale)
     s = k_cache.shape[1]
     keep = slot_mapping_T >= 0
     slots = slot_mapping_T[keep].long()
     blk, off = slots // s, slots % s
+    shared = v_cache is k_cache
     if scales is not None:
         k_cache[blk, off] = kv_fp8_quantize(k_TGE[keep], scales[0])
-        v_cache[blk, off] = kv_fp8_quantize(v_TGE[keep], scales[1])
+        if not shared:
+            v_cache[blk, off] = kv_fp8_quantize(v_TGE[keep], scales[1])
         return
     k_cache[blk, off] = k_TGE[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v_TGE[keep].to(v_cache.dtype)
+    if not shared:
+        v_cache[blk, off] = v_TGE[keep].to(v_cache.dtype)
 
 
 def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                          k_scale=None, v_scale=None) -> torch.Tensor:
+                          k_scale=None, v_scale=None, sliding_window: int | None = None) -> torch.Tensor:
     """CPU implementation: 16-token query tiles x 16-position KV tiles, fixed shapes.
+
+    ``sliding_window`` W: a token at position p reads positions ``max(0, p-W+1)..p``
+    only. A query tile starts at the KV tile of its lowest window start; the tiles
+    it skips are fully masked for every row, which leaves each row's online-softmax
+    state bit for bit as it was (m = -inf, l = 0, acc = 0), so the bits do not
+    depend on the tile's other rows. Positions outside a row's window are never
+    gathered (block 0 is read there and the values replaced by 0), so block-table
+    entries behind the window (vLLM's null block) are never used.
 
     Each torch call has a shape fixed by the model (16 tokens, G, H/G, E, 16
     positions), so its kernel and thread partition never depend on the batch.
@@ -69,9 +81,11 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
         l = torch.zeros((ROW_TILE, g, r), device=q_THE.device)
         acc = torch.zeros((ROW_TILE, g, r, e), device=q_THE.device)
         n_tiles = int(pos.max().item()) // kv + 1 if bool(valid_row[i:i + ROW_TILE].any()) else 0
-        for j in range(n_tiles):
+        lo = window_start(pos, sliding_window)  # [16] first position each row reads
+        j0 = int(torch.where(pos >= 0, lo, pos.new_full((), 1 << 62)).min().item()) // kv if n_tiles else 0
+        for j in range(j0, n_tiles):
             p = j * kv + ar  # [KV] absolute positions
-            valid = p.view(1, kv) <= pos.view(ROW_TILE, 1)  # [16, KV]
+            valid = (p.view(1, kv) <= pos.view(ROW_TILE, 1)) & (p.view(1, kv) >= lo.view(ROW_TILE, 1))  # [16, KV]
             col = (p // s).clamp(max=nb - 1)
             # Masked positions may point at stale or out-of-range block-table
             # entries: read block 0 there (the values are replaced by 0 below).

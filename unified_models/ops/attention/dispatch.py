@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
-from .common import check_kv_scales
+from .common import check_kv_scales, check_sliding_window
 from .cpu import paged_attention_torch, write_kv_cache_torch
 
 
@@ -21,6 +21,22 @@ def _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T):
         raise ValueError("attention: block_table must be [B, max_blocks]; seq_idx and positions must be [T]")
 
 
+def check_shared_kv(what: str, k_TGE, v_TGE, k_cache, v_cache, k_scale, v_scale) -> None:
+    """A shared K = V cache (``v_cache is k_cache``) takes one tensor: ``v_TGE is k_TGE``
+    and (FP8) ``v_scale is k_scale``.
+
+    Raises:
+        ValueError: a shared cache given a different V tensor or V scale.
+    """
+    if v_cache is not k_cache:
+        return
+    if v_TGE is not k_TGE:
+        raise ValueError(f"{what}: v_cache is k_cache (a shared K = V cache) but v is not the same tensor as k; "
+                         "pass k as v")
+    if v_scale is not k_scale:
+        raise ValueError(f"{what}: a shared K = V cache has one scale; pass k_scale as v_scale")
+
+
 def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping_T: torch.Tensor, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> None:
@@ -30,16 +46,18 @@ def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tens
         k_TGE, v_TGE: ``[T, G, E]`` new keys/values.
         k_cache, v_cache: ``[N, S, G, E]`` cache views (any strides); model
             dtype (an exact cast) or float8_e4m3fn (the FP8 write rule of the
-            package docstring).
+            package docstring). ``v_cache is k_cache``: one shared K = V cache
+            (MLA-style), written once from ``k_TGE`` (then ``v_TGE is k_TGE``).
         slot_mapping_T: int ``[T]``, ``block * S + offset``; ``< 0`` = padding, skipped.
         k_scale, v_scale: fp32 ``[]`` scales, required for (and only for) an FP8 cache.
 
     Raises:
         ValueError: shape mismatch; missing, superfluous or bad scales
-            (:func:`check_kv_scales`).
+            (:func:`check_kv_scales`); a shared cache given a different V (:func:`check_shared_kv`).
     """
     if k_TGE.shape != v_TGE.shape or k_TGE.shape[1:] != k_cache.shape[2:] or slot_mapping_T.shape[0] != k_TGE.shape[0]:
         raise ValueError(f"write_kv_cache: k {tuple(k_TGE.shape)} does not fit cache {tuple(k_cache.shape)}")
+    check_shared_kv("write_kv_cache", k_TGE, v_TGE, k_cache, v_cache, k_scale, v_scale)
     scales = check_kv_scales("write_kv_cache", k_cache, v_cache, k_scale, v_scale)
     ks, vs = scales if scales is not None else (None, None)
     if use_triton(k_cache):
@@ -52,8 +70,14 @@ def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tens
 def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of each token over its own sequence's cached K/V.
+
+    A token at position p reads positions ``0..p``, or with ``sliding_window`` W
+    positions ``max(0, p-W+1)..p`` (block-table entries of blocks wholly behind
+    its window, which vLLM replaces by its null block, are never read). Either
+    way in KV tiles aligned at absolute position 0, so prefill, chunked prefill
+    and decode give the same bits, across the window edge too.
 
     Args:
         q_THE: ``[T, H, E]`` queries.
@@ -65,21 +89,25 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scale: softmax scale (``head_dim ** -0.5`` for Nemotron-H).
         k_scale, v_scale: fp32 ``[]`` KV-cache scales, required for (and only
             for) an FP8 cache.
+        sliding_window: ``None`` (full causal) or W >= 1 positions including the token's own.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype``; row t depends only on q[t] and its
-        sequence's cache up to ``positions_T[t]``.
+        sequence's cache over its window ``window_start(p)..positions_T[t]``.
 
     Raises:
-        ValueError: shape mismatch; missing, superfluous or bad scales; on CPU
-            also a block size S that is not a multiple of the CPU KV tile (16).
-            The Triton kernel takes any S.
+        ValueError: shape mismatch; missing, superfluous or bad scales; a bad
+            ``sliding_window``; on CPU also a block size S that is not a
+            multiple of the CPU KV tile (16). The Triton kernel takes any S.
     """
     _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
+    window = check_sliding_window("paged_attention", sliding_window)
     scales = check_kv_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     ks, vs = scales if scales is not None else (None, None)
     if use_triton(q_THE):
         from .triton import paged_attention_triton
 
-        return paged_attention_triton(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs)
-    return paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs)
+        return paged_attention_triton(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs,
+                                      sliding_window=window)
+    return paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs,
+                                 window)

@@ -9,11 +9,12 @@ from .common import check_kv_scales, kv_fp8_dequantize
 
 
 def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
-    """Oracle for ONE sequence: full causal softmax attention in fp64, no cache.
+                                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Oracle for ONE sequence: causal softmax attention in fp64, no cache.
 
     Args:
         q_THE: ``[T, H, E]``; k_TGE, v_TGE: ``[T, G, E]`` of the same sequence.
+        sliding_window: W, or ``None``: query i attends keys ``max(0, i-W+1)..i``.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype``.
@@ -24,15 +25,25 @@ def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v
     k = k_TGE.double().repeat_interleave(h // g, dim=1)
     v = v_TGE.double().repeat_interleave(h // g, dim=1)
     sc = torch.einsum("the,she->hts", q, k) * scale
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    sc = sc.masked_fill(~mask, float("-inf"))
+    sc = sc.masked_fill(~causal_mask(t, sliding_window, q.device), float("-inf"))
     out = torch.einsum("hts,she->the", torch.softmax(sc, dim=-1), v)
     return out.to(q_THE.dtype)
 
 
+def causal_mask(t: int, sliding_window: int | None, device) -> torch.Tensor:
+    """bool ``[T, T]``: query i sees key j iff ``j <= i`` and (with a window W) ``i - j < W``."""
+    i = torch.arange(t, device=device)
+    mask = i[None, :] <= i[:, None]
+    if sliding_window is not None:
+        mask &= i[:, None] - i[None, :] < sliding_window
+    return mask
+
+
 def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                              k_scale=None, v_scale=None, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Oracle over the paged cache: per token, gather its prefix and do fp64 softmax.
+                              k_scale=None, v_scale=None, kv_dtype: torch.dtype | None = None,
+                              sliding_window: int | None = None) -> torch.Tensor:
+    """Oracle over the paged cache: per token, gather its window (positions
+    ``max(0, p-W+1)..p``; the whole prefix without a window) and do fp64 softmax.
 
     An FP8 cache is dequantized by the read rule to ``kv_dtype`` (default
     ``q``'s dtype; pass the model dtype when ``q`` is given in fp64).
@@ -48,7 +59,8 @@ def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T
     out = q_THE.new_zeros((t_all, h, e))
     for t in range(t_all):
         p = int(positions_T[t])
-        idx = torch.arange(p + 1, device=q_THE.device)
+        lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+        idx = torch.arange(lo, p + 1, device=q_THE.device)
         blk = block_table_BN[int(seq_idx_T[t])].long()[idx // s]
         k = read(k_cache[blk, idx % s], 0).repeat_interleave(h // g, dim=1)  # [P, H, E]
         v = read(v_cache[blk, idx % s], 1).repeat_interleave(h // g, dim=1)

@@ -30,6 +30,14 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
   SPLIT_KV`` in increasing order (start from split 0's state as is, then
   ``M' = max(M, m_s)``, ``L' = L*2^(M-M') + l_s*2^(m_s-M')``, ``ACC`` alike),
   divides and rounds once.
+* **Sliding window** (``sliding_window`` W): row ``r`` reads positions
+  ``pos_r - W + 1 .. pos_r`` (its own mask, like the causal one). A tile's KV
+  loop starts at the KV tile of its first token's window start, and the merge
+  at that token's window-start split; what they skip is fully masked for the
+  row (the empty online-softmax state), so the bits are those of a walk from
+  position 0 and do not depend on the batch. Loads are masked to the tile's
+  ``[window start of its first token, last position]``: block-table entries of
+  blocks behind the window (vLLM's null block, stale memory) are never read.
 * Each position's physical block is looked up through the block table on its
   own (``block_table[seq, p // S]``), so neither the tiling nor the bits
   depend on the cache block size ``S`` or on which physical blocks hold the
@@ -76,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KV_FP8_DTYPE, check_kv_scales
+from .common import KV_FP8_DTYPE, check_kv_scales, check_sliding_window
 from ..triton._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, e4m3_bits_to_f32, next_pow2, round_to
 
 if INTERPRET:
@@ -209,15 +217,16 @@ def _tile_schedule_kernel(seq_ptr, pos_ptr, sched_ptr, T, T_CHUNK, stride_sc,
 
 
 @triton.jit
-def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e, mask_e, kv_ar, S, E,
+def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, min_pos, max_pos, g, e, mask_e, kv_ar, S, E,
                   kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
                   stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE: tl.constexpr,
                   BLOCK_KV: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, TAIL: tl.constexpr):
     """KV tile ``j`` of kv head ``g``: positions ``p`` [BLOCK_KV], ``K^T`` [BLOCK_E, BLOCK_KV] and
-    ``V`` [BLOCK_KV, BLOCK_E] in ``DTYPE`` (fp8 caches dequantized), positions past ``max_pos``
-    zero. ``TAIL`` False promises every position is <= ``max_pos`` (no masking needed)."""
+    ``V`` [BLOCK_KV, BLOCK_E] in ``DTYPE`` (fp8 caches dequantized), positions outside
+    ``[min_pos, max_pos]`` zero (their block-table entries are not read by the gathers).
+    ``TAIL`` False promises every position lies in ``[min_pos, max_pos]`` (no masking needed)."""
     p = j * BLOCK_KV + kv_ar.to(tl.int64)
-    col_ok = p <= max_pos
+    col_ok = (p <= max_pos) & (p >= min_pos)
     if KV_TMA:  # the tile lies in one cache block (S % BLOCK_KV == 0): two TMA copies
         p0 = j * BLOCK_KV
         blk0 = tl.load(bt_row + (p0 // S) * stride_btn).to(tl.int32)
@@ -243,9 +252,9 @@ def _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos
 
 
 @triton.jit
-def _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
+def _online_softmax_step(q, kt, v, p, pos_r, lo_r, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
     """One fp32 online-softmax step of ``ROWS`` query rows over one KV tile (each row's own
-    causal mask ``p <= pos_r``); returns the new ``(m, l, acc)``."""
+    mask ``lo_r <= p <= pos_r``: causal, and its sliding window); returns the new ``(m, l, acc)``."""
     if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
         s = interpreter_dot(q, kt).to(tl.float32)
     elif FP32_DOT:
@@ -253,7 +262,7 @@ def _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT: 
     else:
         s = tl.dot(q, kt.to(q.dtype))
     s = s * qk_scale  # log2 domain
-    valid = p[None, :] <= pos_r[:, None]  # each row's own causal mask
+    valid = (p[None, :] <= pos_r[:, None]) & (p[None, :] >= lo_r[:, None])  # each row's own causal/window mask
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row with nothing valid yet keeps m = -inf: exponent base 0, no NaN. A row
@@ -273,18 +282,19 @@ def _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT: 
 
 
 @triton.jit
-def _kv_tiles(j_a, j_b, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn,
-              max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
+def _kv_tiles(j_a, j_b, q, pos_r, lo_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn,
+              min_pos, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
               stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE: tl.constexpr, BLOCK_KV: tl.constexpr,
               FP8: tl.constexpr, FP32_DOT: tl.constexpr, KV_TMA: tl.constexpr, TAIL: tl.constexpr):
     """Online-softmax steps over KV tiles ``j_a .. j_b - 1`` in increasing order; returns ``(m, l, acc)``.
     ``DTYPE``: the query's storage dtype (what FP8 cache values are rounded to)."""
     for j in range(j_a, j_b):
-        p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, max_pos, g, e, mask_e, kv_ar,
+        p, kt, v = _load_kv_tile(kc_ptr, vc_ptr, k_desc, v_desc, bt_row, stride_btn, j, min_pos, max_pos, g, e, mask_e,
+                                 kv_ar,
                                  S, E, kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
                                  stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs, DTYPE, BLOCK_KV, FP8,
                                  KV_TMA, TAIL)
-        m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, m_i, l_i, acc, qk_scale, FP32_DOT)
+        m_i, l_i, acc = _online_softmax_step(q, kt, v, p, pos_r, lo_r, m_i, l_i, acc, qk_scale, FP32_DOT)
     return m_i, l_i, acc
 
 
@@ -292,7 +302,7 @@ def _kv_tiles(j_a, j_b, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_des
 def _attention_partial_kernel(
         q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr,
         m_ptr, l_ptr, acc_ptr,
-        qk_scale, T, E, S,
+        qk_scale, T, E, S, WINDOW,
         stride_qt, stride_qh, stride_qe,
         stride_kcb, stride_kcs, stride_kcg, stride_kce,
         stride_vcb, stride_vcs, stride_vcg, stride_vce,
@@ -305,6 +315,10 @@ def _attention_partial_kernel(
         BLOCK_E: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT_KV: tl.constexpr,
         FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr):
     """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring).
+
+    ``WINDOW`` > 0: sliding window, row ``r`` reads positions ``pos_r - WINDOW + 1 .. pos_r``;
+    the tile's KV loop starts at the KV tile of its first token's window start (the tiles
+    before it are fully masked for every row: skipping them changes no bit).
 
     ``KV_TMA``: K/V tiles come through the TMA descriptors ``k_desc``/``v_desc`` (2-D
     ``[slot rows, G*E]`` views, one block per ``kv_rows_per_block`` rows; see
@@ -345,6 +359,9 @@ def _attention_partial_kernel(
 
         row_ok = (ti < n_tok) & (hq < Q_PER_KV)
         pos_r = tl.where(row_ok, pos0 + ti, -1)
+        # Window: row r reads [lo_r, pos_r]; the tile reads [min_pos, max_pos] (min_pos = lo of its first token).
+        lo_r = tl.where(WINDOW > 0, pos_r - WINDOW + 1, 0)
+        min_pos = tl.where(WINDOW > 0, tl.maximum(pos0 - WINDOW + 1, 0), 0)
         t_r = t0 + ti
         q = tl.load(q_ptr + t_r[:, None] * stride_qt + h[:, None] * stride_qh + e[None, :] * stride_qe,
                     mask=row_ok[:, None] & mask_e[None, :], other=0.0)
@@ -355,26 +372,35 @@ def _attention_partial_kernel(
         l_i = tl.zeros((ROWS,), dtype=tl.float32)
         acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
 
-        # KV tiles of this split up to the tile's last position (none if the split starts after it).
-        j_lo = kv_lo // BLOCK_KV
+        # KV tiles of this split from the tile's window start up to its last position (none if the
+        # split ends before the window or starts after the last position).
+        j_lo = (tl.maximum(kv_lo, min_pos) // BLOCK_KV).to(tl.int32)
         last = tl.minimum(max_pos, kv_lo + SPLIT_KV - 1)
         j_hi = tl.where(max_pos >= kv_lo, last // BLOCK_KV + 1, j_lo).to(tl.int32)
         bt_row = bt_ptr + seq * stride_btb
         # Pointer gathers mask every tile as they load it: one loop. TMA copies whole tiles:
-        # the tiles wholly at or below max_pos first, unmasked, then the tail tile (at most
-        # one), whose positions past max_pos are zeroed (stale cache memory, possibly NaN,
-        # never reaches the math). Either way the online-softmax steps run in the same order.
+        # the head tile first if it starts below min_pos (window), masked; then the tiles wholly
+        # inside [min_pos, max_pos], unmasked; then the tail tile (at most one), whose positions
+        # past max_pos are zeroed (stale cache memory, possibly NaN, never reaches the math). The
+        # head tile's block holds min_pos, so it is inside the window (never vLLM's null block).
+        # Either way the online-softmax steps run in the same order.
         if KV_TMA:
-            j_mid = tl.maximum(j_lo, tl.minimum(j_hi, ((max_pos + 1) // BLOCK_KV).to(tl.int32)))
-            m_i, l_i, acc = _kv_tiles(j_lo, j_mid, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc,
-                                      bt_row, stride_btn, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block,
-                                      stride_kcb, stride_kcs, stride_kcg, stride_kce,
+            j_h = tl.minimum(tl.where(j_lo.to(tl.int64) * BLOCK_KV < min_pos, j_lo + 1, j_lo), tl.maximum(j_hi, j_lo))
+            m_i, l_i, acc = _kv_tiles(j_lo, j_h, q, pos_r, lo_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc,
+                                      v_desc, bt_row, stride_btn, min_pos, max_pos, g, e, mask_e, kv_ar, S, E,
+                                      kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
+                                      stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
+                                      q_ptr.dtype.element_ty, BLOCK_KV, FP8, FP32_DOT, KV_TMA, True)
+            j_mid = tl.maximum(j_h, tl.minimum(j_hi, ((max_pos + 1) // BLOCK_KV).to(tl.int32)))
+            m_i, l_i, acc = _kv_tiles(j_h, j_mid, q, pos_r, lo_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc,
+                                      v_desc, bt_row, stride_btn, min_pos, max_pos, g, e, mask_e, kv_ar, S, E,
+                                      kv_rows_per_block, stride_kcb, stride_kcs, stride_kcg, stride_kce,
                                       stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
                                       q_ptr.dtype.element_ty, BLOCK_KV, FP8, FP32_DOT, KV_TMA, False)
         else:
             j_mid = j_lo
-        m_i, l_i, acc = _kv_tiles(j_mid, j_hi, q, pos_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc,
-                                  bt_row, stride_btn, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block,
+        m_i, l_i, acc = _kv_tiles(j_mid, j_hi, q, pos_r, lo_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr, k_desc, v_desc,
+                                  bt_row, stride_btn, min_pos, max_pos, g, e, mask_e, kv_ar, S, E, kv_rows_per_block,
                                   stride_kcb, stride_kcs, stride_kcg, stride_kce,
                                   stride_vcb, stride_vcs, stride_vcg, stride_vce, ks, vs,
                                   q_ptr.dtype.element_ty, BLOCK_KV, FP8, FP32_DOT, KV_TMA, True)
@@ -397,14 +423,16 @@ def _attention_partial_kernel(
 
 @triton.jit
 def _attention_merge_kernel(
-        pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, E,
+        pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, E, WINDOW,
         stride_ot, stride_oh, stride_oe,
         stride_wt, stride_wh, stride_ws,
         stride_at, stride_ah, stride_as, stride_ae,
         Q_PER_KV: tl.constexpr, QP: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_KV: tl.constexpr):
     """Grid (T, G): token ``t``'s q heads of kv head ``g``. Positions >= SPLIT_KV: merge the
     splits in increasing order, divide, round once; padding tokens: zeros; others: nothing
-    (the partial kernel wrote them)."""
+    (the partial kernel wrote them). ``WINDOW`` > 0: the merge starts at the split of the
+    token's window start (the splits before it hold the empty state m = -inf, l = acc = 0,
+    and merging the empty state first changes no bit: ``L = 0 * 0 + l_s``)."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -417,14 +445,15 @@ def _attention_merge_kernel(
     row_m = hq < tl.where(multi, Q_PER_KV, 0)
     row_out = hq < tl.where(multi | (pos < 0), Q_PER_KV, 0)
     n_split = tl.where(multi, pos // SPLIT_KV + 1, 1).to(tl.int32)
-    w = t * stride_wt + h * stride_wh
-    a = t * stride_at + h[:, None] * stride_ah + e[None, :] * stride_ae
+    s0 = tl.where(multi & (WINDOW > 0), tl.maximum(pos - WINDOW + 1, 0) // SPLIT_KV, 0).to(tl.int32)
+    w = t * stride_wt + h * stride_wh + s0 * stride_ws
+    a = t * stride_at + h[:, None] * stride_ah + e[None, :] * stride_ae + s0 * stride_as
     mask_a = row_m[:, None] & mask_e[None, :]
-    # Split 0's state as is (exact); padding rows stay at m = l = acc = 0 -> zeros.
+    # The first split's state as is (exact); padding rows stay at m = l = acc = 0 -> zeros.
     M = tl.load(m_ptr + w, mask=row_m, other=0.0)
     L = tl.load(l_ptr + w, mask=row_m, other=0.0)
     ACC = tl.load(acc_ptr + a, mask=mask_a, other=0.0)
-    for s in range(1, n_split):
+    for s in range(1, n_split - s0):
         m_s = tl.load(m_ptr + w + s * stride_ws, mask=row_m, other=0.0)
         l_s = tl.load(l_ptr + w + s * stride_ws, mask=row_m, other=0.0)
         acc_s = tl.load(acc_ptr + a + s * stride_as, mask=mask_a, other=0.0)
@@ -597,14 +626,16 @@ def write_kv_cache_triton(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: tor
 def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
                            positions_T: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None, *,
+                           v_scale: torch.Tensor | None = None, *, sliding_window: int | None = None,
                            launch: AttentionLaunch | None = None) -> torch.Tensor:
     """Causal paged attention (GQA), batch-invariant per token.
 
     Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
-    ``seq_idx_T[t]`` (its row of ``block_table_BN``); those positions must
-    already be in the cache (write the current tokens first). q head ``h``
-    uses kv head ``h // (H // G)``.
+    ``seq_idx_T[t]`` (its row of ``block_table_BN``), or with ``sliding_window``
+    W to positions ``max(0, p-W+1)..p``; those positions must already be in the
+    cache (write the current tokens first). Block-table entries of positions
+    below a query tile's first window start are never read. q head ``h`` uses
+    kv head ``h // (H // G)``.
 
     Args:
         q_THE: ``[T, H, E]`` queries (bf16/fp16/fp32, any strides).
@@ -618,6 +649,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale: softmax scale (e.g. ``E ** -0.5``).
         k_scale, v_scale: fp32 ``[]`` scales of a float8_e4m3fn cache (else
             None): K/V tiles are read as ``q.dtype(fp32(e4m3) * scale)``.
+        sliding_window: ``None`` (full causal) or W >= 1 (``ops.attention.check_sliding_window``).
         launch: benchmarks and tests only: override the partial kernel's rows,
             warps, stages, grid cap or K/V loads (:class:`AttentionLaunch`); the
             model never passes it.
@@ -662,6 +694,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                              f"{tuple(idx.shape)} {idx.dtype}")
     check_device("paged_attention_triton", q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
     scales = check_kv_scales("paged_attention_triton", k_cache, v_cache, k_scale, v_scale)
+    window = check_sliding_window("paged_attention_triton", sliding_window) or 0  # 0: no window
     out = torch.empty((T, H, E), dtype=q_THE.dtype, device=q_THE.device)
     if T == 0:
         return out
@@ -709,13 +742,13 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         q_c, o_c, s_c, p_c = q_THE[a:a + n], out[a:a + n], seq[a:a + n], pos[a:a + n]
         _attention_partial_kernel[(sizes[c], G, n_split)](
             q_c, kc, vc, block_table_BN, s_c, p_c, sched[c], o_c, ks, vs, m_ws, l_ws, acc_ws,
-            float(scale) * _LOG2E, n, E, S,
+            float(scale) * _LOG2E, n, E, S, window,
             *q_c.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *o_c.stride(),
             *w_strides, *a_strides, k_desc, v_desc, rows_per_block,
             Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
             SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, KV_TMA=tma is not None, num_warps=num_warps,
             num_stages=num_stages)
         _attention_merge_kernel[(n, G)](
-            p_c, o_c, m_ws, l_ws, acc_ws, E, *o_c.stride(), *w_strides, *a_strides,
+            p_c, o_c, m_ws, l_ws, acc_ws, E, window, *o_c.stride(), *w_strides, *a_strides,
             Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, num_warps=4)
     return out

@@ -1,0 +1,198 @@
+"""Weight loading of the vLLM model class: vLLM's streaming load and the trainer's in-place sync.
+
+:class:`WeightLoading` is a mixin of :class:`~.model.UnifiedForCausalLM` (it uses the
+model's ``params()``, ``invalidate_params()``, ``_shapes``/``_dtypes`` from the spec,
+``_source`` and ``_initial_load_done``): :meth:`~WeightLoading.load_weights` is vLLM's
+loader entry point; :meth:`~WeightLoading.prepare_weights` then
+:meth:`~WeightLoading.copy_weights` are the validated-once, cast-once in-place update
+that :mod:`.weight_sync` drives (DESIGN.md rule 10: storage and ``data_ptr`` kept).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from ...dsl import CheckpointError
+
+
+class WeightLoading:
+    """Loading and in-place updating of the model's parameters (see the module docstring)."""
+
+    def _weight_problem(self, name: str, tensor: torch.Tensor) -> str | None:
+        """What is wrong with ``tensor`` as parameter ``name`` before any value is read (shape,
+        code dtype), or None; an unknown name is the caller's to report."""
+        expected = self._shapes[name]
+        if tuple(tensor.shape) != expected:
+            return f"tensor {name} has shape {tuple(tensor.shape)}, the spec expects {expected}"
+        want = self._dtypes[name]
+        if (want in _CODE_DTYPES or tensor.dtype in _CODE_DTYPES) and tensor.dtype != want:
+            return f"tensor {name} has dtype {tensor.dtype}, the spec stores {want}"
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader`` (vLLM's
+        loader path: the pairs stream from the checkpoint, each validated as it arrives).
+
+        The first call (vLLM's initial load) must cover every parameter; later
+        calls (vLLM's ``reload_weights``, weight-transfer engines) may load a subset.
+        In-place updates from a trainer go through :meth:`prepare_weights` and
+        :meth:`copy_weights` instead (all validated before anything is written).
+
+        Returns:
+            The set of loaded parameter names.
+
+        Raises:
+            CheckpointError: unknown name, wrong shape, NaN/Inf values, or (first
+                call) missing tensors; every offending name is listed.
+        """
+        params = self.params()
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        try:
+            for name, tensor in weights:
+                if name not in self._shapes:
+                    unknown.append(name)
+                    continue
+                problem = self._weight_problem(name, tensor)
+                if problem is not None:
+                    raise CheckpointError(f"checkpoint {self._source}: {problem}")
+                if (tensor.dtype not in _CODE_DTYPES and tensor.is_floating_point()
+                        and not bool(torch.isfinite(tensor).all())):
+                    raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        finally:
+            self.invalidate_params()
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint {self._source} has tensors the {self.spec.family} spec does not declare: "
+                f"{sorted(unknown)}")
+        self._after_copy(loaded)
+        return loaded
+
+    def prepare_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, skip_unchanged: bool = False,
+                        what: str = "in-place weight update") -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Validate new values of parameters once, cast once, without copying anything.
+
+        Each tensor is checked for its name, shape and (quantized codes) dtype, cast once
+        to its parameter's device and dtype (``Tensor.to``: round to nearest even; a no-op
+        when both already match). With ``skip_unchanged`` it is first compared bit for bit
+        with the parameter (equal ones are left out: the parameter was validated when it
+        was loaded); every other float tensor is checked for NaN/Inf after the cast. The
+        equality flags, then the finiteness flags, of all tensors are gathered on the
+        device and read with one host sync each (on the CPU, where there is no sync to
+        save, the comparisons are ``torch.equal`` on the bits).
+
+        Args:
+            weights: ``(HF name, tensor)`` pairs, any device, shapes as the spec declares.
+            skip_unchanged: leave out tensors whose bits already equal the parameter's.
+            what: how error messages name the operation.
+
+        Returns:
+            ``(changed, unchanged)``: ``{name: cast tensor}`` to pass to :meth:`copy_weights`
+            (in the order given) and the names left out because they are equal.
+
+        Raises:
+            CheckpointError: unknown names, wrong shapes or code dtypes (all listed
+                together), then NaN/Inf after the cast (all listed); nothing is written.
+        """
+        params = self.params()
+        problems: list[str] = []
+        unknown: list[str] = []
+        cast: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if name not in self._shapes:
+                unknown.append(name)
+                continue
+            problem = self._weight_problem(name, tensor)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            p = params[name]
+            cast[name] = tensor.detach().to(device=p.device, dtype=p.dtype)
+        if unknown:
+            problems.append(f"the {self.spec.family} spec does not declare {sorted(unknown)}")
+        if problems:
+            raise CheckpointError(f"{what} rejected ({self._source}): " + "; ".join(problems))
+        names = list(cast)
+        unchanged: list[str] = []
+        if skip_unchanged:  # one host sync for all comparisons
+            same = _flags([_bits_equal(cast[n], params[n]) for n in names])
+            unchanged = [n for n, eq in zip(names, same) if eq]
+            names = [n for n, eq in zip(names, same) if not eq]
+        finite_names = [n for n in names if cast[n].dtype not in _CODE_DTYPES and cast[n].is_floating_point()]
+        ok = _flags([torch.isfinite(cast[n]).all() for n in finite_names])  # one host sync for all tensors
+        bad = [n for n, good in zip(finite_names, ok) if not good]
+        if bad:
+            raise CheckpointError(f"{what} rejected: tensors {bad} hold NaN or Inf (after the cast to the "
+                                  "engine's dtypes)")
+        return {n: cast[n] for n in names}, unchanged
+
+    def copy_weights(self, prepared: Mapping[str, torch.Tensor]) -> set[str]:
+        """Copy tensors from :meth:`prepare_weights` into their parameters through each
+        parameter's ``weight_loader`` (``param.data.copy_``: storage and ``data_ptr`` kept).
+
+        Returns:
+            The set of copied names.
+
+        Raises:
+            CheckpointError: (the first load, when vLLM started on dummy weights) tensors
+                missing; quantized checkpoints: bad scales after the copy.
+        """
+        params = self.params()
+        try:
+            with torch.no_grad():
+                for name, tensor in prepared.items():
+                    param = params[name]
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        finally:
+            self.invalidate_params()
+        loaded = set(prepared)
+        self._after_copy(loaded)
+        return loaded
+
+    def _after_copy(self, loaded: set[str]) -> None:
+        if not self._initial_load_done:
+            missing = [n for n in self._shapes if n not in loaded]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {self._source} is missing tensors of the {self.spec.family} spec: {missing}")
+            self._initial_load_done = True
+            self._compile_logits_kernels()
+        if any(d != self.spec.dtype for d in self._dtypes.values()):
+            from ...converters.modelopt import validate_quantized
+
+            validate_quantized(self.params(), self.spec, source=str(self._source))
+
+
+_CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu)
+"""Stored dtypes of quantized codes and power-of-two scales: never cast, never NaN-checked as floats."""
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | bool:
+    """Whether ``a`` and ``b`` (same shape, dtype and device) hold the same bits (unlike ``==``,
+    +0 and -0 differ and equal NaNs match): a 0-dim bool tensor on an accelerator (read later
+    with the others, :func:`_flags`), a bool on the CPU (``torch.equal`` stops at the first
+    difference; the CPU has no host sync to save)."""
+    as_int = _SAME_SIZE_INT[a.element_size()]
+    if a.device.type == "cpu":
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.eq(a.view(as_int), b.view(as_int)).all()
+
+
+def _flags(values: list) -> list[bool]:
+    """``bool`` of each 0-dim bool tensor / bool, with one host sync for all tensors of a device."""
+    out: list = list(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(out):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([out[i] for i in idx]).tolist()):
+            out[i] = v
+    return [bool(v) for v in out]

@@ -1,0 +1,91 @@
+"""Block-FP8 GEMM in Triton (rules: :mod:`unified_models.ops.fp8_block`).
+
+One kernel over ``[BLOCK_M, 128]`` output tiles (``BLOCK_N = BLOCK_K = 128``: one weight
+block per program and K step, so its ue8m0 scale is one scalar), a full K loop per program
+(no split-K, no atomics, no autotune, ``T`` not specialized): every output element is the
+same sequence of operations whatever the batch. Per K block: GPU ``tl.dot`` on e4m3 tiles
+(Hopper fp8 wgmma, fp32 accumulate, promoted once per block: ``max_num_imprecise_acc =
+128``); interpreter (CPU): the e4m3 bytes decoded exactly and the block dot formed in fp64
+(:func:`~unified_models.ops.triton._common.interpreter_dot`, exact) and rounded once to fp32,
+so the kernel equals :func:`~.cpu.fp8_block_linear_torch` bit for bit. Then
+``acc = acc + (part * sx[t, kb]) * sw[n // 128, kb]`` in fp32, bias in fp32, one RNE
+rounding. The 1x128 activation quantization runs before the launch in plain torch
+(:func:`~.common.fp8_block_quantize_activation`: elementwise and exact maxima, the same
+bits on every device).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton._common import (_INTERP, INTERPRET, check_device, e4m3_bits_to_f32, grouped_tile, interpreter_dot,
+                              round_to)
+from .common import BLOCK, fp8_block_quantize_activation
+
+BLOCK_M = 64
+NUM_WARPS, NUM_STAGES = (4, 1) if INTERPRET else (4, 3)
+GROUP_M = 8
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_block_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, KB,
+                           stride_xm, stride_xk, stride_sxm, stride_sxk, stride_wn, stride_wk,
+                           stride_swn, stride_swk, stride_om, stride_on,
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)[:, None]  # [BM, 1]
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)[None, :]  # [1, BN]
+    kr = tl.arange(0, BLOCK_K)[None, :]
+    kc = tl.arange(0, BLOCK_K)[:, None]
+    mask_m = rm < M
+    mask_n = rn < N
+    x_ptrs = x_ptr + rm * stride_xm + kr * stride_xk
+    w_ptrs = w_ptr + rn * stride_wn + kc * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, KB):
+        sx = tl.load(sx_ptr + rm * stride_sxm + kb * stride_sxk, mask=mask_m, other=1.0)  # [BM, 1]
+        sw = tl.load(sw_ptr + pid_n * stride_swn + kb * stride_swk)
+        if _INTERP:
+            a = tl.load(x_ptrs, mask=mask_m, other=0).to(tl.int32)
+            b = tl.load(w_ptrs, mask=mask_n, other=0).to(tl.int32)
+            part = interpreter_dot(e4m3_bits_to_f32(a), e4m3_bits_to_f32(b)).to(tl.float32)
+        else:
+            a = tl.load(x_ptrs, mask=mask_m, other=0.0)
+            b = tl.load(w_ptrs, mask=mask_n, other=0.0)
+            part = tl.dot(a, b, max_num_imprecise_acc=BLOCK_K)
+        acc = acc + (part * sx) * sw
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rm * stride_om + rn * stride_on, round_to(acc, out_ptr.dtype.element_ty),
+             mask=mask_m & mask_n)
+
+
+def fp8_block_linear_triton(x_TK: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch.Tensor,
+                            bias_N: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-FP8 linear in Triton; arguments as :func:`~.dispatch.fp8_block_linear_forward`
+    (checked there). Raises ``ValueError`` for tensors on different devices."""
+    check_device("fp8_block_linear_triton", x_TK, weight_q, weight_scale_inv, bias_N)
+    T, K = x_TK.shape
+    N = weight_q.shape[0]
+    out = torch.empty((T, N), dtype=out_dtype, device=x_TK.device)
+    if T == 0 or N == 0:
+        return out
+    xq, sx = fp8_block_quantize_activation(x_TK)
+    sw = weight_scale_inv.float().contiguous()
+    wq = weight_q
+    if INTERPRET:  # bytes: the kernel decodes e4m3 itself (the interpreter's fp8 casts are unreliable)
+        xq, wq = xq.view(torch.uint8), weight_q.view(torch.uint8)
+    bias = bias_N.contiguous() if bias_N is not None else out
+    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, BLOCK),)
+    _fp8_block_gemm_kernel[grid](
+        xq, sx, wq, sw, bias, out, T, N, K // BLOCK,
+        xq.stride(0), xq.stride(1), sx.stride(0), sx.stride(1), wq.stride(0), wq.stride(1),
+        sw.stride(0), sw.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias_N is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK, BLOCK_K=BLOCK, GROUP_M=GROUP_M,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out

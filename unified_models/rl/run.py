@@ -1,0 +1,281 @@
+"""One GRPO step of ``unified-models rl``: rollout, rewards and advantages, recompute and
+bitwise compare, update, weight sync (:class:`RLRun`; the steps are described in :mod:`.loop`).
+
+The run holds one :class:`~..backends.vllm.rollout.RolloutEngine` and one
+:class:`~..backends.megatron.trainer.Trainer` and uses only their public methods
+(``generate``, ``sync_weights``; ``logprobs``, ``step``, ``named_weights``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..consistency.metrics import compare_logprobs, full_vocab_max_abs_diff, rollout_digest
+from .data import prompts_for_step, request_seed
+from .grpo import group_advantages, grpo_loss, token_weights
+from .options import RLOptions
+from .rewards import Completion, build_reward, reward_info
+
+__all__ = ["DiffNotZeroError", "RLRun", "StepResult", "entropy_sum", "first_mismatch", "full_vocab_of_pairs"]
+
+
+class DiffNotZeroError(RuntimeError):
+    """Rollout and trainer logprobs differ: names the step, sequence and position (the run exits 1)."""
+
+    def __init__(self, message: str, diff=None, full_vocab: float | None = None):
+        super().__init__(message)
+        self.diff = diff
+        self.full_vocab = full_vocab
+
+
+def entropy_sum(lp_RV: torch.Tensor) -> float:
+    """Σ over rows of ``-Σ_v p log p`` (fp64), ``p = exp(lp)``; ``-inf`` entries contribute 0."""
+    total = 0.0
+    for lp in lp_RV.detach().split(1024):  # bounded temporaries on large micro-batches
+        p = lp.exp()
+        total += float((-(torch.where(p > 0, p * lp, torch.zeros_like(lp))).sum(-1)).double().sum())
+    return total
+
+
+def full_vocab_of_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor, Any]]) -> float:
+    """Max |Δ| over ``(rollout row, trainer row, key)`` pairs (0.0 when none were recorded)."""
+    if not pairs:
+        return 0.0
+    return full_vocab_max_abs_diff(torch.stack([a for a, _, _ in pairs]), torch.stack([b for _, b, _ in pairs]))
+
+
+def first_mismatch(a_N: torch.Tensor, b_N: torch.Tensor) -> int | None:
+    """Index of the first element whose fp32 bits differ between ``a_N`` and ``b_N`` (same shape ``[N]``), else None."""
+    bad = (a_N.float().view(torch.int32) != b_N.float().view(torch.int32)).nonzero()
+    return int(bad[0]) if bad.numel() else None
+
+
+@dataclass
+class StepResult:
+    """One step's metrics line (:mod:`.metrics`, without ``seconds``) and the diff that stopped it, if any."""
+
+    row: dict
+    error: DiffNotZeroError | None = None
+
+
+@dataclass
+class RLRun:
+    """The state of one ``rl`` run: options, model, prompts, reward, the two engines.
+
+    Built by :func:`.startup.load_run`; :func:`.startup.start_engines` sets ``engine``
+    and ``trainer``; :meth:`step` runs one GRPO step.
+    """
+
+    opts: RLOptions
+    device: str
+    spec: Any
+    model_dir: Path
+    prompt_ids: list[list[int]]
+    rows: list
+    tokenizer: Any
+    reward: Any
+    reward_name: str
+    target_token_id: int | None
+    engine: Any = None
+    """The :class:`~..backends.vllm.rollout.RolloutEngine` (one ``vllm.LLM`` for the run)."""
+    trainer: Any = None
+    """The :class:`~..backends.megatron.trainer.Trainer` (module, optimizer, frozen reference)."""
+    first_step_of_process: int = 1
+    state_dict: dict | None = None
+    """The checkpoint's validated tensors until both engines hold them (then None)."""
+
+    # ------------------------------------------------------------------ rollout
+
+    def rollout(self, step: int, seq_prompts: list[list[int]]):
+        """Completions, per-sequence fp32 logprobs and the recorded whole rows keyed ``(s, j)``.
+
+        Whole rows are kept for the first ``ceil(full_vocab_rows / max_new_tokens)``
+        sequences only (-1: all), so only those leave the device.
+        """
+        o = self.opts
+        if o.full_vocab_rows < 0:
+            keep = -1
+        else:
+            keep = min(len(seq_prompts), math.ceil(o.full_vocab_rows / o.max_new_tokens))
+        ro = self.engine.generate(seq_prompts, max_new_tokens=o.max_new_tokens,
+                                  seeds=[request_seed(o.seed, step, s) for s in range(len(seq_prompts))],
+                                  temperature=o.temperature, stop_at_eos=o.stop_at_eos, full_row_requests=keep)
+        logprobs = [torch.tensor(lps, dtype=torch.float32) for lps in ro.logprobs]
+        full_rows = {(s, pos - len(seq_prompts[s]) + 1): ro.full_rows[(s, pos)] for s, pos in ro.full_row_keys}
+        return ro.completions, logprobs, full_rows
+
+    # ------------------------------------------------------------------ diff
+
+    def _where(self, step: int, s: int, j: int, prompt_rows: list[int], seq_prompts) -> str:
+        g = self.opts.group_size
+        return (f"step {step}, sequence {s} (prompt row {self.rows[prompt_rows[s // g]].line} of the prompt file, "
+                f"sample {s % g} of {g}), position {len(seq_prompts[s]) + j} (completion token {j})")
+
+    def check(self, step: int, phase: str, rollout_N: torch.Tensor, trainer_N: torch.Tensor, owners, prompt_rows,
+              seq_prompts, full_pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]):
+        """Raise :class:`DiffNotZeroError` at the first differing token (or row)."""
+        k = first_mismatch(rollout_N, trainer_N)
+        if k is not None:
+            s, j = owners[k]
+            diff = compare_logprobs(rollout_N, trainer_N)
+            raise DiffNotZeroError(
+                f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts)}: rollout logprob "
+                f"{float(rollout_N[k])!r} vs trainer ({phase}) {float(trainer_N[k])!r}; "
+                f"{diff.num_mismatched} of {diff.tokens_compared} tokens differ (max |diff| {diff.max_abs_diff:.3g})",
+                diff=diff)
+        for a, b, (s, j) in full_pairs:
+            if not torch.equal(a, b):
+                fv = full_vocab_max_abs_diff(a[None], b[None])
+                raise DiffNotZeroError(
+                    f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts)}: the sampled token's logprob "
+                    f"agrees but the whole row ({phase}) differs, max |diff| {fv:.3g}",
+                    diff=compare_logprobs(rollout_N, trainer_N), full_vocab=fv)
+
+    # ------------------------------------------------------------------ trainer phases
+
+    def _elapsed(self, t0: float) -> float:
+        """Seconds since ``t0`` once the GPU has finished the phase's queued work
+        (without the synchronize, asynchronous kernels are billed to the next phase)."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def recompute(self, seq_prompts, completions, full_keys: set) -> tuple[torch.Tensor, dict]:
+        """Trainer logprobs ``[N]`` (flat order) and the whole rows of ``full_keys`` (``(s, j)``)."""
+        at = {(s, len(seq_prompts[s]) - 1 + j): (s, j) for s, j in full_keys}
+        res = self.trainer.logprobs(seq_prompts, completions, temperature=self.opts.temperature, full_rows_for=at)
+        rows = {at[k]: r for k, r in res.full_rows.items()}
+        return (torch.cat(res.logprobs) if res.logprobs else torch.zeros(0)), rows
+
+    def update(self, step: int, seq_prompts, completions, rollout_N: torch.Tensor, old_N: torch.Tensor,
+               adv_N: torch.Tensor, w_N: torch.Tensor, full_rows: dict, compare: bool, prompt_rows) -> dict:
+        """One :meth:`Trainer.step`: per micro-batch the forward with a graph is compared bitwise
+        with the rollout, then the GRPO loss; one optimizer update."""
+        o = self.opts
+        acc = {"loss": 0.0, "entropy_sum": 0.0, "importance_ratio_max": -math.inf,
+               "importance_ratio_min": math.inf, "ref_kl_sum": 0.0, "clipped_tokens": 0}
+        trainer_parts, fv_pairs = [], []
+
+        def loss_fn(tb):
+            mb = tb.batch
+            new_R = tb.logprobs.detach().float().cpu()
+            trainer_parts.append(new_R)
+            acc["entropy_sum"] += entropy_sum(tb.rows)
+            pairs = [(full_rows[key], tb.rows[r].detach().float().cpu(), key)
+                     for r, key in enumerate(mb.owners) if key in full_rows] if compare else []
+            fv_pairs.extend(pairs)
+            # every token (and recorded row) is compared before this micro-batch's backward
+            self.check(step, "update forward", rollout_N[mb.flat], new_R, mb.owners, prompt_rows, seq_prompts,
+                       pairs)
+            ref = tb.reference_logprobs() if o.kl_coef > 0 else None
+            dev = tb.logprobs.device
+            res = grpo_loss(tb.logprobs.float(), old_N[mb.flat].to(dev), adv_N[mb.flat].to(dev),
+                            w_N[mb.flat].to(dev), ref_logp_N=ref, kl_coef=o.kl_coef, clip_eps=o.clip_eps)
+            acc["loss"] += float(res.loss.detach())
+            if res.ratio_N.numel():
+                acc["importance_ratio_max"] = max(acc["importance_ratio_max"], float(res.ratio_N.max()))
+                acc["importance_ratio_min"] = min(acc["importance_ratio_min"], float(res.ratio_N.min()))
+            acc["clipped_tokens"] += int(res.clipped_N.sum())
+            if res.k3_N is not None:
+                acc["ref_kl_sum"] += float(res.k3_N.double().sum())
+            return res.loss
+
+        stats = self.trainer.step(seq_prompts, completions, loss_fn, temperature=o.temperature)
+        trainer_N = torch.cat(trainer_parts) if trainer_parts else torch.zeros(0)
+        return {**acc, "grad_norm": stats.get("grad_norm"), "update_successful": stats.get("update_successful"),
+                "trainer_N": trainer_N, "fv_pairs": fv_pairs}
+
+    def sync(self):
+        """Copy every changed parameter into vLLM's buffers in place (bf16 bits unchanged); reset the prefix cache."""
+        return self.engine.sync_weights(self.trainer.named_weights())
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: int, timer: dict) -> StepResult:
+        """Run GRPO step ``step`` (1-based); fill ``timer`` (seconds per phase).
+
+        A diff != 0 does not raise: it comes back in :attr:`StepResult.error`, with the
+        diff fields of the step's row filled, so the caller writes that row first.
+        """
+        o = self.opts
+        t0 = time.perf_counter()
+        prompt_rows = prompts_for_step(len(self.prompt_ids), o.num_prompts_per_step, o.seed, step)
+        seq_prompts = [self.prompt_ids[i] for i in prompt_rows for _ in range(o.group_size)]
+        completions, rollout_lps, full_rows = self.rollout(step, seq_prompts)
+        if self.reward_name == "target-token" and self.target_token_id is None:
+            # auto: the token the initial policy sampled most often in step 1 (ties: smallest id)
+            counts = torch.bincount(torch.tensor([t for c in completions for t in c], dtype=torch.long),
+                                    minlength=self.spec.vocab_size)
+            self.target_token_id = int(torch.argmax(counts))
+            self.reward = build_reward("target-token", target_token_id=self.target_token_id)
+        info = reward_info(self.reward_name)
+        rewards = []
+        for s, toks in enumerate(completions):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if info.needs_text else None
+            ref = self.rows[prompt_rows[s // o.group_size]].answer
+            rewards.append(float(self.reward(Completion(token_ids=toks, text=text, reference=ref))))
+        rewards_S = torch.tensor(rewards, dtype=torch.float64)
+        adv_S = group_advantages(rewards_S, o.group_size)
+        lengths = [len(c) for c in completions]
+        adv_N = torch.repeat_interleave(adv_S, torch.tensor(lengths, dtype=torch.long))
+        w_N = token_weights(lengths)
+        rollout_N = torch.cat(rollout_lps) if rollout_lps else torch.zeros(0)
+        timer["rollout"] = self._elapsed(t0)
+
+        row: dict[str, Any] = {
+            "step": step, "reward_mean": float(rewards_S.mean()), "reward_std": float(rewards_S.std(unbiased=False)),
+            "reward_max": float(rewards_S.max()), "tokens": int(rollout_N.numel()),
+            "sequences": len(completions), "prompt_rows": [self.rows[i].line for i in prompt_rows],
+            "rollout_sha256": rollout_digest(completions, rollout_N),
+        }
+        if self.target_token_id is not None:
+            row["target_token_id"] = self.target_token_id
+        owners = [(s, j) for s, c in enumerate(completions) for j in range(len(c))]  # flat token order
+        use_rollout = o.use_rollout_logprobs and step > self.first_step_of_process
+        row["old_logprobs"] = "rollout" if use_rollout else "recompute"
+        try:
+            t0 = time.perf_counter()
+            if use_rollout:
+                old_N, timer["recompute"] = rollout_N, 0.0
+            else:
+                trainer_N, trainer_rows = self.recompute(seq_prompts, completions, set(full_rows))
+                timer["recompute"] = self._elapsed(t0)
+                pairs = [(full_rows[k], trainer_rows[k], k) for k in full_rows]
+                diff = compare_logprobs(rollout_N, trainer_N)
+                row.update(diff.as_dict())
+                row.update(full_vocab_max_abs_diff=full_vocab_of_pairs(pairs), full_vocab_rows=len(pairs))
+                self.check(step, "recompute", rollout_N, trainer_N, owners, prompt_rows, seq_prompts, pairs)
+                old_N = trainer_N
+            t0 = time.perf_counter()
+            up = self.update(step, seq_prompts, completions, rollout_N, old_N, adv_N, w_N, full_rows, use_rollout,
+                             prompt_rows)
+            timer["update"] = self._elapsed(t0)
+        except DiffNotZeroError as e:
+            if e.diff is not None:
+                row.update(e.diff.as_dict())
+            if e.full_vocab is not None:
+                row["full_vocab_max_abs_diff"] = e.full_vocab
+            row.setdefault("full_vocab_max_abs_diff", None)
+            return StepResult(row=row, error=e)
+        if use_rollout:
+            diff = compare_logprobs(rollout_N, up["trainer_N"])
+            pairs = up["fv_pairs"]
+            row.update(diff.as_dict())
+            row.update(full_vocab_max_abs_diff=full_vocab_of_pairs(pairs), full_vocab_rows=len(pairs))
+        n = max(int(rollout_N.numel()), 1)
+        row.update(importance_ratio_max=up["importance_ratio_max"], importance_ratio_min=up["importance_ratio_min"],
+                   entropy=up["entropy_sum"] / n, ref_kl=up["ref_kl_sum"] / n, loss=up["loss"],
+                   grad_norm=up["grad_norm"], clipped_tokens=up["clipped_tokens"],
+                   advantage_abs_mean=float(adv_S.abs().mean()))
+        t0 = time.perf_counter()
+        rep = self.sync()
+        timer["sync"] = self._elapsed(t0)
+        row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
+        return StepResult(row=row)
+

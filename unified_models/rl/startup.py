@@ -1,0 +1,136 @@
+"""Start of an ``rl`` run: read the checkpoint and prompts once (:func:`load_run`), start
+the rollout engine and the trainer and restore ``--resume`` (:func:`start_engines`);
+write a training checkpoint (:func:`save_checkpoint`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..dsl import PromptError, UnifiedModelsError
+from ..run_options import resolve_device, tokenizer_dir_for
+from .data import load_prompt_rows
+from .options import AUTO, RLOptions, run_identity
+from .rewards import build_reward, reward_info
+from .run import RLRun
+
+__all__ = ["load_run", "start_engines", "save_checkpoint"]
+
+
+def load_run(opts: RLOptions) -> RLRun:
+    """Read and validate the checkpoint (``--model`` or the preset) and the prompts, once.
+
+    ``opts`` must be resolved (:func:`.options.resolve_options`). No engine starts here.
+
+    Raises:
+        UnifiedModelsError: the checkpoint, a flag that needs the model (``--max-new-tokens``,
+            ``--target-token-id``, ``--num-prompts-per-step``) or the prompts are refused.
+    """
+    from ..backends.vllm.settings import check_spec_supported
+    from ..converters.hf_safetensors import spec_and_state_dict
+    from ..presets import DEFAULT_PRESET, build_preset_checkpoint, default_prompts_path
+    from ..prompts import tokenize_prompts
+
+    device = resolve_device(opts.device)
+    model_dir = Path(opts.model) if opts.model else build_preset_checkpoint(opts.preset or DEFAULT_PRESET)
+    _, spec, state_dict = spec_and_state_dict(model_dir)
+    check_spec_supported(spec)
+    if opts.max_new_tokens >= spec.max_position_embeddings:
+        raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
+                                 f"max_position_embeddings is {spec.max_position_embeddings}")
+    tid = opts.target_token_id
+    if tid != AUTO:
+        if not isinstance(tid, int) or not 0 <= tid < spec.vocab_size:
+            raise UnifiedModelsError(f"--target-token-id {tid} is outside the model vocabulary [0, {spec.vocab_size})")
+    info = reward_info(opts.reward)
+    prompts_path = opts.prompts or default_prompts_path()
+    rows = load_prompt_rows(prompts_path, need_answer=info.needs_reference)
+    if opts.num_prompts_per_step > len(rows):
+        raise UnifiedModelsError(f"--num-prompts-per-step {opts.num_prompts_per_step} exceeds the {len(rows)} "
+                                 f"prompts in {prompts_path}")
+    tok_dir = tokenizer_dir_for(model_dir, opts.tokenizer)
+    max_prompt = spec.max_position_embeddings - opts.max_new_tokens
+    try:
+        prompt_ids = tokenize_prompts([r.text for r in rows], tok_dir, vocab_size=spec.vocab_size,
+                                      max_prompt_tokens=max_prompt)
+    except PromptError as e:
+        raise PromptError(f"{e} (tokenizer: {tok_dir}; pass --tokenizer to use another)") from None
+    tokenizer = None
+    if info.needs_text:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    reward = None if (opts.reward == "target-token" and tid == AUTO) else \
+        build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
+    return RLRun(opts=opts, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids, rows=rows,
+                 tokenizer=tokenizer, reward=reward, reward_name=opts.reward,
+                 target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
+
+
+def start_engines(run: RLRun, console) -> int:
+    """Start the vLLM engine and the trainer (module, optimizer, frozen reference) on
+    ``run.state_dict``, then drop it; restore ``--resume``. Notes go to the rich ``console``.
+
+    Returns:
+        The last finished step (0 for a fresh run).
+
+    Raises:
+        UnifiedModelsError: the resumed checkpoint is already at ``--steps``, or does not
+            record the target token that ``auto`` chose.
+    """
+    from ..backends.megatron import destroy_parallel_state
+    from ..backends.megatron.optimizer import OptimizerConfig
+    from ..backends.megatron.trainer import Trainer, TrainerOptions
+    from ..backends.vllm.rollout import RolloutEngine
+
+    o = run.opts
+    # Megatron's groups from an earlier run in this process may sit on a process
+    # group vLLM's shutdown has destroyed: drop them; vLLM (re)creates the world.
+    destroy_parallel_state()
+    longest = max(len(p) for p in run.prompt_ids)
+    s = o.num_prompts_per_step * o.group_size
+    # the engine gets the state dict read once in load_run: vLLM does not read the checkpoint again
+    run.engine = RolloutEngine(run.spec, run.model_dir, state_dict=run.state_dict, device=run.device, seed=o.seed,
+                               max_model_len=longest + o.max_new_tokens, max_num_seqs=s,
+                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
+    # a ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
+    run.trainer = Trainer(run.spec, run.state_dict, device=run.device,
+                          options=TrainerOptions(optimizer=OptimizerConfig(lr=o.lr, clip_grad=o.clip_grad),
+                                                 reference_model=o.kl_coef > 0,  # frozen copy of the initial weights
+                                                 micro_batch_tokens=o.micro_batch_tokens))
+    run.spec = run.trainer.spec
+    run.state_dict = None
+    start = 0
+    if o.resume:
+        ck = run.trainer.resume(o.resume)
+        start = ck.iteration
+        saved = ck.extra.get("rl", {})
+        if run.reward_name == "target-token" and run.target_token_id is None:
+            if saved.get("target_token_id") is None:
+                raise UnifiedModelsError(f"--resume {o.resume}: the checkpoint does not record the target token "
+                                         "that 'auto' chose; pass --target-token-id")
+            run.target_token_id = int(saved["target_token_id"])
+            run.reward = build_reward("target-token", target_token_id=run.target_token_id)
+        changed = {k: (saved.get(k), v) for k, v in run_identity(o).items() if k in saved and saved[k] != v}
+        if changed:
+            console.log(f"[yellow]note[/yellow]: resumed with other settings than the saved run: "
+                        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        if start >= o.steps:
+            raise UnifiedModelsError(f"--resume {o.resume} is at step {start}; --steps {o.steps} leaves nothing to do")
+        run.sync()  # the engine starts from the checkpoint's weights
+    elif run.trainer.trains_masters:
+        # dequantize -> requantize is not the identity (scales are recomputed from the
+        # rounded masters): give the engine the masters' codes before the first rollout
+        rep = run.sync()
+        console.log(f"ModelOpt checkpoint: trainer holds bf16 masters; engine re-quantized from them "
+                    f"({len(rep.copied)} tensors, {rep.seconds:.1f} s)")
+    run.first_step_of_process = start + 1
+    return start
+
+
+def save_checkpoint(run: RLRun, step: int) -> Path:
+    """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
+    (:func:`.options.run_identity`, the target token); returns its directory."""
+    extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step}}
+    return run.trainer.save(run.opts.save, iteration=step, hf_config=(run.model_dir / "config.json").read_text(),
+                            extra=extra, overwrite=True)
+
