@@ -132,6 +132,7 @@ def worker(args) -> dict:
 def _run_tree(tree: Path | None, args, tag: str) -> dict:
     env = dict(os.environ)
     if tree is not None:
+        tree = tree.resolve()  # the worker runs with cwd=tree: a relative PYTHONPATH would miss it
         env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     out_file = Path(f"/tmp/step_costs_{tag}_{os.getpid()}.json")
     cmd = [sys.executable, str(HERE), "--worker", str(out_file), "--preset", args.preset, "--repeats",
