@@ -110,7 +110,7 @@ def worker(args) -> dict:
         engine.sync_weights(sd)
         out["sync_unchanged_s"], out["sync_unchanged_runs_s"] = _median_s(
             lambda: engine.sync_weights(sd), args.repeats)
-        live = {n: p.detach().clone() for n, p in model.params().items()}
+        live = {n: p.detach().cpu() for n, p in model.params().items()}
         assert all(torch.equal(live[n], sd[n]) for n in sd), "the engine does not hold the checkpoint after the syncs"
         per_forward = getattr(model, "forward_params", model.params)
         n_calls = 200
