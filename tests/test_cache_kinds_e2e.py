@@ -20,29 +20,21 @@ Prompts are longer than the window and decode runs well past it. Checked:
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import shutil
 
 import pytest
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from unified_models.backends.reference import ReferenceModel
-from unified_models.converters.hf_safetensors import save_state_dict
 from unified_models.dsl import (AttentionSpec, BlockSpec, EmbeddingSpec, LMHeadSpec, MLPSpec, ModelSpec, RMSNormSpec,
                                 SpecError, SublayerSpec)
-from unified_models.forward import forward_hidden, logits_fp32
 from unified_models.models import register_model
-from unified_models.presets import tokenizer_dir
-from unified_models.private_state import PrivateStateStore
-from unified_models.state import FlatBatch
+from toy_models import BF16_ULP, random_toy_weights, toy_prompts, trainer_logits, write_toy_checkpoint
 
 MODEL_TYPE = "toy_window_lm"
 ARCH = "UnifiedToyWindowForCausalLM"
 W = 6
 LAYERS = ({"sliding_window": W}, {"sliding_window": W, "shared_kv": True}, {})
-BF16_ULP = 2.0 ** -8
 
 
 class ToyWindowConfig(PretrainedConfig):
@@ -83,24 +75,14 @@ def toy(tmp_path_factory):
     register_model(MODEL_TYPE, toy_spec_from_config, ARCH)
     config = ToyWindowConfig(architectures=["ToyWindowForCausalLM"], torch_dtype="bfloat16")
     spec = toy_spec_from_config(config)
-    g = torch.Generator().manual_seed(0)
-    sd = {}
-    for name, shape in spec.parameter_shapes().items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            sd[name] = (1.0 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-        else:
-            std = 1.0 if name.startswith(("model.embed", "lm_head")) else 1.0 / shape[-1] ** 0.5
-            sd[name] = (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+    sd = random_toy_weights(spec)
     d = tmp_path_factory.mktemp("toy_window")
-    save_state_dict(sd, d, config_json=config.to_dict())
-    for f in os.listdir(tokenizer_dir()):
-        shutil.copy(tokenizer_dir() / f, d / f)
+    write_toy_checkpoint(d, config, sd)
     return d, spec, sd, config
 
 
-def _prompts(n, length):
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(10, 32000, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+def _prompts(n: int, length: int) -> list[list[int]]:
+    return toy_prompts(n, length, seed=5)
 
 
 def test_spec_declares_the_cache_kinds(toy):
@@ -122,10 +104,7 @@ def test_spec_declares_the_cache_kinds(toy):
 
 
 def _engine_logits(spec, sd, ids):
-    batch = FlatBatch.from_cu_seqlens(ids, torch.tensor([0, ids.numel()]))
-    store = PrivateStateStore(spec, [ids.numel()], block_size=16)
-    store.bind(batch)
-    return logits_fp32(spec, sd, forward_hidden(spec, sd, batch, store)).double()
+    return trainer_logits(spec, sd, ids)
 
 
 def test_engine_forward_matches_fp64_reference_and_window_is_applied(toy):

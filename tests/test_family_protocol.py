@@ -25,23 +25,17 @@ in the path.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 
 import pytest
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from unified_models.backends.reference import ReferenceModel
-from unified_models.converters.hf_safetensors import save_state_dict
 from unified_models.dsl import (PLAIN_RESIDUAL, AttentionSpec, BlockSpec, EmbeddingSpec, LMHeadSpec, MLPSpec,
                                 ModelSpec, RMSNormSpec, SublayerSpec)
-from unified_models.forward import forward_hidden, logits_fp32
 from unified_models.layers import FAMILIES, LayerFamily, family_of, register_family, register_residual
 from unified_models.models import register_model
-from unified_models.presets import tokenizer_dir
-from unified_models.private_state import PrivateStateStore
-from unified_models.state import FlatBatch
+from toy_models import BF16_ULP, random_toy_weights, toy_prompts, trainer_logits, write_toy_checkpoint
 
 MODEL_TYPE = "toy_parallel_lm"
 ARCH = "UnifiedToyParallelForCausalLM"
@@ -152,36 +146,21 @@ def toy(tmp_path_factory):
     register_model(MODEL_TYPE, toy_spec_from_config, ARCH)
     config = ToyParallelConfig(architectures=["ToyParallelForCausalLM"], torch_dtype="bfloat16")
     spec = toy_spec_from_config(config)
-    g = torch.Generator().manual_seed(0)
-    sd = {}
-    for name, shape in spec.parameter_shapes().items():
-        if name.endswith("norm.weight"):
-            sd[name] = (1.0 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-        else:  # std 0.5 (embedding, LM head: 1.0): logits far from uniform
-            std = 1.0 if name.startswith(("model.embed", "lm_head")) else 0.5 / shape[-1] ** 0.5 * 4
-            sd[name] = (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+    sd = random_toy_weights(spec, gain=2.0)  # logits far from uniform
     d = tmp_path_factory.mktemp("toy_parallel")
-    save_state_dict(sd, d, config_json=config.to_dict())
-    for f in os.listdir(tokenizer_dir()):
-        shutil.copy(tokenizer_dir() / f, d / f)
+    write_toy_checkpoint(d, config, sd)
     yield d, spec, sd
     FAMILIES.pop(ParallelAttnMLPSpec, None)
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(10, 32000, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+    return toy_prompts(n, length, seed=3)
 
 
-BF16_ULP = 2.0 ** -8
-"""Spacing of bf16 numbers in [1, 2) (8 significand bits): its relative rounding step."""
 
 
 def _engine_logits(spec, sd, ids):
-    batch = FlatBatch.from_cu_seqlens(ids, torch.tensor([0, ids.numel()]))
-    store = PrivateStateStore(spec, [ids.numel()], block_size=16)
-    store.bind(batch)
-    return logits_fp32(spec, sd, forward_hidden(spec, sd, batch, store)).double()
+    return trainer_logits(spec, sd, ids)
 
 
 def test_toy_family_engine_forward_matches_oracle_and_uses_both_streams(toy):

@@ -5,7 +5,7 @@ A toy family declared as a newcomer would (``docs/architecture.md``): a transfor
 DeepSeek-V4's names (``self_attn`` after ``input_layernorm``, ``mlp`` after
 ``post_attention_layernorm``; the package's attention and MLP families) and the
 :class:`~unified_models.dsl.HyperConnectionSpec` residual with ``hc_mult = 4`` streams
-(parameters ``model.layers.{i}.attn_hc.*`` / ``.ffn_hc.*`` and ``model.hc_head.*``, as
+(parameters ``model.layers.{i}.hc_attn_*`` / ``.hc_ffn_*`` and ``model.hc_head.*``, as
 transformers' ``DeepseekV4ForCausalLM``), and one ``register_model`` line.
 
 Checked: the engine forward is close to the fp64 oracle (the reference model over the
@@ -17,8 +17,6 @@ trainer's recompute agree bitwise on every sampled token and whole row (diff = 0
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 
 import pytest
 import torch
@@ -27,20 +25,18 @@ from transformers import AutoConfig, PretrainedConfig
 from unified_models import ops
 from unified_models.backends.reference import ReferenceModel
 from unified_models.consistency.metrics import compare_logprobs, full_vocab_max_abs_diff
-from unified_models.converters.hf_safetensors import save_state_dict
 from unified_models.dsl import (AttentionSpec, BlockSpec, EmbeddingSpec, HyperConnectionSpec, LMHeadSpec, MLPSpec,
                                 ModelSpec, RMSNormSpec, SpecError, SublayerSpec)
 from unified_models.forward import forward_hidden, logits_fp32
 from unified_models.layers import register_residual
 from unified_models.layers.residual import RESIDUALS, HyperConnectionResidual
 from unified_models.models import register_model
-from unified_models.presets import tokenizer_dir
 from unified_models.private_state import PrivateStateStore
 from unified_models.state import FlatBatch
+from toy_models import BF16_ULP, random_toy_weights, toy_prompts, trainer_logits, write_toy_checkpoint
 
 MODEL_TYPE = "toy_mhc_lm"
 ARCH = "UnifiedToyMHCForCausalLM"
-BF16_ULP = 2.0 ** -8
 
 
 class ToyMHCConfig(PretrainedConfig):
@@ -69,7 +65,7 @@ def toy_spec_from_config(config, *, dtype=None, **_):
                 SublayerSpec(index=i, norm=RMSNormSpec(name=f"{p}.post_attention_layernorm", hidden_size=d, eps=eps),
                              mixer=mlp))
         blocks.append(BlockSpec(index=i, sublayers=subs))
-        sites += [(f"{p}.input_layernorm", f"{p}.attn_hc"), (f"{p}.post_attention_layernorm", f"{p}.ffn_hc")]
+        sites += [(f"{p}.input_layernorm", f"{p}.hc_attn"), (f"{p}.post_attention_layernorm", f"{p}.hc_ffn")]
     residual = HyperConnectionSpec(hc_mult=config.hc_mult, hidden_size=d, sinkhorn_iters=config.hc_sinkhorn_iters,
                                    hc_eps=config.hc_eps, norm_eps=eps, sites=tuple(sites))
     return ModelSpec(
@@ -83,18 +79,14 @@ def toy_spec_from_config(config, *, dtype=None, **_):
 def _weights(spec, seed=0):
     """Random bf16 weights: norms ~1, projections ~ N(0, (2/sqrt(fan_in))^2) (logits far from uniform);
     HC ``fn`` gives mixing logits ~ N(0, 2^2), ``base`` ~ N(0, 0.5^2), ``scale`` ~ 1."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, shape in spec.parameter_shapes().items():
-        if name.endswith("norm.weight") or name.endswith("scale"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("base"):
-            t = 0.5 * torch.randn(shape, generator=g)
-        else:
-            std = 1.0 if name.startswith(("model.embed", "lm_head")) else 2.0 / shape[-1] ** 0.5
-            t = torch.randn(shape, generator=g) * std
-        sd[name] = t.to(torch.bfloat16)
-    return sd
+    def special(name, shape, g):
+        if name.endswith("scale"):
+            return 1.0 + 0.1 * torch.randn(shape, generator=g)
+        if name.endswith("base"):
+            return 0.5 * torch.randn(shape, generator=g)
+        return None
+
+    return random_toy_weights(spec, gain=2.0, seed=seed, special=special)
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +98,16 @@ def toy(tmp_path_factory):
     spec = toy_spec_from_config(config)
     sd = _weights(spec)
     d = tmp_path_factory.mktemp("toy_mhc")
-    save_state_dict(sd, d, config_json=config.to_dict())
-    for f in os.listdir(tokenizer_dir()):
-        shutil.copy(tokenizer_dir() / f, d / f)
+    write_toy_checkpoint(d, config, sd)
     return d, spec, sd
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(10, 32000, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+    return toy_prompts(n, length, seed=3)
 
 
 def _engine_logits(spec, sd, ids):
-    batch = FlatBatch.from_cu_seqlens(ids, torch.tensor([0, ids.numel()]))
-    store = PrivateStateStore(spec, [ids.numel()], block_size=16)
-    store.bind(batch)
-    return logits_fp32(spec, sd, forward_hidden(spec, sd, batch, store)).double()
+    return trainer_logits(spec, sd, ids)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,8 +123,8 @@ def _identity_comb_pre(*args, **kwargs):
 def test_mhc_toy_spec_names_and_forward_against_oracle(toy):
     _, spec, sd = toy
     names = spec.parameter_shapes()
-    assert names["model.layers.1.ffn_hc.fn"] == (24, 256) and names["model.hc_head.hc_scale"] == (1,)
-    assert sum(".attn_hc." in n or ".ffn_hc." in n for n in names) == 2 * 2 * 3
+    assert names["model.layers.1.hc_ffn_fn"] == (24, 256) and names["model.hc_head.hc_scale"] == (1,)
+    assert sum(".hc_attn_" in n or ".hc_ffn_" in n for n in names) == 2 * 2 * 3
     ids = torch.tensor(_prompts(1, 24)[0])
     ref = ReferenceModel(spec, dtype=torch.float64)
     ref.load_state_dict_hf(sd)
@@ -212,7 +198,7 @@ def test_mhc_init_rules_are_transformers():
     rules = HyperConnectionResidual.init_rules(spec.residual)
     assert set(rules) == {n for n in spec.residual.parameter_shapes() if n.endswith(("base", "scale"))}
     p = torch.full((3,), 7.0)
-    rules["model.layers.0.attn_hc.scale"](p)
+    rules["model.layers.0.hc_attn_scale"](p)
     assert torch.equal(p, torch.ones(3))
     rules["model.hc_head.hc_base"](p)
     assert torch.equal(p, torch.zeros(3))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import shutil
 import sys
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 
 from unified_models import plugins
 from unified_models.cli import main
+from toy_models import write_toy_checkpoint
 
 PLUGIN = "plugin_toy_family"  # tests/plugin_toy_family.py (tests/ is on sys.path under pytest)
 MODEL_TYPE = "toy_negated_mlp_lm"
@@ -103,8 +102,6 @@ def test_broken_plugins_are_clear_errors(toy_config_dir, capsys, monkeypatch):
 @pytest.mark.slow
 def test_rl_runs_a_plugin_model_through_both_engines(tmp_path, capsys):
     """``rl --plugin``: vLLM samples and Megatron trains the toy family, diff = 0."""
-    from unified_models.converters.hf_safetensors import save_state_dict
-    from unified_models.presets import tokenizer_dir
     from unified_models.rl.metrics import read_metrics
 
     mod = __import__(PLUGIN)
@@ -115,9 +112,7 @@ def test_rl_runs_a_plugin_model_through_both_engines(tmp_path, capsys):
               else torch.randn(s, generator=g) * (1.0 if n.startswith(("model.embed", "lm_head")) else 0.1)
               ).to(torch.bfloat16) for n, s in spec.parameter_shapes().items()}
     d = tmp_path / "toy"
-    save_state_dict(sd, d, config_json=config.to_dict())
-    for f in os.listdir(tokenizer_dir()):
-        shutil.copy(tokenizer_dir() / f, d / f)
+    write_toy_checkpoint(d, config, sd)
     _unregister()  # the CLI must register it itself
     metrics = tmp_path / "m.jsonl"
     status = main(["rl", "--model", str(d), "--plugin", PLUGIN, "--steps", "2", "--num-prompts-per-step", "2",

@@ -135,16 +135,27 @@ def test_spec_parameter_names_and_shapes_are_transformers():
                            o_groups=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                            index_n_heads=2, index_head_dim=16, index_topk=4, num_hash_layers=0,
                            num_nextn_predict_layers=0, hc_mult=N)
-    want = {n: tuple(t.shape) for n, t in DeepseekV4ForCausalLM(cfg).state_dict().items() if "hc" in n}
+    import tempfile
+
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory() as d:  # the names save_pretrained writes (the published layout's)
+        DeepseekV4ForCausalLM(cfg).save_pretrained(d)
+        with safe_open(f"{d}/model.safetensors", "pt") as f:
+            saved = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if "hc" in n}
+    order = ([f"model.layers.{i}.hc_{s}_{p}" for i in range(2) for s in ("attn", "ffn") for p in ("fn", "base", "scale")]
+             + [f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")])
+    want = {n: saved[n] for n in order}
+    assert set(want) == set(saved)
     sites = tuple((f"model.layers.{i}.{norm}", f"model.layers.{i}.{hc}") for i in range(2)
-                  for norm, hc in (("input_layernorm", "attn_hc"), ("post_attention_layernorm", "ffn_hc")))
+                  for norm, hc in (("input_layernorm", "hc_attn"), ("post_attention_layernorm", "hc_ffn")))
     spec = HyperConnectionSpec(hc_mult=N, hidden_size=D, sinkhorn_iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
                                sites=sites)
     assert spec.parameter_shapes() == want
     assert list(spec.parameter_shapes()) == list(want)  # same order too
-    with pytest.raises(SpecError, match=r"HC module name\(s\) given twice: model.layers.0.attn_hc"):
+    with pytest.raises(SpecError, match=r"HC module name\(s\) given twice: model.layers.0.hc_attn"):
         HyperConnectionSpec(hc_mult=N, hidden_size=D, sinkhorn_iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS,
-                            sites=(("a", "model.layers.0.attn_hc"), ("b", "model.layers.0.attn_hc")))
+                            sites=(("a", "model.layers.0.hc_attn"), ("b", "model.layers.0.hc_attn")))
     with pytest.raises(SpecError, match="sinkhorn_iters must be >= 1"):
         HyperConnectionSpec(hc_mult=N, hidden_size=D, sinkhorn_iters=0, hc_eps=HC_EPS, norm_eps=NORM_EPS, sites=sites)
 

@@ -22,6 +22,7 @@ D hidden, F MLP intermediate, V vocabulary, N cache blocks, S block size.
 """
 
 from .attention import AttentionSpec, RopeSpec
+from .deepseek_attention import DeepseekV4AttentionSpec
 from .embedding import EmbeddingSpec, LMHeadSpec
 from .errors import (
     CheckpointError,
@@ -34,6 +35,7 @@ from .errors import (
 from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
 from .moe import MoESpec
+from .deepseek_moe import DeepseekV4MoESpec
 from .model import BlockSpec, Mixer, ModelSpec, SublayerSpec
 from .residual import PLAIN_RESIDUAL, HyperConnectionSpec, PlainResidualSpec
 from .norm import RMSNormSpec
@@ -43,5 +45,6 @@ __all__ = [
     "AttentionSpec", "EmbeddingSpec", "LMHeadSpec", "MLPSpec", "ModelSpec",
     "BlockSpec", "SublayerSpec", "PlainResidualSpec", "HyperConnectionSpec", "PLAIN_RESIDUAL", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
-    "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec", "LinearFormat",
+    "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec", "LinearFormat", "DeepseekV4MoESpec",
+    "DeepseekV4AttentionSpec",
 ]

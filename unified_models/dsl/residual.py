@@ -56,9 +56,10 @@ class HyperConnectionSpec:
 
     Parameters (transformers' names; ``M = (2 + n) n`` mixing logits):
 
-    * per sublayer, under its HC module name ``p`` (``model.layers.{i}.attn_hc`` and
-      ``model.layers.{i}.ffn_hc`` in DeepSeek-V4): ``p.fn [M, n D]``, ``p.base [M]``,
-      ``p.scale [3]`` (pre, post, comb scales);
+    * per sublayer, under its HC name ``p`` (``model.layers.{i}.hc_attn`` and
+      ``model.layers.{i}.hc_ffn`` in DeepSeek-V4's checkpoints, as transformers'
+      ``save_pretrained`` and the published layout write them): ``p_fn [M, n D]``,
+      ``p_base [M]``, ``p_scale [3]`` (pre, post, comb scales);
     * the head, under ``head_name`` (``model.hc_head``): ``hc_fn [n, n D]``,
       ``hc_base [n]``, ``hc_scale [1]``.
 
@@ -141,7 +142,7 @@ class HyperConnectionSpec:
         n, nd, m = self.hc_mult, self.hc_mult * self.hidden_size, self.num_mixes
         out: dict[str, tuple[int, ...]] = {}
         for _, p in self.sites:
-            out.update({f"{p}.fn": (m, nd), f"{p}.base": (m,), f"{p}.scale": (3,)})
+            out.update({f"{p}_fn": (m, nd), f"{p}_base": (m,), f"{p}_scale": (3,)})
         h = self.head_name
         out.update({f"{h}.hc_fn": (n, nd), f"{h}.hc_base": (n,), f"{h}.hc_scale": (1,)})
         return out

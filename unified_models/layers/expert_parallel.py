@@ -87,6 +87,16 @@ class ExpertDispatcher(Protocol):
         ``nvfp4`` quantizes tensor masters by ModelOpt's rule inside the op."""
         ...
 
+    def swiglu_experts(self, plan: ShardPlan, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                       gate: Any, up: Any, down: Any, shared_TD: torch.Tensor | None, *, swiglu_limit: float,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """DeepSeek-V4's clamped-SwiGLU experts (:mod:`.deepseek_moe`): the same contract with three
+        stacks (``w1``/``w3`` ``[E_local, I, D]``, ``w2`` ``[E_local, D, I]``). The routing weight is
+        applied before the down projection, so it travels with the token: an EP dispatcher sends
+        ``(x_t, w_tk)`` to the owner, which computes ``ops.moe.swiglu_expert_outputs`` of that row,
+        and combines at the token's owner with ``ops.moe.moe_combine`` over unit weights."""
+        ...
+
 
 class LocalExperts:
     """EP = 1: every expert on this process, ``ops.moe_experts`` (differentiable)."""
@@ -102,6 +112,19 @@ class LocalExperts:
             raise ParallelismError(f"LocalExperts runs every expert on one process; ep_size={plan.ep_size} "
                                    "needs an expert-parallel dispatcher")
         return ops.moe_experts(x_TD, ids_TK, w_TK, up, down, shared_TD, nvfp4=nvfp4, out_dtype=out_dtype)
+
+    def swiglu_experts(self, plan: ShardPlan, x_TD, ids_TK, w_TK, gate, up, down, shared_TD, *,
+                       swiglu_limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+        """See :meth:`ExpertDispatcher.swiglu_experts` (``ops.swiglu_experts``, differentiable).
+
+        Raises:
+            ParallelismError: ``plan.ep_size`` > 1.
+        """
+        if plan.ep_size != 1:
+            raise ParallelismError(f"LocalExperts runs every expert on one process; ep_size={plan.ep_size} "
+                                   "needs an expert-parallel dispatcher")
+        return ops.swiglu_experts(x_TD, ids_TK, w_TK, gate, up, down, shared_TD, swiglu_limit=swiglu_limit,
+                                  out_dtype=out_dtype)
 
 
 LOCAL_EXPERTS = LocalExperts()

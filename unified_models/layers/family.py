@@ -77,6 +77,8 @@ class LayerFamily:
         forward: ``(spec, layer_index, params, x_TD, batch, store, ctx) -> y_TD`` over
             :mod:`unified_models.ops` (:data:`~.common.LayerFn`).
         oracle: :data:`OracleFn`, the fp32/fp64 reference of the same math.
+        oracle_takes_input_ids: the oracle also takes the sequence's token ids as
+            ``input_ids_T=`` (int ``[T]``; hash-routed MoE chooses its experts by token id).
         caches: ``(spec, model_dtype) -> {cache name: declaration}``
             (:mod:`unified_models.caches`); stateless families declare none.
             The forward reads each with ``store.state(layer_index, name)``.
@@ -109,6 +111,7 @@ class LayerFamily:
     megatron_fields: Callable[[Any], dict[str, Any]] = _no_fields
     stacked_parameters: Callable[[Any], tuple[tuple[str, ...], ...]] = _no_stacks
     frozen_views: Callable[[Any, Any, Mapping[str, torch.Tensor]], dict[str, Any]] = _no_views
+    oracle_takes_input_ids: bool = False
     quantization: "QuantizationRules | None" = None
 
 

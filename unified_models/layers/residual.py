@@ -91,7 +91,7 @@ class HyperConnectionResidual:
 
     def sublayer_input(self, rspec, params, r, sub):
         p = rspec.site(sub)
-        x_TD, post, comb = self.pre(r.streams, params[p + ".fn"], params[p + ".base"], params[p + ".scale"],
+        x_TD, post, comb = self.pre(r.streams, params[p + "_fn"], params[p + "_base"], params[p + "_scale"],
                                     norm_eps=rspec.norm_eps, hc_eps=rspec.hc_eps, sinkhorn_iters=rspec.sinkhorn_iters)
         r.pending[p] = (post, comb)
         return x_TD

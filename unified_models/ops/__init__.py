@@ -76,3 +76,6 @@ __all__ += ["hc_pre", "hc_post", "hc_head"]
 from .fp8_block import FP8BlockWeight, fp8_block_linear
 
 __all__ += ["FP8BlockWeight", "fp8_block_linear"]
+from .moe.deepseek_backward import hash_route, sqrtsoftplus_route, swiglu_experts, swiglu_shared_expert
+
+__all__ += ["sqrtsoftplus_route", "hash_route", "swiglu_experts", "swiglu_shared_expert"]

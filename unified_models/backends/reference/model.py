@@ -88,13 +88,16 @@ class ReferenceModel(nn.Module):
         """Read-only ``{HF name: parameter}`` view (``self.dtype``), as the oracles take it."""
         return _HFView(self)
 
-    def mixer_output(self, mixer, x_TD: torch.Tensor) -> torch.Tensor:
-        """One sublayer's oracle (its family's) on its normed input: ``[T, D] -> [T, D]``, one sequence.
+    def mixer_output(self, mixer, x_TD: torch.Tensor, input_ids_T: torch.Tensor | None = None) -> torch.Tensor:
+        """One sublayer's oracle (its family's) on its normed input: ``[T, D] -> [T, D]``, one sequence
+        (``input_ids_T`` int ``[T]``: its token ids, for a family whose oracle takes them).
 
         Raises:
             SpecError: no layer family for the mixer's spec type.
         """
-        return family_of(mixer).oracle(mixer, _HFView(self), x_TD)
+        fam = family_of(mixer)
+        extra = {"input_ids_T": input_ids_T} if fam.oracle_takes_input_ids else {}
+        return fam.oracle(mixer, _HFView(self), x_TD, **extra)
 
     @torch.no_grad()
     def logits(self, input_ids_T: torch.Tensor) -> torch.Tensor:
@@ -106,7 +109,9 @@ class ReferenceModel(nn.Module):
         for sub in s.sublayers:
             x = rms_norm_oracle(policy.sublayer_input(s.residual, params, r, sub), self.p(sub.norm.name + ".weight"),
                                 sub.norm.eps)
-            r = policy.add(s.residual, params, r, sub, family_of(sub.mixer, sub.index).oracle(sub.mixer, params, x))
+            fam = family_of(sub.mixer, sub.index)
+            extra = {"input_ids_T": input_ids_T} if fam.oracle_takes_input_ids else {}
+            r = policy.add(s.residual, params, r, sub, fam.oracle(sub.mixer, params, x, **extra))
         h = rms_norm_oracle(policy.contract(s.residual, params, r), self.p(s.final_norm.name + ".weight"),
                             s.final_norm.eps)
         return h @ self.p(s.lm_head.weight_name).t()

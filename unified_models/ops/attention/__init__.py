@@ -33,6 +33,12 @@ two halves; the trainer's backward uses their composition
 (:func:`kv_fp8_roundtrip`) as the forward value and passes gradients straight
 through it.
 
+Attention sink (optional, DeepSeek-V4 / gpt-oss): one fp32 logit per query head that
+joins every row's softmax as a column without a value, so only the denominator grows:
+``o = sum_i e^(x_i - m) v_i / (sum_i e^(x_i - m) + e^(sink_h - m))``. Every
+implementation adds it once, after the row's last KV tile (or split merge), from the
+row's final running max; without a sink no code path changes.
+
 Files (the same for every op family): ``dispatch.py`` the public ops (argument checks,
 then the Triton kernel on GPU or the CPU path, see ``ops/_dispatch.py``); ``cpu.py`` the
 batch-invariant plain-torch path; ``triton.py`` the Triton kernel (imported on first
@@ -42,13 +48,13 @@ FP8 KV-cache rule and the scale checks, which the kernel, the CPU path, the orac
 the backward share.
 """
 
-from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, check_kv_scales, check_sliding_window, kv_cache_is_fp8,
+from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, check_kv_scales, check_sink, check_sliding_window, kv_cache_is_fp8,
                      kv_fp8_dequantize, kv_fp8_quantize, kv_fp8_roundtrip, window_start)
 from .cpu import KV_TILE_CPU, paged_attention_torch, write_kv_cache_torch
 from .dispatch import paged_attention, write_kv_cache
-from .reference import causal_mask, dense_causal_attention_reference, paged_attention_reference
+from .reference import causal_mask, dense_causal_attention_reference, paged_attention_reference, softmax_with_sink
 
 __all__ = ["write_kv_cache", "paged_attention", "KV_FP8_DTYPE", "FP8_E4M3_MAX", "kv_cache_is_fp8", "check_kv_scales",
            "kv_fp8_quantize", "kv_fp8_dequantize", "kv_fp8_roundtrip", "KV_TILE_CPU", "write_kv_cache_torch",
            "paged_attention_torch", "dense_causal_attention_reference", "paged_attention_reference",
-           "check_sliding_window", "window_start", "causal_mask"]
+           "check_sliding_window", "check_sink", "window_start", "causal_mask", "softmax_with_sink"]

@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..grad.helpers import acc, needs_grad
+from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .common import kv_fp8_dequantize, kv_fp8_roundtrip, window_start
+from .reference import softmax_with_sink
 
 
 TAPE_ATTR = "_um_kv_tape"
@@ -163,14 +165,19 @@ class _Plan:
         self.k_cache = self.v_cache = self.block_table = self.writes = None  # keep no cache alive
 
 
-def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: int | None = None):
+def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: int | None = None, sink_H=None):
     """fp32 attention of queries at positions ``qpos`` over keys at ``key0..key0+P-1``
-    (key <= query, and with a window W also key > query - W)."""
+    (key <= query, and with a window W also key > query - W); with ``sink_H`` ``[H]`` the
+    sink's logit joins each row's softmax as a column without a value."""
     rep = q_THE.shape[1] // k_PGE.shape[1]
     kpos = key0 + torch.arange(k_PGE.shape[0], device=q_THE.device)
     mask = kpos[None, :] <= qpos_T[:, None]
     if sliding_window is not None:
         mask &= kpos[None, :] > qpos_T[:, None] - sliding_window
+    if sink_H is not None:  # SDPA has no sink: the same math spelled out
+        q, k = q_THE.transpose(0, 1), k_PGE.repeat_interleave(rep, 1).transpose(0, 1)
+        sc = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))  # [H, Tb, P]
+        return (softmax_with_sink(sc, sink_H) @ v_PGE.repeat_interleave(rep, 1).transpose(0, 1)).transpose(0, 1)
     o = torch.nn.functional.scaled_dot_product_attention(
         q_THE.transpose(0, 1), k_PGE.repeat_interleave(rep, 1).transpose(0, 1),
         v_PGE.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask, scale=scale)
@@ -178,21 +185,29 @@ def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: i
 
 
 class PagedAttentionFn(torch.autograd.Function):
-    """Inputs ``(q, plan, k_0, v_0, k_1, v_1, ...)``: the query and the taped writes."""
+    """Inputs ``(q, sink, plan, k_0, v_0, k_1, v_1, ...)``: the query, the attention sink
+    (``[H]`` fp32 or ``None``; a weight, guarded against changes between forward and
+    backward) and the taped writes."""
 
     @staticmethod
-    def forward(ctx, q_THE, plan: _Plan, *kv):
+    def forward(ctx, q_THE, sink_H, plan: _Plan, *kv):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
-                                        plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window)
+                                        plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window,
+                                        sink=sink_H)
         plan.build()
         ctx.plan = plan
+        ctx.sink = sink_H
+        ctx.stamps = stamp(sink=sink_H)
         ctx.save_for_backward(q_THE, *kv)
         return out
 
     @staticmethod
     def backward(ctx, g_THE):
+        check_stamps("paged_attention", ctx.stamps)
         q_in, *kv = ctx.saved_tensors
         plan = ctx.plan
+        sink = None if ctx.sink is None else acc(ctx.sink.detach())
+        dsink = None if sink is None else torch.zeros_like(sink)
         srcs_k = [acc(plan.read_const(plan.k_const, 0))] + [acc(plan.read_written(t, 0)) for t in kv[0::2]]
         srcs_v = [acc(plan.read_const(plan.v_const, 1))] + [acc(plan.read_written(t, 1)) for t in kv[1::2]]
         k_all, v_all = torch.cat(srcs_k)[plan.index], torch.cat(srcs_v)[plan.index]
@@ -203,8 +218,11 @@ class PagedAttentionFn(torch.autograd.Function):
                 qb = q[tok].detach().requires_grad_()
                 kb = k_all[start:start + n].detach().requires_grad_()
                 vb = v_all[start:start + n].detach().requires_grad_()
-                ob = _causal(qb, kb, vb, qpos, plan.scale, key0, plan.sliding_window)
-                gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), g[tok])
+                sb = None if sink is None else sink.detach().requires_grad_()
+                ob = _causal(qb, kb, vb, qpos, plan.scale, key0, plan.sliding_window, sb)
+                gq, gk, gv, *gs = torch.autograd.grad(ob, (qb, kb, vb) + (() if sb is None else (sb,)), g[tok])
+            if gs:
+                dsink += gs[0]
             dq[tok] = gq
             dk[start:start + n] = gk
             dv[start:start + n] = gv
@@ -217,20 +235,21 @@ class PagedAttentionFn(torch.autograd.Function):
         grads = []
         for i, t in enumerate(kv):
             d = (dks if i % 2 == 0 else dvs)[i // 2]
-            grads.append(d.to(t.dtype) if ctx.needs_input_grad[2 + i] else None)
-        return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), None, *grads
+            grads.append(d.to(t.dtype) if ctx.needs_input_grad[3 + i] else None)
+        gsink = dsink.to(ctx.sink.dtype) if dsink is not None and ctx.needs_input_grad[1] else None
+        return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), gsink, None, *grads
 
 
 def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                         tape: KVTape | None, k_scale=None, v_scale=None, sliding_window: int | None = None
-                         ) -> torch.Tensor:
-    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q and the taped K/V
-    (FP8 caches: straight through the quantization; the scales are constants)."""
+                         tape: KVTape | None, k_scale=None, v_scale=None, sliding_window: int | None = None,
+                         sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q, the taped K/V and
+    the sink (FP8 caches: straight through the quantization; the scales are constants)."""
     writes = list(tape.writes) if tape is not None else []
     plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes,
                  None if k_scale is None else k_scale.detach(), None if v_scale is None else v_scale.detach(),
                  q_THE.dtype, sliding_window)
-    return PagedAttentionFn.apply(q_THE, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))
+    return PagedAttentionFn.apply(q_THE, sink, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))
 
 
 def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -256,9 +275,12 @@ def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tens
 def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
-    """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE`` and the
-    K/V written into this cache by differentiable :func:`write_kv_cache` calls.
+                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE``, the
+    K/V written into this cache by differentiable :func:`write_kv_cache` calls and the
+    attention ``sink`` (fp32 ``[H]``; its gradient is
+    ``-sum_t p_sink(t, h) <g_t,h, o_t,h>``, from the recomputation).
 
     Values are the kernel's. Gradients come from a plain-torch causal attention
     recomputed per sequence in the backward; K/V slots no differentiable write
@@ -271,8 +293,9 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     tape = getattr(k_cache, "_um_kv_tape", None)
     grad_kv = tape is not None and tape.differentiable
-    if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv):
+    grad_sink = sink is not None and sink.requires_grad
+    if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv or grad_sink):
         return dispatch.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                        k_scale, v_scale, sliding_window)
+                                        k_scale, v_scale, sliding_window, sink=sink)
     return paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                tape_of(k_cache, v_cache), k_scale, v_scale, sliding_window)
+                                tape_of(k_cache, v_cache), k_scale, v_scale, sliding_window, sink)

@@ -98,6 +98,29 @@ def check_sliding_window(what: str, sliding_window: int | None) -> int | None:
     return sliding_window
 
 
+def check_sink(what: str, sink_H: torch.Tensor | None, num_heads: int, device: torch.device) -> torch.Tensor | None:
+    """Validate an attention sink: ``None`` (no sink) or one fp32 logit per query head.
+
+    The sink ``s_h`` is a learned logit that joins each query row's softmax as one extra
+    column without a value (gpt-oss / DeepSeek-V4, transformers' ``eager_attention_forward``
+    concatenates it to the scores and drops its column after the softmax):
+    ``o = sum_i exp(x_i - m) v_i / (sum_i exp(x_i - m) + exp(s_h - m))``, ``x_i`` the scaled
+    scores; it is not multiplied by the softmax scale.
+
+    Raises:
+        ValueError: not a float32 tensor of shape ``[num_heads]`` on ``device`` (names what it got).
+    """
+    if sink_H is None:
+        return None
+    if not isinstance(sink_H, torch.Tensor) or sink_H.dtype != torch.float32 or tuple(sink_H.shape) != (num_heads,):
+        desc = f"{tuple(sink_H.shape)} {sink_H.dtype}" if isinstance(sink_H, torch.Tensor) else type(sink_H).__name__
+        raise ValueError(f"{what}: sink must be a float32 tensor of shape [{num_heads}] (one logit per query head), "
+                         f"got {desc}")
+    if sink_H.device != torch.device(device):
+        raise ValueError(f"{what}: sink is on {sink_H.device}, the queries on {device}")
+    return sink_H
+
+
 def window_start(positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """First position each token reads: ``max(0, p - W + 1)`` (``0`` without a window).
 

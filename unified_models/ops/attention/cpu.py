@@ -34,7 +34,8 @@ def write_kv_cache_torch(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, k_scale
 
 
 def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                          k_scale=None, v_scale=None, sliding_window: int | None = None) -> torch.Tensor:
+                          k_scale=None, v_scale=None, sliding_window: int | None = None,
+                          sink: torch.Tensor | None = None) -> torch.Tensor:
     """CPU implementation: 16-token query tiles x 16-position KV tiles, fixed shapes.
 
     ``sliding_window`` W: a token at position p reads positions ``max(0, p-W+1)..p``
@@ -53,6 +54,10 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
     orders), and ``P @ V`` and the row sum of ``P`` are accumulated
     elementwise in fp64 in position order, then rounded once to fp32. An FP8
     cache is read through :func:`kv_fp8_dequantize` to ``q``'s dtype first.
+
+    ``sink`` (fp32 ``[H]`` or ``None``): after the last KV tile each row's denominator
+    becomes ``l + exp(sink_h - m)`` (``m`` its final running max, 0 for an empty row),
+    one fp32 exp and one add; without it nothing changes.
     """
     scales = check_kv_scales("paged_attention_torch", k_cache, v_cache, k_scale, v_scale)
     if scales is None:
@@ -114,6 +119,9 @@ def paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, po
             l = l * alpha + ps.float()
             acc = acc * alpha.unsqueeze(-1) + pv.float()
             m = m_new
+        if sink is not None:  # the sink's column without a value: denominator only, after the last tile
+            m_fin = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            l = l + torch.exp(sink.view(1, g, r) - m_fin)
         l_safe = torch.where(l > 0, l, torch.ones_like(l))
         outs.append((acc / l_safe.unsqueeze(-1)).view(ROW_TILE, h, e))
     if not outs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
-from .common import check_kv_scales, check_sliding_window
+from .common import check_kv_scales, check_sink, check_sliding_window
 from .cpu import paged_attention_torch, write_kv_cache_torch
 
 
@@ -70,7 +70,8 @@ def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tens
 def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each token over its own sequence's cached K/V.
 
     A token at position p reads positions ``0..p``, or with ``sliding_window`` W
@@ -90,6 +91,11 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_scale, v_scale: fp32 ``[]`` KV-cache scales, required for (and only
             for) an FP8 cache.
         sliding_window: ``None`` (full causal) or W >= 1 positions including the token's own.
+        sink: ``None`` (no sink: every bit as without the argument) or fp32 ``[H]``, one
+            learned logit per query head that joins the softmax denominator as a column
+            without a value (DeepSeek-V4, gpt-oss; :func:`~.common.check_sink`):
+            ``o = sum_i e^(x_i - m) v_i / (sum_i e^(x_i - m) + e^(sink_h - m))``, added once
+            after the last KV tile (or split merge) with ``m`` the row's final running max.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype``; row t depends only on q[t] and its
@@ -97,17 +103,18 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Raises:
         ValueError: shape mismatch; missing, superfluous or bad scales; a bad
-            ``sliding_window``; on CPU also a block size S that is not a
+            ``sliding_window``; a bad ``sink``; on CPU also a block size S that is not a
             multiple of the CPU KV tile (16). The Triton kernel takes any S.
     """
     _check(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
     window = check_sliding_window("paged_attention", sliding_window)
+    sink = check_sink("paged_attention", sink, q_THE.shape[1], q_THE.device)
     scales = check_kv_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     ks, vs = scales if scales is not None else (None, None)
     if use_triton(q_THE):
         from .triton import paged_attention_triton
 
         return paged_attention_triton(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs,
-                                      sliding_window=window)
+                                      sliding_window=window, sink=sink)
     return paged_attention_torch(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, ks, vs,
-                                 window)
+                                 window, sink)

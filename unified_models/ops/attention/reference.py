@@ -8,13 +8,26 @@ import torch
 from .common import check_kv_scales, kv_fp8_dequantize
 
 
+def softmax_with_sink(scores: torch.Tensor, sink_H: torch.Tensor | None) -> torch.Tensor:
+    """``softmax`` over the last dim of ``scores [H, ..., S]``; with a sink (``[H]``) its logit
+    joins as one extra column that is dropped after the softmax (transformers'
+    ``eager_attention_forward`` for DeepSeek-V4 / gpt-oss), so it only enlarges the
+    denominator. Computes in ``scores.dtype``; differentiable in both."""
+    if sink_H is None:
+        return torch.softmax(scores, dim=-1)
+    col = sink_H.to(scores.dtype).view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+
+
 def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor,
-                                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                                     scale: float, sliding_window: int | None = None,
+                                     sink: torch.Tensor | None = None) -> torch.Tensor:
     """Oracle for ONE sequence: causal softmax attention in fp64, no cache.
 
     Args:
         q_THE: ``[T, H, E]``; k_TGE, v_TGE: ``[T, G, E]`` of the same sequence.
         sliding_window: W, or ``None``: query i attends keys ``max(0, i-W+1)..i``.
+        sink: ``[H]`` attention-sink logits (:func:`softmax_with_sink`), or ``None``.
 
     Returns:
         ``[T, H, E]`` in ``q_THE.dtype``.
@@ -26,7 +39,8 @@ def dense_causal_attention_reference(q_THE: torch.Tensor, k_TGE: torch.Tensor, v
     v = v_TGE.double().repeat_interleave(h // g, dim=1)
     sc = torch.einsum("the,she->hts", q, k) * scale
     sc = sc.masked_fill(~causal_mask(t, sliding_window, q.device), float("-inf"))
-    out = torch.einsum("hts,she->the", torch.softmax(sc, dim=-1), v)
+    sk = None if sink is None else sink.double()
+    out = torch.einsum("hts,she->the", softmax_with_sink(sc, sk), v)
     return out.to(q_THE.dtype)
 
 
@@ -41,9 +55,10 @@ def causal_mask(t: int, sliding_window: int | None, device) -> torch.Tensor:
 
 def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
                               k_scale=None, v_scale=None, kv_dtype: torch.dtype | None = None,
-                              sliding_window: int | None = None) -> torch.Tensor:
+                              sliding_window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Oracle over the paged cache: per token, gather its window (positions
-    ``max(0, p-W+1)..p``; the whole prefix without a window) and do fp64 softmax.
+    ``max(0, p-W+1)..p``; the whole prefix without a window) and do fp64 softmax
+    (with ``sink [H]``: :func:`softmax_with_sink`).
 
     An FP8 cache is dequantized by the read rule to ``kv_dtype`` (default
     ``q``'s dtype; pass the model dtype when ``q`` is given in fp64).
@@ -65,5 +80,6 @@ def paged_attention_reference(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T
         k = read(k_cache[blk, idx % s], 0).repeat_interleave(h // g, dim=1)  # [P, H, E]
         v = read(v_cache[blk, idx % s], 1).repeat_interleave(h // g, dim=1)
         sc = torch.einsum("he,phe->hp", q_THE[t].double(), k) * scale
-        out[t] = torch.einsum("hp,phe->he", torch.softmax(sc, dim=-1), v).to(q_THE.dtype)
+        probs = softmax_with_sink(sc, None if sink is None else sink.double())
+        out[t] = torch.einsum("hp,phe->he", probs, v).to(q_THE.dtype)
     return out

@@ -84,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KV_FP8_DTYPE, check_kv_scales, check_sliding_window
+from .common import KV_FP8_DTYPE, check_kv_scales, check_sink, check_sliding_window
 from ..triton._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, e4m3_bits_to_f32, next_pow2, round_to
 
 if INTERPRET:
@@ -115,6 +115,8 @@ MIN_BLOCK_H = 16
 """The rows of a program are at least 16 (tensor-core ``tl.dot`` minimum)."""
 
 _LOG2E = 1.4426950408889634
+_LOG2E_F = tl.constexpr(_LOG2E)
+"""log2(e) as a kernel constant (the sink's logit to the log2 domain of the scores)."""
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -300,7 +302,7 @@ def _kv_tiles(j_a, j_b, q, pos_r, lo_r, m_i, l_i, acc, qk_scale, kc_ptr, vc_ptr,
 
 @triton.jit(do_not_specialize=["T"])  # (no variant compiled for T == 1: one code for every batch)
 def _attention_partial_kernel(
-        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr,
+        q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_ptr, pos_ptr, sched_ptr, out_ptr, ks_ptr, vs_ptr, sink_ptr,
         m_ptr, l_ptr, acc_ptr,
         qk_scale, T, E, S, WINDOW,
         stride_qt, stride_qh, stride_qe,
@@ -313,8 +315,11 @@ def _attention_partial_kernel(
         k_desc, v_desc, kv_rows_per_block,
         Q_PER_KV: tl.constexpr, QP: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT_KV: tl.constexpr,
-        FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr):
+        FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, SINK: tl.constexpr):
     """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring).
+
+    ``SINK``: ``sink_ptr`` holds one fp32 logit per q head; a row finalized here (one split)
+    divides by ``l + exp2(sink * log2(e) - m)`` (log2 domain, ``m`` its final max).
 
     ``WINDOW`` > 0: sliding window, row ``r`` reads positions ``pos_r - WINDOW + 1 .. pos_r``;
     the tile's KV loop starts at the KV tile of its first token's window start (the tiles
@@ -408,7 +413,11 @@ def _attention_partial_kernel(
         # A token below SPLIT_KV has this one split: divide and round once, here.
         # (a scalar bool in a mask trips the interpreter: fold it into the bound)
         one_split = row_ok & (pos_r < tl.where(split == 0, SPLIT_KV, 0))
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        l_fin = l_i
+        if SINK:  # the sink's column without a value: denominator only (the partials below keep l_i)
+            sk = tl.load(sink_ptr + h, mask=row_ok, other=0.0)
+            l_fin = l_i + tl.exp2(sk * _LOG2E_F - tl.where(m_i == float("-inf"), 0.0, m_i))
+        l_safe = tl.where(l_fin > 0, l_fin, 1.0)
         tl.store(out_ptr + t_r[:, None] * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
                  round_to(acc / l_safe[:, None], out_ptr.dtype.element_ty),
                  mask=one_split[:, None] & mask_e[None, :])
@@ -423,16 +432,18 @@ def _attention_partial_kernel(
 
 @triton.jit
 def _attention_merge_kernel(
-        pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, E, WINDOW,
+        pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, sink_ptr, E, WINDOW,
         stride_ot, stride_oh, stride_oe,
         stride_wt, stride_wh, stride_ws,
         stride_at, stride_ah, stride_as, stride_ae,
-        Q_PER_KV: tl.constexpr, QP: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_KV: tl.constexpr):
+        Q_PER_KV: tl.constexpr, QP: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_KV: tl.constexpr,
+        SINK: tl.constexpr):
     """Grid (T, G): token ``t``'s q heads of kv head ``g``. Positions >= SPLIT_KV: merge the
     splits in increasing order, divide, round once; padding tokens: zeros; others: nothing
     (the partial kernel wrote them). ``WINDOW`` > 0: the merge starts at the split of the
     token's window start (the splits before it hold the empty state m = -inf, l = acc = 0,
-    and merging the empty state first changes no bit: ``L = 0 * 0 + l_s``)."""
+    and merging the empty state first changes no bit: ``L = 0 * 0 + l_s``). ``SINK``: the
+    merged denominator gets ``exp2(sink * log2(e) - M)`` once, after the last split."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -463,6 +474,9 @@ def _attention_merge_kernel(
         L = L * c_old + l_s * c_new
         ACC = ACC * c_old[:, None] + acc_s * c_new[:, None]
         M = M_new
+    if SINK:  # the sink's column without a value: denominator only, after the merge
+        sk = tl.load(sink_ptr + h, mask=row_m, other=0.0)
+        L = L + tl.where(row_m, tl.exp2(sk * _LOG2E_F - tl.where(M == float("-inf"), 0.0, M)), 0.0)
     L_safe = tl.where(L > 0, L, 1.0)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
              round_to(ACC / L_safe[:, None], out_ptr.dtype.element_ty), mask=row_out[:, None] & mask_e[None, :])
@@ -627,7 +641,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
                            positions_T: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                           launch: AttentionLaunch | None = None) -> torch.Tensor:
+                           sink: torch.Tensor | None = None, launch: AttentionLaunch | None = None) -> torch.Tensor:
     """Causal paged attention (GQA), batch-invariant per token.
 
     Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
@@ -650,6 +664,9 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_scale, v_scale: fp32 ``[]`` scales of a float8_e4m3fn cache (else
             None): K/V tiles are read as ``q.dtype(fp32(e4m3) * scale)``.
         sliding_window: ``None`` (full causal) or W >= 1 (``ops.attention.check_sliding_window``).
+        sink: ``None`` or fp32 ``[H]`` attention-sink logits (``ops.attention.check_sink``): a row's
+            denominator gets ``exp2(sink_h * log2(e) - m)`` once, where it is finalized (the
+            partial kernel for one split, else the merge); ``None`` compiles the kernels without it.
         launch: benchmarks and tests only: override the partial kernel's rows,
             warps, stages, grid cap or K/V loads (:class:`AttentionLaunch`); the
             model never passes it.
@@ -695,6 +712,8 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     check_device("paged_attention_triton", q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T)
     scales = check_kv_scales("paged_attention_triton", k_cache, v_cache, k_scale, v_scale)
     window = check_sliding_window("paged_attention_triton", sliding_window) or 0  # 0: no window
+    sink = check_sink("paged_attention_triton", sink, H, q_THE.device)
+    sink_arg = sink if sink is not None else q_THE  # (an unused pointer without a sink)
     out = torch.empty((T, H, E), dtype=q_THE.dtype, device=q_THE.device)
     if T == 0:
         return out
@@ -741,14 +760,14 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     for c, (a, n) in enumerate(chunks):
         q_c, o_c, s_c, p_c = q_THE[a:a + n], out[a:a + n], seq[a:a + n], pos[a:a + n]
         _attention_partial_kernel[(sizes[c], G, n_split)](
-            q_c, kc, vc, block_table_BN, s_c, p_c, sched[c], o_c, ks, vs, m_ws, l_ws, acc_ws,
+            q_c, kc, vc, block_table_BN, s_c, p_c, sched[c], o_c, ks, vs, sink_arg, m_ws, l_ws, acc_ws,
             float(scale) * _LOG2E, n, E, S, window,
             *q_c.stride(), *kc.stride(), *vc.stride(), *block_table_BN.stride(), *o_c.stride(),
             *w_strides, *a_strides, k_desc, v_desc, rows_per_block,
             Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
-            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, KV_TMA=tma is not None, num_warps=num_warps,
-            num_stages=num_stages)
+            SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, KV_TMA=tma is not None, SINK=sink is not None,
+            num_warps=num_warps, num_stages=num_stages)
         _attention_merge_kernel[(n, G)](
-            p_c, o_c, m_ws, l_ws, acc_ws, E, window, *o_c.stride(), *w_strides, *a_strides,
-            Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, num_warps=4)
+            p_c, o_c, m_ws, l_ws, acc_ws, sink_arg, E, window, *o_c.stride(), *w_strides, *a_strides,
+            Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, SINK=sink is not None, num_warps=4)
     return out

@@ -76,9 +76,20 @@ from .cpu import moe_combine_torch, moe_expert_outputs_torch
 from .dispatch import (moe_combine, moe_expert_outputs, moe_experts, moe_route, moe_select, moe_shared_expert,
                        router_logits, topk_total_order, total_order_keys)
 from .reference import moe_experts_reference, moe_route_reference, moe_shared_expert_reference
+from .deepseek import (hash_route, hash_select, sqrtsoftplus_route, sqrtsoftplus_scores, sqrtsoftplus_select,
+                       swiglu_expert_outputs, swiglu_experts, swiglu_shared_expert, topk_slot_weights)
+from .deepseek_cpu import swiglu_expert_outputs_torch
+from .deepseek_reference import (hash_route_reference, sqrtsoftplus_route_reference, swiglu_experts_reference,
+                                 swiglu_shared_expert_reference)
 
 __all__ = ["moe_route", "moe_select", "router_logits", "total_order_keys", "topk_total_order", "moe_expert_outputs",
            "moe_combine", "moe_experts", "moe_shared_expert", "ExpertWeight", "NORM_EPS", "check_expert_args",
            "expert_weight", "group_by_expert", "expert_rows", "expert_counts", "stack_expert",
            "moe_expert_outputs_torch", "moe_combine_torch", "moe_route_reference", "moe_experts_reference",
            "moe_shared_expert_reference"]
+# DeepSeek-V4 (deepseek.py, deepseek_cpu.py, deepseek_reference.py, deepseek_backward.py): sqrt-softplus and
+# hash routers, clamped-SwiGLU experts (routing weight before the down projection), the same ordered combine
+__all__ += ["sqrtsoftplus_scores", "topk_slot_weights", "sqrtsoftplus_select", "sqrtsoftplus_route", "hash_select",
+            "hash_route", "swiglu_expert_outputs", "swiglu_experts", "swiglu_shared_expert",
+            "swiglu_expert_outputs_torch", "sqrtsoftplus_route_reference", "hash_route_reference",
+            "swiglu_experts_reference", "swiglu_shared_expert_reference"]

@@ -40,43 +40,48 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
-def _route_weights(x, w, ids, norm_topk_prob, routed_scaling_factor):
-    sel = torch.sigmoid(x @ w.t()).gather(1, ids.long())
+def _route_weights(x, w, ids, norm_topk_prob, routed_scaling_factor, score=torch.sigmoid):
+    sel = score(x @ w.t()).gather(1, ids.long())
     if norm_topk_prob:
         sel = sel / (sel.sum(-1, keepdim=True) + NORM_EPS)
     return sel * routed_scaling_factor
 
 
 class RouteFn(torch.autograd.Function):
-    """``(weights_TK, ids_TK) = route(x, W)``; gradients of the weights to ``x`` and ``W``."""
+    """``(weights_TK, ids_TK) = route(x, W, *args, **cfg)`` for a router whose weights are
+    ``score(x W^T)`` gathered at the selected ids (normalised, scaled); gradients of the weights
+    to ``x`` and ``W`` by recomputing that formula in fp32 (fp64 for fp64 inputs), the ids
+    constant. ``score`` is the elementwise scoring function (``torch.sigmoid`` for Nemotron-H;
+    DeepSeek-V4's ``sqrt(softplus)`` in :mod:`.deepseek_backward`); ``name`` names the op in a
+    stale-weight error."""
 
     @staticmethod
-    def forward(ctx, x_TD, gate_ED, bias_E, cfg):
-        weights, ids = dispatch.moe_route(x_TD, gate_ED, bias_E, **cfg)
+    def forward(ctx, x_TD, gate_ED, route, args, cfg, score, name):
+        weights, ids = route(x_TD, gate_ED, *args, **cfg)
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(x_TD, ids)
-        ctx.gate, ctx.cfg = gate_ED, cfg
+        ctx.gate, ctx.cfg, ctx.score, ctx.name = gate_ED, cfg, score, name
         ctx.stamps = stamp(gate_weight=gate_ED)
         return weights, ids
 
     @staticmethod
     def backward(ctx, g_TK, _g_ids):
-        check_stamps("moe_route", ctx.stamps)
+        check_stamps(ctx.name, ctx.stamps)
         x_in, ids = ctx.saved_tensors
         w_in = ctx.gate
-        if g_TK is None:
-            return None, None, None, None
         nx, nw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_TK is None or not (nx or nw):
+            return None, None, None, None, None, None, None
         dt = torch.float64 if torch.float64 in (x_in.dtype, w_in.dtype) else torch.float32
         with torch.enable_grad():
             x = x_in.detach().to(dt).requires_grad_(nx)
             w = w_in.detach().to(dt).requires_grad_(nw)
-            out = _route_weights(x, w, ids, ctx.cfg["norm_topk_prob"], ctx.cfg["routed_scaling_factor"])
+            out = _route_weights(x, w, ids, ctx.cfg["norm_topk_prob"], ctx.cfg["routed_scaling_factor"], ctx.score)
             want = [t for t, need in ((x, nx), (w, nw)) if need]
             grads = list(torch.autograd.grad(out, want, g_TK.to(dt)))
         dx = grads.pop(0).to(x_in.dtype) if nx else None
         dw = grads.pop(0).to(w_in.dtype) if nw else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class ExpertsFn(torch.autograd.Function):
@@ -158,7 +163,8 @@ def moe_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, e_score_correcti
     cfg = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                routed_scaling_factor=routed_scaling_factor)
     if _needs_grad(x_TD, gate_weight_ED):
-        return RouteFn.apply(x_TD, gate_weight_ED, e_score_correction_bias_E, cfg)
+        return RouteFn.apply(x_TD, gate_weight_ED, dispatch.moe_route, (e_score_correction_bias_E,), cfg,
+                             torch.sigmoid, "moe_route")
     return dispatch.moe_route(x_TD, gate_weight_ED, e_score_correction_bias_E, **cfg)
 
 

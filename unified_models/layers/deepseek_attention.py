@@ -1,0 +1,211 @@
+"""Forward of :class:`~unified_models.dsl.DeepseekV4AttentionSpec` (sliding layer type): shared
+K = V multi-query attention over a sliding-window paged cache, with a learned sink.
+
+The math, step by step as transformers 5.19's ``DeepseekV4Attention.forward`` (sliding
+layers: ``compressor is None``, RoPE ``"main"``):
+
+1. query: ``c = q_norm(wq_a x)`` (RMSNorm with weight), ``q = wq_b c`` viewed ``[T, H, E]``,
+   then ``q *= rsqrt(mean_E(q^2) + eps)`` per head (``q_b_norm``, no weight);
+2. key = value: ``kv = norm(wkv x)`` ``[T, 1, E]`` (RMSNorm with weight);
+3. RoPE on the last R dims of q and kv, interleaved pairs ``(2i, 2i+1)`` with angle
+   ``p * theta^(-2i/R)`` (``apply_rotary_pos_emb``); the first E - R dims pass;
+4. attention of each token over positions ``p-W+1..p`` of its own sequence with V = K,
+   scale ``E^-0.5``, and the sink logit of each head as an extra softmax column without
+   a value (``eager_attention_forward``: scores ``cat`` sinks, softmax, drop the column);
+5. de-rotation: RoPE at the query's position with ``-sin`` on the last R dims of the
+   output (V carried K's rotation);
+6. grouped low-rank output: heads in g groups of ``H*E/g``, group j times its block of
+   ``wo_a`` rows ``[j*r, (j+1)*r)`` (``DeepseekV4GroupedLinear``), concatenated
+   ``[T, g*r]``, then ``wo_b``.
+
+Engine forward over the batch-invariant ops: every linear is ``ops.linear`` (``wq_a``,
+``wq_b``, ``wkv``, ``wo_b`` through :func:`.weight_formats.apply_linear`, so they may
+carry a weight format), the norms ``ops.rms_norm`` (the per-head one with a weight of
+ones: ``x * r * 1`` is exact), RoPE ``ops.apply_rope`` on the de-interleaved tail (a
+permutation of the channels: exact), attention ``ops.paged_attention`` with
+``sliding_window`` and ``sink`` over one shared K = V cache.
+
+Shapes: T tokens, D hidden, H heads, E head dim, R rope dims, Q query rank, g output
+groups, r output rank.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .. import ops
+from ..caches import PagedKVCache
+from ..dsl import DeepseekV4AttentionSpec, SpecError
+from ..ops.attention import causal_mask, softmax_with_sink
+from ..ops.rope import apply_rope_reference
+from ..state import FlatBatch, StateStore
+from .common import LayerContext
+from .family import LayerFamily
+from .oracle import linear_oracle, rms_norm_oracle
+from .quantization import QuantizationRules
+from .weight_formats import apply_linear
+
+CACHE = "swa"
+"""The layer's one cache: the sliding-window K = V pages (vLLM name ``<mixer>.swa``)."""
+
+QUANTIZABLE = ("wq_a", "wq_b", "wkv", "wo_b")
+"""The linears that may carry a weight format (block-FP8 in the published checkpoints;
+``wo_a`` is bf16 there and runs as per-group ``ops.linear`` slices)."""
+
+QUANTIZABLE_FORMATS = (None, "fp8_block")
+
+
+# ----------------------------------------------------------------------------- interleaved RoPE on the tail
+
+def to_rotate_half(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``[..., E]`` -> ``[..., E]``: the last ``r`` dims de-interleaved to the front
+    (``[even | odd | first E - r dims]``), so the neox-layout ``ops.apply_rope`` on its
+    first ``r`` dims is DeepSeek-V4's interleaved rotation of the tail. Exact (a copy)."""
+    tail = x[..., x.shape[-1] - r:]
+    return torch.cat([tail[..., 0::2], tail[..., 1::2], x[..., :x.shape[-1] - r]], dim=-1)
+
+
+def from_rotate_half(y: torch.Tensor, r: int) -> torch.Tensor:
+    """Inverse of :func:`to_rotate_half` (exact)."""
+    tail = torch.stack([y[..., :r // 2], y[..., r // 2:r]], dim=-1).flatten(-2)
+    return torch.cat([y[..., r:], tail], dim=-1)
+
+
+_NEG_SIN: dict[tuple, torch.Tensor] = {}
+
+
+def _tables(spec: DeepseekV4AttentionSpec, ctx: LayerContext, device, inverse: bool):
+    """fp32 ``cos, sin`` ``[P, R/2]`` of ``ops.rope_cos_sin``; ``inverse``: ``sin`` negated
+    (exact; memoized per table), the rotation by ``-angle``."""
+    cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.qk_rope_head_dim, spec.rope_theta, device)
+    if not inverse:
+        return cos, sin
+    key = (ctx.max_positions, spec.qk_rope_head_dim, float(spec.rope_theta), str(sin.device))
+    if key not in _NEG_SIN:
+        _NEG_SIN[key] = -sin
+    return cos, _NEG_SIN[key]
+
+
+def rope_tail(x_THE: torch.Tensor, positions_T: torch.Tensor, spec: DeepseekV4AttentionSpec, ctx: LayerContext,
+              inverse: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's interleaved RoPE on the last R dims of every head of ``x_THE`` ``[T, H, E]``
+    at ``positions_T`` (``inverse``: the opposite angle, the output de-rotation), over
+    ``ops.apply_rope`` (fp32 math, one rounding to ``x_THE.dtype``)."""
+    r = spec.qk_rope_head_dim
+    cos, sin = _tables(spec, ctx, x_THE.device, inverse)
+    return from_rotate_half(ops.apply_rope(to_rotate_half(x_THE, r), positions_T, cos, sin), r)
+
+
+def rope_tail_oracle(x_THE: torch.Tensor, positions_T: torch.Tensor, spec: DeepseekV4AttentionSpec) -> torch.Tensor:
+    """fp64 oracle of :func:`rope_tail` (negative positions = the inverse rotation), in ``x_THE.dtype``."""
+    r = spec.qk_rope_head_dim
+    return from_rotate_half(apply_rope_reference(to_rotate_half(x_THE, r), positions_T, r, spec.rope_theta), r)
+
+
+# ----------------------------------------------------------------------------- forward
+
+def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor],
+                               x_TD: torch.Tensor, batch: FlatBatch, store: StateStore,
+                               ctx: LayerContext) -> torch.Tensor:
+    """Steps 1-6 of the module docstring over the ops: ``[T, D] -> [T, D]`` in ``x_TD.dtype``.
+
+    The K = V vector of each token is written into the layer's sliding-window cache at
+    ``slot_mapping`` and read back through the block table, so prefill, chunked prefill,
+    decode and the trainer's recompute read the same values. In profiling runs
+    (``store.state(layer_index, "swa")`` is ``None``) the attention output is zeros.
+    """
+    t, h, e, eps = x_TD.shape[0], spec.num_heads, spec.head_dim, spec.rms_norm_eps
+    p, dt = spec.name, x_TD.dtype
+    c_TQ = ops.rms_norm(apply_linear(ctx.model, params, f"{p}.wq_a", x_TD), params[f"{p}.q_norm.weight"], eps,
+                        out_dtype=dt)
+    q_TE = apply_linear(ctx.model, params, f"{p}.wq_b", c_TQ).reshape(t * h, e)
+    q_THE = ops.rms_norm(q_TE, torch.ones(e, dtype=dt, device=x_TD.device), eps, out_dtype=dt).view(t, h, e)
+    kv_TE = ops.rms_norm(apply_linear(ctx.model, params, f"{p}.wkv", x_TD), params[f"{p}.norm.weight"], eps,
+                         out_dtype=dt)
+    q_THE = rope_tail(q_THE, batch.positions, spec, ctx)
+    kv_T1E = rope_tail(kv_TE.view(t, 1, e), batch.positions, spec, ctx)
+    state = store.state(layer_index, CACHE)
+    if state is None:  # profiling / dummy run: no cache bound yet
+        o_THE = torch.zeros_like(q_THE)
+    else:
+        ops.write_kv_cache(kv_T1E, kv_T1E, state.k_cache, state.v_cache, state.slot_mapping)
+        sink = params[spec.sink_name] if spec.attention_sink else None
+        o_THE = ops.paged_attention(q_THE, state.k_cache, state.v_cache, state.block_table, batch.seq_idx,
+                                    batch.positions, spec.scale, sliding_window=spec.sliding_window, sink=sink)
+    o_THE = rope_tail(o_THE, batch.positions, spec, ctx, inverse=True)
+    g, r = spec.o_groups, spec.o_lora_rank
+    o_TgI = o_THE.reshape(t, g, h * e // g)
+    wo_a = params[f"{p}.wo_a.weight"]
+    y_Tgr = torch.cat([ops.linear(o_TgI[:, j].contiguous(), wo_a[j * r:(j + 1) * r]) for j in range(g)], dim=-1)
+    return apply_linear(ctx.model, params, f"{p}.wo_b", y_Tgr)
+
+
+def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor],
+                              x_TD: torch.Tensor) -> torch.Tensor:
+    """Steps 1-6 in plain torch for ONE sequence from position 0, in ``x_TD.dtype`` (fp32 or
+    fp64), dense attention over the window; RoPE angles in fp64 (``apply_rope_reference``)."""
+    t, h, e, eps = x_TD.shape[0], a.num_heads, a.head_dim, a.rms_norm_eps
+    pos = torch.arange(t, device=x_TD.device)
+    c = rms_norm_oracle(linear_oracle(x_TD, params, f"{a.name}.wq_a", False), params[f"{a.name}.q_norm.weight"], eps)
+    q = linear_oracle(c, params, f"{a.name}.wq_b", False).view(t, h, e)
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+    kv = rms_norm_oracle(linear_oracle(x_TD, params, f"{a.name}.wkv", False), params[f"{a.name}.norm.weight"], eps)
+    q = rope_tail_oracle(q, pos, a)
+    kv = rope_tail_oracle(kv.view(t, 1, e), pos, a)[:, 0]
+    s = torch.einsum("the,se->hts", q, kv) * a.scale
+    s = s.masked_fill(~causal_mask(t, a.sliding_window, x_TD.device), float("-inf"))
+    probs = softmax_with_sink(s, params[a.sink_name] if a.attention_sink else None)
+    o = rope_tail_oracle(torch.einsum("hts,se->the", probs, kv), -pos, a)
+    g, r = a.o_groups, a.o_lora_rank
+    y = torch.einsum("tgi,gri->tgr", o.reshape(t, g, -1), params[f"{a.name}.wo_a.weight"].view(g, r, -1))
+    return linear_oracle(y.reshape(t, g * r), params, f"{a.name}.wo_b", False)
+
+
+# ----------------------------------------------------------------------------- declarations
+
+def deepseek_attention_caches(a: DeepseekV4AttentionSpec, model_dtype: torch.dtype) -> dict[str, PagedKVCache]:
+    """One sliding-window cache of one shared K = V vector per token (vLLM ``SlidingWindowMLASpec``,
+    as vLLM's own DeepSeek-V4 declares its SWA cache)."""
+    return {CACHE: PagedKVCache(num_kv_heads=1, head_dim=a.head_dim, sliding_window=a.sliding_window,
+                                shared_kv=True)}
+
+
+def deepseek_attention_init_rules(a: DeepseekV4AttentionSpec) -> dict:
+    """As transformers' ``DeepseekV4PreTrainedModel._init_weights``: sinks 0, norm weights 1."""
+    rules = {f"{a.name}.q_norm.weight": lambda w: w.fill_(1.0), f"{a.name}.norm.weight": lambda w: w.fill_(1.0)}
+    if a.attention_sink:
+        rules[a.sink_name] = lambda w: w.zero_()
+    return rules
+
+
+def deepseek_attention_megatron_fields(a: DeepseekV4AttentionSpec) -> dict:
+    """Megatron's attention sizes: H heads, one query group (K = V shared by all heads), E, no bias."""
+    return dict(num_attention_heads=a.num_heads, num_query_groups=1, kv_channels=a.head_dim, add_bias_linear=False)
+
+
+def deepseek_attention_linears(a: DeepseekV4AttentionSpec) -> dict[str, str]:
+    """:data:`QUANTIZABLE` -> export role ``"attn_proj"`` (no ModelOpt recipe sets it yet)."""
+    return {a.linear_name(n): "attn_proj" for n in QUANTIZABLE}
+
+
+def deepseek_attention_check_formats(a: DeepseekV4AttentionSpec, weight_format) -> None:
+    """Each of :data:`QUANTIZABLE` in the model dtype or block-FP8 (the published checkpoints).
+
+    Raises:
+        SpecError: another format on one of them (names the linear and the format).
+    """
+    for n in QUANTIZABLE:
+        fmt = weight_format(a.linear_name(n))
+        if (None if fmt is None else fmt.format) not in QUANTIZABLE_FORMATS:
+            raise SpecError(f"{a.linear_name(n)}: weight format {fmt.format!r} is not supported for DeepSeek-V4 "
+                            f"attention linears; supported: model dtype or 'fp8_block'")
+
+
+QUANTIZATION = QuantizationRules(linears=deepseek_attention_linears, check_formats=deepseek_attention_check_formats)
+
+FAMILY = LayerFamily(spec_type=DeepseekV4AttentionSpec, forward=deepseek_attention_forward,
+                     oracle=deepseek_attention_oracle, caches=deepseek_attention_caches,
+                     init_rules=deepseek_attention_init_rules, megatron_fields=deepseek_attention_megatron_fields,
+                     quantization=QUANTIZATION)

@@ -1,0 +1,133 @@
+"""Differentiable DeepSeek-V4 MoE: routers and clamped-SwiGLU experts (forward from the ops of
+:mod:`.deepseek`, backward by recomputation in plain torch, DESIGN.md rule 11).
+
+* **routers** (:class:`~.backward.RouteFn` with the sqrt-softplus score): ``w = rsf * s[ids] / (sum s[ids] + eps)``,
+  ``s = sqrt(softplus(x W^T))``, differentiated w.r.t. ``x`` and the gate weight through the
+  selected scores; ids (top-k or ``tid2eid``) are constants, the bias only selects (no gradient);
+* **experts** (:class:`SwigluExpertsFn`): per expert over its assignments, the forward's math
+  ``y = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)`` recomputed in fp32 (fp64 for fp64
+  inputs) under autograd, gradients to ``x``, the routing weights, ``shared`` (identity) and
+  the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
+  the clamps pass no gradient where they clip (torch's ``clamp`` rule).
+
+Every backward checks the weight-version stamps (:mod:`unified_models.ops.grad.weights`).
+Backwards are correct, not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..grad.helpers import acc, needs_grad
+from ..grad.weights import check_stamps, stamp
+from . import deepseek
+from .backward import RouteFn
+from .common import ExpertWeight, expert_rows, stack_expert
+from .deepseek_reference import swiglu
+
+
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(F.softplus(logits))
+
+
+class SwigluExpertsFn(torch.autograd.Function):
+    """``out = round(sum_k experts(x, w) + shared)``; ``gate``/``up``/``down`` are ``[E, N, K]`` (or one
+    expert's ``[N, K]``) master tensors."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype):
+        ctx.flat = tuple(w.dim() == 2 for w in (gate, up, down))
+        stacks = tuple(stack_expert(w) for w in (gate, up, down))
+        out = deepseek.swiglu_experts(x_TD, ids_TK, weights_TK, *stacks, shared_TD, swiglu_limit=limit,
+                                      out_dtype=out_dtype)
+        ctx.save_for_backward(x_TD, weights_TK, ids_TK)
+        ctx.stacks, ctx.limit = stacks, limit
+        ctx.shared_dtype = shared_TD.dtype if shared_TD is not None else None
+        ctx.stamps = stamp(w1=gate, w3=up, w2=down)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        check_stamps("swiglu_experts", ctx.stamps)
+        x_in, w_in, ids = ctx.saved_tensors
+        nx, nw, ns, ng, nu, nd = ctx.needs_input_grad[:6]
+        g = acc(g_TD)
+        dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
+        g, x, wts = g.to(dt), x_in.to(dt), w_in.to(dt)
+        E = ctx.stacks[0].shape[0]
+        K = ids.shape[1]
+        need = (ng, nu, nd)
+        dx = torch.zeros_like(x) if nx else None
+        dw = torch.zeros_like(wts) if nw else None
+        dstacks = [torch.zeros(s.shape, dtype=s.dtype, device=x.device) if n else None
+                   for s, n in zip(ctx.stacks, need)]
+        if nx or nw or any(need):
+            for e, rows in expert_rows(ids, E):
+                tok, slot = rows // K, rows % K
+                with torch.enable_grad():
+                    xe = x[tok].detach().requires_grad_(nx)
+                    we = wts[tok, slot].detach().requires_grad_(nw)
+                    mats = [s[e].detach().to(dt).requires_grad_(n) for s, n in zip(ctx.stacks, need)]
+                    h = swiglu(xe @ mats[0].t(), xe @ mats[1].t(), ctx.limit) * we[:, None]
+                    y = h @ mats[2].t()
+                    leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
+                    grads = list(torch.autograd.grad(y, leaves, g[tok]))
+                if nx:
+                    dx.index_add_(0, tok, grads.pop(0))
+                if nw:
+                    dw[tok, slot] = grads.pop(0)
+                for j in range(3):
+                    if need[j]:
+                        dstacks[j][e] = grads.pop(0).to(dstacks[j].dtype)
+        outs = [(d[0] if flat else d) if d is not None else None for d, flat in zip(dstacks, ctx.flat)]
+        return (dx.to(x_in.dtype) if nx else None, dw.to(w_in.dtype) if nw else None,
+                g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None)
+
+
+def sqrtsoftplus_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor | None = None, *,
+                       top_k: int, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.deepseek.sqrtsoftplus_route` (DeepSeek-V4 top-k router), differentiable w.r.t. ``x_TD``
+    and ``gate_weight_ED`` through the fp32 weights; ids int32 constants (ties: lower expert index)."""
+    cfg = dict(norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    if needs_grad(x_TD, gate_weight_ED):
+        route = lambda x, w, b, **c: deepseek.sqrtsoftplus_route(x, w, b, top_k=top_k, **c)  # noqa: E731
+        return RouteFn.apply(x_TD, gate_weight_ED, route, (bias_E,), cfg, _sqrt_softplus, "sqrtsoftplus_route")
+    return deepseek.sqrtsoftplus_route(x_TD, gate_weight_ED, bias_E, top_k=top_k, **cfg)
+
+
+def hash_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, tid2eid_VK: torch.Tensor, input_ids_T: torch.Tensor,
+               *, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.deepseek.hash_route` (ids ``tid2eid[input_ids]``), differentiable like :func:`sqrtsoftplus_route`."""
+    cfg = dict(norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    if needs_grad(x_TD, gate_weight_ED):
+        return RouteFn.apply(x_TD, gate_weight_ED, deepseek.hash_route, (tid2eid_VK, input_ids_T), cfg,
+                             _sqrt_softplus, "hash_route")
+    return deepseek.hash_route(x_TD, gate_weight_ED, tid2eid_VK, input_ids_T, **cfg)
+
+
+def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, gate: ExpertWeight,
+                   up: ExpertWeight, down: ExpertWeight, shared_TD: torch.Tensor | None = None, *, swiglu_limit: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`.deepseek.swiglu_experts` (clamped-SwiGLU experts + ordered fp32 combine), differentiable
+    w.r.t. ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and the ``[E, N, K]`` weight stacks."""
+    out_dtype = out_dtype or x_TD.dtype
+    if needs_grad(x_TD, topk_weights_TK, shared_TD, gate, up, down):
+        return SwigluExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, gate, up, down, topk_ids_TK,
+                                     float(swiglu_limit), out_dtype)
+    return deepseek.swiglu_experts(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, shared_TD,
+                                   swiglu_limit=swiglu_limit, out_dtype=out_dtype)
+
+
+def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor, *,
+                         swiglu_limit: float) -> torch.Tensor:
+    """:func:`.deepseek.swiglu_shared_expert` (fp32 ``[T, D]``), differentiable w.r.t. ``x_TD`` and the
+    three ``[N, K]`` weights."""
+    if needs_grad(x_TD, gate_ID, up_ID, down_DI):
+        T = x_TD.shape[0]
+        ids = torch.zeros(T, 1, dtype=torch.int32, device=x_TD.device)
+        ones = torch.ones(T, 1, dtype=torch.float32, device=x_TD.device)
+        return SwigluExpertsFn.apply(x_TD, ones, None, gate_ID, up_ID, down_DI, ids, float(swiglu_limit),
+                                     torch.float32)
+    return deepseek.swiglu_shared_expert(x_TD, gate_ID, up_ID, down_DI, swiglu_limit=swiglu_limit)
