@@ -37,6 +37,9 @@ from unified_models.private_state import PrivateStateStore
 from unified_models.state import FlatBatch
 from toy_models import BF16_ULP, random_toy_weights, toy_prompts, trainer_logits, write_toy_checkpoint
 
+ENGINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the engine tests run: the same test checks vLLM 0.32 on the CPU and 0.26 on an H200."""
+
 MODEL_TYPE = "toy_dsv4_attn_lm"
 ARCH = "UnifiedToyDsv4AttnForCausalLM"
 W = 6
@@ -304,7 +307,7 @@ def test_diff_zero_through_both_engines(toy, chunked):
     prompts = _prompts(3, 9)  # 9, 12, 15 tokens: longer than W; 14 decode steps go far past it
     new = 14
     kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=8) if chunked else {}
-    with RolloutEngine(spec, d, device="cpu", seed=3, max_model_len=max(map(len, prompts)) + new,
+    with RolloutEngine(spec, d, device=ENGINE_DEVICE, seed=3, max_model_len=max(map(len, prompts)) + new,
                        max_num_seqs=len(prompts), **kw) as engine:
         groups = compat.model_runner(engine.llm).kv_cache_config.kv_cache_groups
         by_layer = {n: g.kv_cache_spec for g in groups for n in g.layer_names}
@@ -314,12 +317,13 @@ def test_diff_zero_through_both_engines(toy, chunked):
         s = by_layer[f"model.layers.{i}.attn.swa"]
         assert type(s) is SlidingWindowMLASpec and s.sliding_window == W and s.num_kv_heads == 1 and s.head_size == 32
     assert len(groups) == 1
-    rec = recompute_logprobs(spec, sd, prompts, ro.completions, temperature=0.8, full_rows_for=ro.full_row_keys)
+    rec = recompute_logprobs(spec, sd, prompts, ro.completions, device=ENGINE_DEVICE, temperature=0.8,
+                             full_rows_for=ro.full_row_keys)
     n = 0
     for i, lp in enumerate(ro.logprobs):
         assert len(lp) == new
-        assert torch.equal(torch.tensor(lp, dtype=torch.float32), rec.logprobs[i].float()), i
+        assert torch.equal(torch.tensor(lp, dtype=torch.float32), rec.logprobs[i].float().cpu()), i
         n += len(lp)
     assert n == 3 * new and ro.full_row_keys
     for k in ro.full_row_keys:
-        assert torch.equal(ro.full_rows[k], rec.full_rows[k]), k
+        assert torch.equal(ro.full_rows[k].cpu(), rec.full_rows[k].cpu()), k
