@@ -119,7 +119,7 @@ def test_save_dist_checkpoint_from_state_dict(hf_dir, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("damage", ["missing", "extra", "shape", "nan"])
+@pytest.mark.parametrize("damage", ["missing", "extra", "extra_layer", "shape", "nan"])
 def test_save_refuses_mismatched_tensors_and_writes_nothing(hf_dir, tmp_path, damage):
     config, spec, state = spec_and_state_dict(hf_dir)
     state = dict(state)
@@ -127,13 +127,17 @@ def test_save_refuses_mismatched_tensors_and_writes_nothing(hf_dir, tmp_path, da
     if damage == "missing":
         del state[victim]
     elif damage == "extra":
+        state["backbone.layers.1.mixer.extra_proj.weight"] = state[victim]
+    elif damage == "extra_layer":
         state["backbone.layers.9.mixer.up_proj.weight"] = state[victim]
     elif damage == "shape":
         state[victim] = state[victim][:-1]
     else:
         state[victim] = state[victim].clone()
         state[victim][0, 0] = float("nan")
-    match = {"missing": "missing tensors", "extra": "unexpected tensors", "shape": "mis-shaped", "nan": "NaN"}[damage]
+    match = {"missing": "missing tensors", "extra": "unexpected tensors",
+             "extra_layer": r"holds tensors of 10 layers .* declares 6 layers", "shape": "mis-shaped",
+             "nan": "NaN"}[damage]
     with pytest.raises(CheckpointError, match=match):
         save_dist_checkpoint(state, config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
