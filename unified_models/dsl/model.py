@@ -127,7 +127,9 @@ class ModelSpec:
         if len(formats) != len(self.weight_formats):
             raise SpecError("weight_formats names a linear twice")
         object.__setattr__(self, "_formats", formats)
-        self._tensor_layout()  # unknown linears, K not a multiple of a format's block
+        # every component is frozen: the tensor layout is computed (and checked: unknown
+        # linears, K not a multiple of a format's block) once per spec
+        object.__setattr__(self, "_layout", self._tensor_layout())
 
     def weight_format(self, linear: str) -> LinearFormat | None:
         """The format of the linear module ``linear`` (HF name without ``.weight``), or
@@ -205,7 +207,7 @@ class ModelSpec:
         Raises:
             SpecError: two components declare the same parameter name.
         """
-        return {n: shape for n, (shape, _) in self._tensor_layout().items()}
+        return {n: shape for n, (shape, _) in self._layout.items()}
 
     def parameter_dtypes(self) -> dict[str, torch.dtype]:
         """All parameters, HF name -> stored dtype: ``self.dtype`` unless a
@@ -213,7 +215,7 @@ class ModelSpec:
         scales) or ``trainable_parameter_dtypes()`` (trained in their own dtype:
         fp32 mHC mixing weights) or a linear's weight format (codes, scales) says
         otherwise."""
-        layout = self._tensor_layout()
+        layout = self._layout
         out = {n: dt or self.dtype for n, (_, dt) in layout.items()}
         for part in self._declaring_parts():
             for method in ("parameter_dtypes", "trainable_parameter_dtypes"):
@@ -230,7 +232,7 @@ class ModelSpec:
         stores in a dtype of its own (router correction bias, KV scales) and every tensor
         of a quantized linear except a master ``weight`` (codes, weight and input
         scales). ``trainable_parameter_dtypes()`` entries are trained."""
-        out = {n for n, (_, dt) in self._tensor_layout().items() if dt is not None}
+        out = {n for n, (_, dt) in self._layout.items() if dt is not None}
         for name, fmt in self._formats.items():
             if not fmt.stored:
                 out.discard(f"{name}.weight")
