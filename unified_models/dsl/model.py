@@ -98,6 +98,12 @@ class ModelSpec:
     sublayer specs declare their linears in the model dtype; the stored tensors
     of a quantized linear (:meth:`parameter_shapes`) come from its format.
 
+    ``inert_parameters`` are ``(HF name, shape, stored dtype)`` of tensors the
+    checkpoint carries that no forward reads (DeepSeek-V4's multi-token-prediction
+    layer ``mtp.*``: rollout does no speculative decoding). Both engines allocate
+    them; they are loaded, validated, saved and converted bit for bit like every
+    parameter, and never trained (:meth:`untrained_parameter_names`).
+
     ``architecture`` is the name our vLLM plugin registers; ``hf_model_type``
     and ``hf_architecture`` say which transformers class is the peer.
     """
@@ -114,6 +120,7 @@ class ModelSpec:
     dtype: torch.dtype = torch.bfloat16
     max_position_embeddings: int = 4096
     weight_formats: tuple[tuple[str, LinearFormat], ...] = ()
+    inert_parameters: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -171,6 +178,13 @@ class ModelSpec:
                 out[name] = (shape, None)
             else:
                 out.update(linear_tensors(name[: -len(".weight")], fmt, shape[0], shape[1], self.dtype))
+        for name, shape, dtype in self.inert_parameters:
+            if name in out:
+                raise SpecError(f"inert parameter {name} is also declared by a component")
+            if not isinstance(dtype, torch.dtype) or any(not isinstance(d, int) or d < 0 for d in shape):
+                raise SpecError(f"inert parameter {name}: shape {shape!r} / dtype {dtype!r} is not a shape of "
+                                "ints >= 0 and a torch.dtype")
+            out[name] = (tuple(shape), dtype)
         return out
 
     @property
@@ -231,7 +245,8 @@ class ModelSpec:
         """Parameters that are never trained: what a component's ``parameter_dtypes()``
         stores in a dtype of its own (router correction bias, KV scales) and every tensor
         of a quantized linear except a master ``weight`` (codes, weight and input
-        scales). ``trainable_parameter_dtypes()`` entries are trained."""
+        scales) and the :attr:`inert_parameters`. ``trainable_parameter_dtypes()`` entries
+        are trained."""
         out = {n for n, (_, dt) in self._layout.items() if dt is not None}
         for name, fmt in self._formats.items():
             if not fmt.stored:

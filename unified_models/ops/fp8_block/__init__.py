@@ -29,13 +29,16 @@ Rules (``../shared/reference/architectures.md`` section 3; DeepSeek-V3.2/V4 ``in
 Files: ``common.py`` (quantizers, :class:`FP8BlockWeight`, validation), ``cpu.py`` (the
 linear on CPU), ``triton.py`` (the GPU kernel; equal to the CPU path under the Triton
 interpreter), ``dispatch.py`` (argument checks, then one of the two), ``reference.py`` (fp64 oracle on dequantized operands), ``backward.py``
-(STE autograd and the differentiable :func:`fp8_block_linear`).
+(STE autograd and the differentiable :func:`fp8_block_linear`), ``kv.py`` (DeepSeek-V4's FP8 KV rule,
+:func:`ds_kv_fp8_roundtrip`: 64-dim tiles of the no-RoPE dims, the same ue8m0 scale rule).
 """
 
 from .backward import fp8_block_linear
 from .common import (BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_problems, fp8_block_quantize_activation,
                      fp8_block_quantize_weight, ue8m0_scale)
+from .kv import KV_TILE, ds_kv_fp8_roundtrip
 from .reference import fp8_block_linear_reference
 
 __all__ = ["BLOCK", "FP8BlockWeight", "fp8_block_linear", "fp8_block_dequantize", "fp8_block_problems",
-           "fp8_block_quantize_activation", "fp8_block_quantize_weight", "ue8m0_scale", "fp8_block_linear_reference"]
+           "fp8_block_quantize_activation", "fp8_block_quantize_weight", "ue8m0_scale", "fp8_block_linear_reference",
+           "KV_TILE", "ds_kv_fp8_roundtrip"]
