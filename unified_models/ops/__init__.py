@@ -73,9 +73,9 @@ __all__ += ["FP8_E4M3_MAX", "FP8Error", "FP8Weight", "fp8_input_scale", "fp8_lin
 from .mhc.backward import hc_head, hc_post, hc_pre
 
 __all__ += ["hc_pre", "hc_post", "hc_head"]
-from .fp8_block import FP8BlockWeight, fp8_block_linear
+from .fp8_block import FP8BlockWeight, ds_kv_fp8_roundtrip, fp8_block_linear
 
-__all__ += ["FP8BlockWeight", "fp8_block_linear"]
+__all__ += ["FP8BlockWeight", "fp8_block_linear", "ds_kv_fp8_roundtrip"]
 from .moe.deepseek_backward import hash_route, sqrtsoftplus_route, swiglu_experts, swiglu_shared_expert
 
 __all__ += ["sqrtsoftplus_route", "hash_route", "swiglu_experts", "swiglu_shared_expert"]
