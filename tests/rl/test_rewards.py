@@ -65,8 +65,28 @@ def test_target_token_fraction():
         build_reward("target-token", target_token_id=-1)
 
 
+def test_token_set_is_a_fifth_of_the_ids_without_structure():
+    from unified_models.rl.rewards import TokenSetReward
+
+    reward = build_reward("token-set")
+    members = [t for t in range(32064) if reward.contains(t)]
+    assert abs(len(members) / 32064 - 0.2) < 0.005
+    for lo in (0, 10000, 20000):  # every id range holds about a fifth
+        assert abs(sum(1 for t in members if lo <= t < lo + 2000) / 2000 - 0.2) < 0.03
+    # independent formula: (t * 2654435761) mod 2^32 < 0.2 * 2^32
+    assert members[:5] == [t for t in range(200) if (t * 2654435761) % 2 ** 32 < int(0.2 * 2 ** 32)][:5]
+    inside, outside = members[0], next(t for t in range(100) if t not in members)
+    assert reward(Completion(token_ids=[inside, inside, outside, inside])) == 0.75
+    assert reward(Completion(token_ids=[outside] * 3)) == 0.0
+    assert reward(Completion(token_ids=[])) == 0.0
+    assert reward_info("token-set").defaults["temperature"] == 0.1
+    for bad in (0.0, 1.0, -0.5, True, "0.2"):
+        with pytest.raises(ValueError, match="fraction"):
+            TokenSetReward(bad)
+
+
 def test_registry():
-    assert {"gsm8k", "target-token"} <= set(reward_names())
+    assert {"gsm8k", "target-token", "token-set"} <= set(reward_names())
     assert reward_info("gsm8k").needs_text and reward_info("gsm8k").needs_reference
     assert not reward_info("target-token").needs_text
     with pytest.raises(UnifiedModelsError, match="known rewards"):
