@@ -21,6 +21,9 @@ from .dsl import SpecError
 
 DEFAULT_PRESET = "nemotron_h_tiny"
 
+_HF_ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+"""transformers' causal-LM class name per preset family (written to ``config.architectures``)."""
+
 
 def data_path(name: str) -> Path:
     """Path of a bundled data file (prompts, tokenizer) inside the package."""
@@ -83,10 +86,14 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         config = AutoConfig.for_model(preset["family"], **preset["hf_config"])
-        config.architectures = ["NemotronHForCausalLM"]
+        config.architectures = [_HF_ARCHITECTURES.get(preset["family"], "NemotronHForCausalLM")]
         dtype = getattr(torch, preset.get("dtype", "bfloat16"))
         torch.manual_seed(int(preset.get("seed", 0)))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if preset["family"] == "deepseek_v4":  # tensors transformers' init leaves degenerate (zeros)
+            from .models.deepseek_v4 import preset_weights
+
+            preset_weights(model, int(preset.get("seed", 0)))
         model = model.to(dtype)
         model.save_pretrained(str(tmp), safe_serialization=True)
         if preset.get("tokenizer") == "bundled":

@@ -41,7 +41,14 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
     try:
-        config = AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+        layout = checkpoint_layout(raw)
+        if layout is not None:  # a family's other layout (DeepSeek-V4's published one): its config, translated
+            fields = layout.read_config_dict(d)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        else:
+            config = AutoConfig.from_pretrained(str(d), trust_remote_code=False)
+    except SpecError:
+        raise
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many (validation) types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{d}/config.json is not a valid transformers config: {first}") from None
@@ -49,6 +56,48 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
 
     check_declared_layer_count(config, raw, source=f"{d}/config.json")
     return config
+
+
+def checkpoint_layout(raw_config: dict) -> Any:
+    """The layout module of a checkpoint written in a family's non-canonical layout, or None.
+
+    Today one: DeepSeek-V4's published layout (:mod:`.deepseek_v4_layout`, detected from
+    ``config.json``: ``compress_ratios`` / ``num_hash_layers`` instead of ``layer_types``).
+    The module gives ``read_config_dict(dir)`` (the transformers config dict) and
+    ``official_to_canonical(tensors)`` (the canonical names of :meth:`ModelSpec.parameter_shapes`).
+    """
+    if raw_config.get("model_type") == "deepseek_v4":
+        from . import deepseek_v4_layout
+
+        if deepseek_v4_layout.is_official_config(raw_config):
+            return deepseek_v4_layout
+    return None
+
+
+def canonical_tensors(model_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` of ``model_dir`` under the spec's (canonical) names: unchanged for a canonical
+    checkpoint, converted by its layout module (:func:`checkpoint_layout`) otherwise.
+
+    Raises:
+        CheckpointError: the config and the tensor names disagree on the layout (a published
+            config with transformers' tensor names or the reverse), or the layout's own errors.
+    """
+    d = Path(model_dir)
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return tensors
+    if raw.get("model_type") != "deepseek_v4":
+        return tensors
+    from . import deepseek_v4_layout
+
+    by_config = deepseek_v4_layout.is_official_config(raw)
+    by_names = deepseek_v4_layout.is_official_tensor_names(tensors)
+    if by_config != by_names:
+        say = {True: "DeepSeek's published layout", False: "the transformers layout"}
+        raise CheckpointError(f"checkpoint {d}: config.json is in {say[by_config]} but the tensor names are in "
+                              f"{say[by_names]}; convert one of them (unified_models.converters.deepseek_v4_layout)")
+    return deepseek_v4_layout.official_to_canonical(tensors) if by_config else tensors
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
@@ -109,7 +158,7 @@ def load_state_dict(model_dir: str | os.PathLike, spec: ModelSpec, *, check_fini
             (all named); a code tensor of the wrong dtype; NaN/Inf values; bad
             quantization scales.
     """
-    tensors = read_tensors(model_dir)
+    tensors = canonical_tensors(model_dir, read_tensors(model_dir))
     validate_state_dict(tensors, spec, source=str(model_dir), check_finite=check_finite)
     return cast_to_stored_dtypes(tensors, spec, source=str(model_dir))
 

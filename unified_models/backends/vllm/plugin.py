@@ -48,7 +48,49 @@ def register() -> None:
     by the next call; ``engine.make_llm`` calls it)."""
     from vllm import ModelRegistry
 
+    use_transformers_configs()
     supported = set(ModelRegistry.get_supported_archs())
     for arch, cls in model_classes().items():
         if arch not in supported:
             ModelRegistry.register_model(arch, cls)
+
+
+TRANSFORMERS_CONFIG_CLASSES = {"deepseek_v4": ("transformers", "DeepseekV4Config")}
+"""Model types whose config vLLM must parse with transformers' class, not its own."""
+
+
+def use_transformers_configs() -> None:
+    """Make vLLM parse the model types of :data:`TRANSFORMERS_CONFIG_CLASSES` with transformers' config class.
+
+    vLLM 0.32 registers its own ``DeepseekV4Config`` for ``deepseek_v4``
+    (``vllm/transformers_utils/configs/deepseek_v4.py``): a generic ``PreTrainedConfig`` that
+    does not fold ``compress_ratios`` / ``num_hash_layers`` and whose inherited validation
+    accepts only ``("sparse", "dense")`` ``mlp_layer_types``, so a transformers-written config
+    (``hash_moe`` / ``moe``) fails to load, and vLLM registers that class into ``AutoConfig``
+    for the rest of the process. Our declaration (:mod:`unified_models.models.deepseek_v4`)
+    reads transformers' class, the same on both engines. Idempotent; a vLLM without such a
+    registry entry is left alone.
+    """
+    import importlib
+
+    try:
+        from vllm.transformers_utils import config as vllm_config
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return
+    registry = getattr(vllm_config, "_CONFIG_REGISTRY", None)
+    if registry is None:
+        return
+    # transformers' DeepseekV4Config nests rope_parameters by rope *label* ("main" / "compress"),
+    # not by layer type; vLLM's generic readers (max_model_len, M-RoPE) only see nesting by
+    # layer type, so they must know the two labels (else they read {"main", "compress"} as one
+    # flat rope dict and fail on its missing "rope_type")
+    allowed = getattr(vllm_config, "ALLOWED_LAYER_TYPES", None)
+    if isinstance(allowed, tuple) and "compress" not in allowed:
+        vllm_config.ALLOWED_LAYER_TYPES = allowed + ("main", "compress")
+    for model_type, (module, name) in TRANSFORMERS_CONFIG_CLASSES.items():
+        if model_type in registry:
+            cls = getattr(importlib.import_module(module), name)
+            registry[model_type] = cls
+            from transformers import AutoConfig
+
+            AutoConfig.register(model_type, cls, exist_ok=True)

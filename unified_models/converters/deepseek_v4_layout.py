@@ -1,0 +1,312 @@
+"""DeepSeek-V4's two checkpoint layouts: transformers-written (canonical) <-> DeepSeek's published one.
+
+The canonical layout is what transformers 5.19's ``DeepseekV4ForCausalLM.save_pretrained``
+writes and what :mod:`unified_models.models.deepseek_v4` declares. The published layout is
+what DeepSeek releases and vLLM 0.32's loader reads (``vllm/models/deepseek_v4/cpu/model.py``
+``_make_deepseek_v4_weights_mapper`` and ``DeepseekV4MoE``; transformers' own
+``conversion_mapping.py`` ``"deepseek_v4"`` maps the same names). The differences:
+
+================================  ==================================  =============================
+what                              canonical (transformers)            published (DeepSeek / vLLM)
+================================  ==================================  =============================
+prefix                            ``model.layers.{i}.``               ``layers.{i}.`` (``model.`` optional on read)
+embedding / final norm            ``model.embed_tokens.weight``,      ``embed.weight``, ``norm.weight``
+                                  ``model.norm.weight``
+LM head                           ``head.weight``                     ``head.weight``
+mHC head                          ``model.hc_head.hc_{fn,base,scale}`` ``hc_head_{fn,base,scale}``
+attention KV norm                 ``attn.norm.weight``                ``attn.kv_norm.weight``
+hash table ``ffn.gate.tid2eid``   int64                               int32
+MTP blocks                        (none: transformers drops them)     ``mtp.{k}.*`` (kept as they are)
+config: attention schedule        ``layer_types`` + ``compress_rates`` ``compress_ratios`` (one int per
+                                                                      layer, then one per MTP block)
+config: hash layers               ``mlp_layer_types``                 ``num_hash_layers`` (the first n),
+                                                                      ``topk_method: noaux_tc``
+config: RoPE                      ``rope_parameters`` {main, compress} ``rope_theta``, ``compress_rope_theta``,
+                                                                      ``rope_scaling`` (YaRN), ``qk_rope_head_dim``
+================================  ==================================  =============================
+
+Every other tensor keeps its name, dtype and bits. :func:`official_to_canonical` and
+:func:`canonical_to_official` are inverse bit for bit on tensors (the int32 <-> int64 hash table
+is exact: expert ids are < 2^31); the configs convert field by field and refuse what has no
+counterpart (a hash schedule that is not a prefix, an MTP block that is not sliding, a compress
+ratio a layer type has two of).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..dsl import CheckpointError, SpecError
+
+_RATIO_TYPE = {4: "compressed_sparse_attention"}
+"""The published ratio of CSA; any other ratio > 0 is HCA (128 published, smaller in tiny models)."""
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+def is_official_config(raw: Mapping) -> bool:
+    """True for a published-layout ``config.json`` dict (``compress_ratios`` or ``num_hash_layers``
+    and no ``layer_types``)."""
+    return raw.get("model_type") == "deepseek_v4" and "layer_types" not in raw and (
+        "compress_ratios" in raw or "num_hash_layers" in raw)
+
+
+def is_official_tensor_names(names) -> bool:
+    """True when the tensor names are the published layout's (``embed.weight`` or ``layers.{i}.`` without
+    ``model.``, or ``hc_head_fn``, or ``attn.kv_norm``)."""
+    for n in names:
+        bare = n[len("model."):] if n.startswith("model.") else n
+        if bare in ("embed.weight", "hc_head_fn") or n.startswith("layers.") or (
+                ".attn.kv_norm." in n and not n.startswith("mtp.")):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- configs
+
+def official_config_to_hf(raw: Mapping) -> dict:
+    """A published ``config.json`` dict -> the transformers ``DeepseekV4Config`` dict of the same model.
+
+    ``compress_ratios[:num_hidden_layers]`` -> ``layer_types`` (0 sliding, 4 CSA, any other
+    ratio HCA) and ``compress_rates``; ``num_hash_layers`` -> ``mlp_layer_types`` (first n
+    ``hash_moe``); ``rope_theta`` / ``compress_rope_theta`` / ``rope_scaling`` / ``qk_rope_head_dim``
+    -> ``rope_parameters`` {main, compress} and ``partial_rotary_factor``, as transformers'
+    ``DeepseekV4Config.__post_init__`` folds them. ``topk_method`` and every other key are kept
+    (``topk_method`` marks the checkpoint as one that stores its MTP blocks:
+    :func:`unified_models.models.deepseek_v4.has_mtp_tensors`).
+
+    Raises:
+        SpecError: a missing ``num_hidden_layers`` / ``head_dim``, ``compress_ratios`` shorter than
+            the layers, two ratios for one layer type, or an MTP entry that is not 0 (sliding).
+    """
+    out = dict(raw)
+    n = out.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise SpecError(f"published DeepSeek-V4 config: num_hidden_layers={n!r} must be an int >= 1")
+    ratios = out.pop("compress_ratios", None)
+    if ratios is not None:
+        ratios = list(ratios)
+        if len(ratios) < n:
+            raise SpecError(f"published DeepSeek-V4 config: compress_ratios has {len(ratios)} entries for {n} layers")
+        mtp = ratios[n:]
+        if any(r != 0 for r in mtp):
+            raise SpecError(f"published DeepSeek-V4 config: compress_ratios of the MTP block(s) {mtp} are not 0; "
+                            "only sliding MTP blocks are declared (the published checkpoints have 0)")
+        types, rates = [], {}
+        for i, r in enumerate(ratios[:n]):
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r == 1:
+                raise SpecError(f"published DeepSeek-V4 config: compress_ratios[{i}]={r!r} must be 0 or an int >= 2")
+            t = "sliding_attention" if r == 0 else _RATIO_TYPE.get(r, "heavily_compressed_attention")
+            if t != "sliding_attention":
+                if rates.setdefault(t, r) != r:
+                    raise SpecError(f"published DeepSeek-V4 config: compress_ratios has two ratios ({rates[t]} and "
+                                    f"{r}) for {t}; transformers has one rate per layer type")
+            types.append(t)
+        out["layer_types"] = types
+        out["compress_rates"] = {"compressed_sparse_attention": rates.get("compressed_sparse_attention", 4),
+                                 "heavily_compressed_attention": rates.get("heavily_compressed_attention", 128)}
+    n_hash = out.pop("num_hash_layers", None)
+    if n_hash is not None:
+        if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
+            raise SpecError(f"published DeepSeek-V4 config: num_hash_layers={n_hash!r} must be an int >= 0")
+        out["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    head_dim = out.get("head_dim", 512)
+    rot = out.pop("qk_rope_head_dim", None)
+    prf = out.get("partial_rotary_factor") or (rot / head_dim if rot is not None else 64 / 512)
+    out["partial_rotary_factor"] = prf
+    scaling = out.pop("rope_scaling", None) or {}
+    if "rope_parameters" not in out:
+        main = {"rope_type": "default", "rope_theta": out.get("rope_theta", 10000.0), "partial_rotary_factor": prf}
+        compress = {k: v for k, v in dict(scaling).items() if k != "type"}
+        compress["rope_type"] = dict(scaling).get("rope_type", dict(scaling).get("type", "default"))
+        compress.update(rope_theta=out.get("compress_rope_theta", 160000.0), partial_rotary_factor=prf)
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+        out["rope_parameters"] = {"main": main, "compress": compress}
+    return out
+
+
+def hf_config_to_official(cfg: Mapping) -> dict:
+    """A transformers ``DeepseekV4Config`` dict -> a published ``config.json`` dict (inverse of
+    :func:`official_config_to_hf` on the fields it converts).
+
+    Raises:
+        SpecError: ``mlp_layer_types`` whose ``hash_moe`` layers are not a prefix (the published
+            ``num_hash_layers`` can only say "the first n"), or RoPE parameters with no published
+            counterpart (a YaRN ``main``, different partial rotary factors).
+    """
+    out = dict(cfg)
+    n = int(out["num_hidden_layers"])
+    types = list(out.pop("layer_types"))
+    rates = dict(out.pop("compress_rates"))
+    ratios = [0 if t == "sliding_attention" else int(rates[t]) for t in types]
+    mtp = int(out.get("num_nextn_predict_layers", 0) or 0)
+    out["compress_ratios"] = ratios + [0] * mtp
+    mlp = list(out.pop("mlp_layer_types"))
+    n_hash = sum(1 for t in mlp if t == "hash_moe")
+    if mlp != ["hash_moe"] * n_hash + ["moe"] * (n - n_hash):
+        raise SpecError(f"DeepSeek-V4 mlp_layer_types {mlp} cannot be written in the published layout: "
+                        "num_hash_layers means the first n layers are hash_moe")
+    out["num_hash_layers"] = n_hash
+    out.setdefault("topk_method", "noaux_tc")
+    rp = out.pop("rope_parameters")
+    main, comp = dict(rp["main"]), dict(rp["compress"])
+    if main.get("rope_type", "default") != "default":
+        raise SpecError("DeepSeek-V4 rope_parameters['main'] is not plain RoPE: no published counterpart")
+    prf = out.pop("partial_rotary_factor", main.get("partial_rotary_factor"))
+    if main.get("partial_rotary_factor", prf) != prf or comp.get("partial_rotary_factor", prf) != prf:
+        raise SpecError("DeepSeek-V4 rope_parameters have different partial_rotary_factor values: no published "
+                        "counterpart (one qk_rope_head_dim)")
+    out["qk_rope_head_dim"] = int(int(out["head_dim"]) * prf)
+    out["rope_theta"] = main["rope_theta"]
+    out["compress_rope_theta"] = comp.pop("rope_theta")
+    comp.pop("partial_rotary_factor", None)
+    rtype = comp.pop("rope_type", "default")
+    if rtype == "yarn":
+        out["rope_scaling"] = {"type": "yarn", **comp}
+    elif comp:
+        raise SpecError(f"DeepSeek-V4 rope_parameters['compress'] of type {rtype!r} has keys {sorted(comp)}: no "
+                        "published counterpart")
+    return out
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def _official_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "embed.weight"
+    if name == "model.norm.weight":
+        return "norm.weight"
+    if name.startswith("model.hc_head.hc_"):
+        return "hc_head_" + name[len("model.hc_head.hc_"):]
+    if name.startswith("model.layers."):
+        rest = name[len("model."):]
+        m = _LAYER.match(rest)
+        if m and m.group(2) == "attn.norm.weight":
+            return f"layers.{m.group(1)}.attn.kv_norm.weight"
+        return rest
+    return name  # head.weight, mtp.*
+
+
+def _canonical_name(name: str) -> str:
+    """Published name (with or without a ``model.`` prefix) -> canonical name."""
+    if name.startswith("mtp.") or name == "head.weight":
+        return name
+    bare = name[len("model."):] if name.startswith("model.") else name
+    if bare in ("embed.weight", "embed_tokens.weight"):
+        return "model.embed_tokens.weight"
+    if bare == "norm.weight":
+        return "model.norm.weight"
+    if bare.startswith("hc_head_"):
+        return "model.hc_head.hc_" + bare[len("hc_head_"):]
+    if bare.startswith("hc_head.hc_"):
+        return "model." + bare
+    m = _LAYER.match(bare)
+    if m:
+        rest = "attn.norm.weight" if m.group(2) == "attn.kv_norm.weight" else m.group(2)
+        return f"model.layers.{m.group(1)}.{rest}"
+    return name
+
+
+def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published-layout tensors -> canonical names (the int32 ``tid2eid`` widened to int64; every other
+    tensor the same object, bits untouched; ``mtp.*`` kept as they are).
+
+    Raises:
+        CheckpointError: two tensors that map to one name, or a quantized tensor (``*.scale``:
+            block-FP8 / FP4 checkpoints are not declared yet).
+    """
+    out: dict[str, torch.Tensor] = {}
+    scales = sorted(n for n in tensors if n.endswith(".scale") or n.endswith(".weight_scale_inv"))
+    if scales:
+        raise CheckpointError(f"published DeepSeek-V4 checkpoint holds quantized tensors ({scales[:3]} ...): "
+                              "block-FP8 / FP4 weights are not supported yet; dequantize to bf16 first")
+    for name, t in tensors.items():
+        new = _canonical_name(name)
+        if new in out:
+            raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
+        if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int32:
+            t = t.to(torch.int64)
+        out[new] = t
+    return out
+
+
+def canonical_to_official(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> the published layout (``tid2eid`` narrowed to int32, exactly).
+
+    Raises:
+        CheckpointError: a hash table with ids outside int32.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        new = _official_name(name)
+        if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int64:
+            if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
+                raise CheckpointError(f"{name}: expert ids outside int32 cannot be written in the published layout")
+            t = t.to(torch.int32)
+        out[new] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- directories
+
+def read_config_dict(model_dir: str | os.PathLike) -> dict:
+    """The directory's ``config.json`` as a dict, in transformers' form (converted when published)."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return official_config_to_hf(raw) if is_official_config(raw) else raw
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False) -> Path:
+    """Rewrite a DeepSeek-V4 checkpoint directory in the other layout (``to`` = ``"official"`` or
+    ``"hf"``): config.json and one ``model.safetensors``, every tensor bit for bit (except the
+    hash table's integer width); tokenizer files are copied.
+
+    Raises:
+        CheckpointError: ``src`` is already in layout ``to``, ``dst`` exists and is not empty
+            (without ``overwrite``), or the tensors do not match the spec of the config.
+        SpecError: a config with no counterpart in the other layout.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    raw = json.loads((src / "config.json").read_text())
+    official = is_official_config(raw)
+    if to not in ("official", "hf"):
+        raise SpecError(f"convert_checkpoint: to={to!r} must be 'official' or 'hf'")
+    if (to == "official") == official:
+        raise CheckpointError(f"{src} is already in the {'published' if official else 'transformers'} layout")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise CheckpointError(f"{dst} exists and is not empty (pass overwrite=True)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):  # this module may not import hf_safetensors (it imports us)
+        part = load_file(str(f))
+        dup = set(part) & set(tensors)
+        if dup:
+            raise CheckpointError(f"{f} repeats tensors: {sorted(dup)[:5]}")
+        tensors.update(part)
+    if official:
+        cfg, out = official_config_to_hf(raw), official_to_canonical(tensors)
+    else:
+        # transformers never writes the MTP block: a published config without MTP tensors says 0 blocks
+        # (else readers would expect num_nextn_predict_layers blocks of mtp.* tensors)
+        if not any(n.startswith("mtp.") for n in tensors):
+            raw = {**raw, "num_nextn_predict_layers": 0}
+        cfg, out = hf_config_to_official(raw), canonical_to_official(tensors)
+    dst.mkdir(parents=True, exist_ok=True)
+    tmp = dst / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json") \
+                and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dst / f.name)
+    return dst
