@@ -1,6 +1,8 @@
-"""Compressed-KV and indexer-key cache kinds (one entry per ``ratio`` tokens): declarations,
-the vLLM spec each maps to, the views of what vLLM binds, the trainer's allocation and the
-entry-slot rule both stores share. (No family writes these caches yet: DeepSeek-V4 will.)"""
+"""Compressed-KV and indexer-key cache kinds (one entry per ``ratio`` tokens) and paged caches
+of a dtype of their own (DeepSeek-V4's fp32 compressor rows): declarations, the vLLM spec
+each maps to, the views of what vLLM binds, the trainer's allocation and the entry-slot rule
+both stores share. (DeepSeek-V4's CSA / HCA layers write them:
+``tests/test_deepseek_compressed_attention.py`` runs them through both engines.)"""
 
 from __future__ import annotations
 
@@ -131,3 +133,35 @@ def test_private_store_allocates_entries_and_shares_the_slot_rule(probe_family):
     want = ckv.block_table[seq[done], (4 * j) // 16].long() * 4 + (4 * j % 16) // 4
     assert torch.equal(slots[done], want) and slots[done].unique().numel() == int(done.sum())
     assert int(slots.max()) < ckv.k_cache.shape[0] * 4
+
+
+def test_fp32_rows_cache_keeps_its_dtype_in_both_stores(probe_family):
+    """A ``PagedKVCache(dtype=torch.float32)`` (the compressor rows) is fp32 in a bf16 model: the
+    vLLM spec, and the trainer's pages; its group is not the model-dtype one's."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    from unified_models.backends.vllm.caches import cache_module
+
+    rows = PagedKVCache(num_kv_heads=1, head_dim=16, sliding_window=8, shared_kv=True, dtype=torch.float32)
+    same_bf16 = PagedKVCache(num_kv_heads=1, head_dim=16, sliding_window=8, shared_kv=True)
+    assert rows.group_key() != same_bf16.group_key() and rows.element_dtype(torch.bfloat16) == torch.float32
+    cfg = _vllm_config(block_size=32)
+    spec = cache_module(rows, "model.layers.0.attn.rows", cfg).get_kv_cache_spec(cfg)
+    assert type(spec) is SlidingWindowMLASpec and spec.dtype == torch.float32
+    assert spec.page_size_bytes == 32 * 16 * 4  # S x E x fp32, one vector
+    assert cache_module(same_bf16, "model.layers.0.attn.swa", cfg).get_kv_cache_spec(cfg).dtype == torch.bfloat16
+    FAMILIES[ProbeSpec] = dataclasses.replace(FAMILIES[ProbeSpec], caches=lambda s, dt: {"rows": rows,
+                                                                                          "swa": same_bf16})
+    d = 8
+    attn = AttentionSpec(name="model.layers.0.p.attn", hidden_size=d, num_heads=1, num_kv_heads=1, head_dim=8)
+    block = BlockSpec.single(0, RMSNormSpec(name="model.layers.0.norm", hidden_size=d, eps=1e-5),
+                             ProbeSpec(name="model.layers.0.p", attn=attn))
+    model = ModelSpec(family="probe", architecture="Probe", hf_model_type="probe", hf_architecture="Probe",
+                      embedding=EmbeddingSpec(name="e", vocab_size=16, hidden_size=d), blocks=(block,),
+                      final_norm=RMSNormSpec(name="n", hidden_size=d, eps=1e-5),
+                      lm_head=LMHeadSpec(name="h", vocab_size=16, hidden_size=d, tied_to=None))
+    store = PrivateStateStore(model, [20], block_size=16)
+    assert store.state(0, "rows").k_cache.dtype == torch.float32
+    assert store.state(0, "swa").k_cache.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="exclusive"):
+        PagedKVCache(num_kv_heads=1, head_dim=8, fp8=True, dtype=torch.float16)

@@ -1,4 +1,5 @@
-"""The DeepSeek-V4 attention family (sliding layer type) against transformers and through both engines.
+"""The DeepSeek-V4 attention family (sliding layer type) against transformers and through both engines
+(the CSA / HCA layer types: ``tests/test_deepseek_compressed_attention.py``).
 
 * Names and shapes: :class:`DeepseekV4AttentionSpec` declares exactly the ``attn.*``
   tensors that transformers 5.19's ``save_pretrained`` writes for a tiny random
@@ -179,9 +180,10 @@ def test_engine_gradients_match_fp64_oracle(hf_layer):
 
 
 def test_spec_errors_name_the_field():
-    with pytest.raises(SpecError, match="layer_type='compressed_sparse_attention' is a compressed layer type"):
+    # a compressed layer type needs its compress ratio (tests/test_deepseek_compressed_attention.py covers the rest)
+    with pytest.raises(SpecError, match="compress_ratio=0 must be an int >= 2 for layer_type='compressed_sparse"):
         DeepseekV4AttentionSpec(**{**_kw(), "layer_type": "compressed_sparse_attention"})
-    with pytest.raises(SpecError, match="layer_type='heavily_compressed_attention'"):
+    with pytest.raises(SpecError, match="compress_ratio=0 must be an int >= 2 for layer_type='heavily_compressed"):
         DeepseekV4AttentionSpec(**{**_kw(), "layer_type": "heavily_compressed_attention"})
     with pytest.raises(SpecError, match="rope_type='yarn'.*compress_rope_theta"):
         DeepseekV4AttentionSpec(**{**_kw(), "rope_type": "yarn"})

@@ -13,8 +13,9 @@ which maps it to the KV-cache spec vLLM has for it. KV-cache groups come from
 Kinds:
 
 * :class:`PagedKVCache`: paged K/V blocks ``[N, S, G, E]``; full attention or a
-  sliding window; separate K and V, or one shared K = V tensor; model dtype or
-  FP8 (e4m3, static per-tensor scales). vLLM specs (both 0.26 and 0.32):
+  sliding window; separate K and V, or one shared K = V tensor; model dtype, FP8
+  (e4m3, static per-tensor scales) or a dtype of its own (``dtype``: DeepSeek-V4's fp32
+  compressor rows). vLLM specs (both 0.26 and 0.32):
   ``FullAttentionSpec`` / ``SlidingWindowSpec``, and for shared K = V the
   one-vector ``MLAAttentionSpec`` / ``SlidingWindowMLASpec`` (what vLLM's own
   DeepSeek-V4 uses for its SWA cache).
@@ -56,9 +57,14 @@ class PagedKVCache:
         shared_kv: one tensor holds K = V (MLA-style shared-KV attention; vLLM's
             one-vector MLA specs, half the page of separate K/V): both stores hand
             the same view as ``k_cache`` and ``v_cache``.
+        dtype: element type of the pages; ``None`` = the model dtype. DeepSeek-V4's
+            compressor rows caches are ``torch.float32`` (per-token kv | score rows, as
+            vLLM's own DeepSeek-V4 keeps its compressor state in fp32
+            ``SlidingWindowMLASpec`` pages). Not with ``fp8``.
 
     Raises:
-        ValueError: a sliding window that is not an int >= 1, or G/E < 1.
+        ValueError: a sliding window that is not an int >= 1, G/E < 1, a ``dtype`` that is
+            not a floating torch dtype, or ``dtype`` with ``fp8``.
     """
 
     num_kv_heads: int
@@ -66,6 +72,7 @@ class PagedKVCache:
     fp8: bool = False
     sliding_window: int | None = None
     shared_kv: bool = False
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         w = self.sliding_window
@@ -73,17 +80,25 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: sliding_window={w!r} must be None or an int >= 1")
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ValueError(f"PagedKVCache: num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim} must be >= 1")
+        if self.dtype is not None:
+            if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+                raise ValueError(f"PagedKVCache: dtype={self.dtype!r} must be None or a floating torch dtype")
+            if self.fp8:
+                raise ValueError(f"PagedKVCache: dtype={self.dtype} and fp8=True are exclusive (an FP8 cache is "
+                                 f"{KV_FP8_DTYPE})")
 
     def group_key(self) -> Hashable:
         """Layers with equal keys share one KV-cache group (one block table), as vLLM
         groups layers by equal cache spec."""
-        if not self.fp8 and self.sliding_window is None and not self.shared_kv:
+        if not self.fp8 and self.sliding_window is None and not self.shared_kv and self.dtype is None:
             return "full_attention"
-        return ("paged_kv", self.fp8, self.sliding_window, self.shared_kv)
+        key = ("paged_kv", self.fp8, self.sliding_window, self.shared_kv)
+        return key if self.dtype is None else (*key, str(self.dtype))
 
     def element_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """Element type of the pages: :data:`KV_FP8_DTYPE` for an FP8 cache, else ``model_dtype``."""
-        return KV_FP8_DTYPE if self.fp8 else model_dtype
+        """Element type of the pages: :data:`KV_FP8_DTYPE` for an FP8 cache, else ``dtype``
+        or (``None``) ``model_dtype``."""
+        return KV_FP8_DTYPE if self.fp8 else (self.dtype or model_dtype)
 
     def rows_per_block(self, block_size: int) -> int:
         """Rows of one page: one per token, ``S``."""

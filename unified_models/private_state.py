@@ -104,7 +104,9 @@ class PrivateStateStore:
         block_size: S of every group not in ``group_block_sizes``.
         group_block_sizes: group key -> S of that group.
         device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``; FP8-KV
-            layers always get float8_e4m3fn caches, written and read with their scales).
+            layers always get float8_e4m3fn caches, written and read with their scales, and
+            a declaration with a ``dtype`` of its own (DeepSeek-V4's fp32 compressor rows,
+            :class:`~unified_models.caches.PagedKVCache`) gets that dtype, as vLLM allocates it).
         buffers: :class:`StateBuffers` to take the caches from (reused across stores;
             no-grad use only); ``None``: fresh caches (paged KV zero-filled).
     """

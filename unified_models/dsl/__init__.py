@@ -22,7 +22,7 @@ D hidden, F MLP intermediate, V vocabulary, N cache blocks, S block size.
 """
 
 from .attention import AttentionSpec, RopeSpec
-from .deepseek_attention import DeepseekV4AttentionSpec
+from .deepseek_attention import DeepseekV4AttentionSpec, YarnRope
 from .embedding import EmbeddingSpec, LMHeadSpec
 from .errors import (
     CheckpointError,
@@ -47,4 +47,5 @@ __all__ = [
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
     "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec", "LinearFormat", "DeepseekV4MoESpec",
     "DeepseekV4AttentionSpec",
+    "YarnRope",
 ]

@@ -255,6 +255,9 @@ class ModelSpec:
             declared = getattr(part, "parameter_dtypes", None)
             if declared is not None:
                 out.update(declared())
+            frozen = getattr(part, "untrained_parameter_names", None)  # model-dtype tensors never trained
+            if frozen is not None:
+                out.update(frozen())
         return out
 
     def replace(self, **changes) -> "ModelSpec":

@@ -1,17 +1,22 @@
-"""Forward of :class:`~unified_models.dsl.DeepseekV4AttentionSpec` (sliding layer type): shared
-K = V multi-query attention over a sliding-window paged cache, with a learned sink.
+"""Forward of :class:`~unified_models.dsl.DeepseekV4AttentionSpec`: shared K = V multi-query
+attention over a sliding-window paged cache with a learned sink, and (CSA / HCA layer types)
+the compressed entries of :mod:`.deepseek_compressor` after the window.
 
-The math, step by step as transformers 5.19's ``DeepseekV4Attention.forward`` (sliding
-layers: ``compressor is None``, RoPE ``"main"``):
+The math, step by step as transformers 5.19's ``DeepseekV4Attention.forward``:
 
 1. query: ``c = q_norm(wq_a x)`` (RMSNorm with weight), ``q = wq_b c`` viewed ``[T, H, E]``,
    then ``q *= rsqrt(mean_E(q^2) + eps)`` per head (``q_b_norm``, no weight);
 2. key = value: ``kv = norm(wkv x)`` ``[T, 1, E]`` (RMSNorm with weight);
 3. RoPE on the last R dims of q and kv, interleaved pairs ``(2i, 2i+1)`` with angle
-   ``p * theta^(-2i/R)`` (``apply_rotary_pos_emb``); the first E - R dims pass;
+   ``p * inv_freq_i`` (``apply_rotary_pos_emb``); the first E - R dims pass. Sliding
+   layers: ``inv_freq_i = theta^(-2i/R)`` (``rope_parameters["main"]``); compressed layers
+   the ``"compress"`` rope (theta ``compress_rope_theta``, YaRN frequencies when
+   ``rope_type="yarn"``) for q, kv, the entries and the indexer alike;
 4. attention of each token over positions ``p-W+1..p`` of its own sequence with V = K,
-   scale ``E^-0.5``, and the sink logit of each head as an extra softmax column without
-   a value (``eager_attention_forward``: scores ``cat`` sinks, softmax, drop the column);
+   then (compressed types) over the compressed entries it may see (HCA: every complete
+   entry ``j < (p+1)//m``; CSA: the indexer's top-k of them), one softmax, scale
+   ``E^-0.5``, and the sink logit of each head as an extra softmax column without a value
+   (``eager_attention_forward``: scores ``cat`` sinks, softmax, drop the column);
 5. de-rotation: RoPE at the query's position with ``-sin`` on the last R dims of the
    output (V carried K's rotation);
 6. grouped low-rank output: heads in g groups of ``H*E/g``, group j times its block of
@@ -22,11 +27,15 @@ Engine forward over the batch-invariant ops: every linear is ``ops.linear`` (``w
 ``wq_b``, ``wkv``, ``wo_b`` through :func:`.weight_formats.apply_linear`, so they may
 carry a weight format), the norms ``ops.rms_norm`` (the per-head one with a weight of
 ones: ``x * r * 1`` is exact), RoPE ``ops.apply_rope`` on the de-interleaved tail (a
-permutation of the channels: exact), attention ``ops.paged_attention`` with
-``sliding_window`` and ``sink`` over one shared K = V cache.
+permutation of the channels: exact) with the fp32 tables of ``ops.rope_cos_sin`` /
+``ops.rope.rope_cos_sin_yarn``, attention ``ops.paged_attention`` with ``sliding_window``,
+``sink`` and (compressed types) ``compressed=ops.CompressedKV(...)`` over one shared K = V
+window cache and the entry cache. Order within a step: the window K = V, then the
+compressor (rows, completed entries), then the indexer (its rows and keys, then its
+picks), then the attention, so a token attends the entry it completes itself.
 
 Shapes: T tokens, D hidden, H heads, E head dim, R rope dims, Q query rank, g output
-groups, r output rank.
+groups, r output rank, m compress ratio, J compressed entries of a sequence.
 """
 
 from __future__ import annotations
@@ -36,11 +45,12 @@ from typing import Mapping
 import torch
 
 from .. import ops
-from ..caches import PagedKVCache
+from ..caches import CompressedKVCache, IndexerKeyCache, PagedKVCache
 from ..dsl import DeepseekV4AttentionSpec, SpecError
 from ..ops.attention import causal_mask, softmax_with_sink
-from ..ops.rope import apply_rope_reference
+from ..ops.rope import apply_rope_reference, rope_cos_sin_yarn, yarn_inv_freq_reference
 from ..state import FlatBatch, StateStore
+from . import deepseek_compressor as dsc
 from .common import LayerContext
 from .family import LayerFamily
 from .oracle import linear_oracle, rms_norm_oracle
@@ -52,7 +62,16 @@ CACHE = "swa"
 
 QUANTIZABLE = ("wq_a", "wq_b", "wkv", "wo_b")
 """The linears that may carry a weight format (block-FP8 in the published checkpoints;
-``wo_a`` is bf16 there and runs as per-group ``ops.linear`` slices)."""
+``wo_a`` is bf16 there and runs as per-group ``ops.linear`` slices; so are the
+compressors' ``wkv``/``wgate`` and the indexer's ``weights_proj``)."""
+
+QUANTIZABLE_CSA = ("indexer.wq_b",)
+"""CSA only: the indexer's query projection (block-FP8 in the published checkpoints)."""
+
+
+def quantizable(a: DeepseekV4AttentionSpec) -> tuple[str, ...]:
+    """The short names of :data:`QUANTIZABLE` (and :data:`QUANTIZABLE_CSA` for CSA)."""
+    return QUANTIZABLE + (QUANTIZABLE_CSA if a.has_indexer else ())
 
 QUANTIZABLE_FORMATS = (None, "fp8_block")
 
@@ -76,13 +95,27 @@ def from_rotate_half(y: torch.Tensor, r: int) -> torch.Tensor:
 _NEG_SIN: dict[tuple, torch.Tensor] = {}
 
 
+def _table_key(spec: DeepseekV4AttentionSpec, ctx: LayerContext, device) -> tuple:
+    y = spec.yarn
+    yk = None if y is None else (float(y.factor), int(y.original_max_position_embeddings), float(y.beta_fast),
+                                 float(y.beta_slow), bool(y.truncate))
+    return (ctx.max_positions, spec.qk_rope_head_dim, float(spec.rope_theta), yk, str(torch.device(device)))
+
+
 def _tables(spec: DeepseekV4AttentionSpec, ctx: LayerContext, device, inverse: bool):
-    """fp32 ``cos, sin`` ``[P, R/2]`` of ``ops.rope_cos_sin``; ``inverse``: ``sin`` negated
-    (exact; memoized per table), the rotation by ``-angle``."""
-    cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.qk_rope_head_dim, spec.rope_theta, device)
+    """fp32 ``cos, sin`` ``[P, R/2]`` of the layer's RoPE (``ops.rope_cos_sin``, or with YaRN
+    ``ops.rope.rope_cos_sin_yarn``); ``inverse``: ``sin`` negated (exact; memoized per table),
+    the rotation by ``-angle``."""
+    y = spec.yarn
+    if y is None:
+        cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.qk_rope_head_dim, spec.rope_theta, device)
+    else:
+        cos, sin = rope_cos_sin_yarn(ctx.max_positions, spec.qk_rope_head_dim, spec.rope_theta, y.factor,
+                                     y.original_max_position_embeddings, y.beta_fast, y.beta_slow, y.truncate,
+                                     device)
     if not inverse:
         return cos, sin
-    key = (ctx.max_positions, spec.qk_rope_head_dim, float(spec.rope_theta), str(sin.device))
+    key = _table_key(spec, ctx, sin.device)
     if key not in _NEG_SIN:
         _NEG_SIN[key] = -sin
     return cos, _NEG_SIN[key]
@@ -98,13 +131,46 @@ def rope_tail(x_THE: torch.Tensor, positions_T: torch.Tensor, spec: DeepseekV4At
     return from_rotate_half(ops.apply_rope(to_rotate_half(x_THE, r), positions_T, cos, sin), r)
 
 
+def rope_inv_freq_oracle(spec: DeepseekV4AttentionSpec) -> torch.Tensor | None:
+    """fp64 ``[R/2]`` YaRN frequencies of a ``rope_type="yarn"`` layer (the formula in fp64), else
+    ``None`` (``theta^(-2i/R)`` in :func:`~unified_models.ops.rope.apply_rope_reference`)."""
+    y = spec.yarn
+    if y is None:
+        return None
+    return yarn_inv_freq_reference(spec.qk_rope_head_dim, spec.rope_theta, y.factor,
+                                   y.original_max_position_embeddings, y.beta_fast, y.beta_slow, y.truncate)
+
+
 def rope_tail_oracle(x_THE: torch.Tensor, positions_T: torch.Tensor, spec: DeepseekV4AttentionSpec) -> torch.Tensor:
     """fp64 oracle of :func:`rope_tail` (negative positions = the inverse rotation), in ``x_THE.dtype``."""
     r = spec.qk_rope_head_dim
-    return from_rotate_half(apply_rope_reference(to_rotate_half(x_THE, r), positions_T, r, spec.rope_theta), r)
+    out = apply_rope_reference(to_rotate_half(x_THE, r), positions_T, r, spec.rope_theta, rope_inv_freq_oracle(spec))
+    return from_rotate_half(out, r)
 
 
 # ----------------------------------------------------------------------------- forward
+
+def _compressed_kv(spec: DeepseekV4AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor],
+                   x_TD: torch.Tensor, c_TQ: torch.Tensor, batch: FlatBatch, store: StateStore,
+                   ctx: LayerContext):
+    """The compressor (and CSA indexer) steps of this layer for this batch, then the
+    ``ops.CompressedKV`` of the entries each token attends (HCA: all it may see; CSA: the
+    indexer's picks)."""
+    def rope(x, pos):
+        return rope_tail(x, pos, spec, ctx)
+
+    entries = store.state(layer_index, dsc.ENTRIES)
+    dsc.compress_step(spec, params, x_TD, batch, store.state(layer_index, dsc.ROWS), entries, ctx, rope)
+    m = spec.compress_ratio
+    if spec.has_indexer:
+        keys = store.state(layer_index, dsc.INDEXER_KEYS)
+        dsc.compress_step(spec, params, x_TD, batch, store.state(layer_index, dsc.INDEXER_ROWS), keys, ctx, rope,
+                          indexer=True)
+        picks_TK = dsc.indexer_entries(spec, params, x_TD, c_TQ, batch, keys, ctx, rope)
+    else:
+        picks_TK = dsc.hca_entries(batch, m, dsc.entry_width(batch, m, ctx))
+    return ops.CompressedKV(cache=entries.k_cache, ratio=m, entries_TK=picks_TK, block_table_BN=entries.block_table)
+
 
 def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor],
                                x_TD: torch.Tensor, batch: FlatBatch, store: StateStore,
@@ -113,8 +179,10 @@ def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, 
 
     The K = V vector of each token is written into the layer's sliding-window cache at
     ``slot_mapping`` and read back through the block table, so prefill, chunked prefill,
-    decode and the trainer's recompute read the same values. In profiling runs
-    (``store.state(layer_index, "swa")`` is ``None``) the attention output is zeros.
+    decode and the trainer's recompute read the same values; compressed layer types also
+    write their compressor rows and completed entries (and CSA the indexer's) first
+    (:mod:`.deepseek_compressor`). In profiling runs (``store.state(layer_index, "swa")`` is
+    ``None``) the attention output is zeros and nothing is written.
     """
     t, h, e, eps = x_TD.shape[0], spec.num_heads, spec.head_dim, spec.rms_norm_eps
     p, dt = spec.name, x_TD.dtype
@@ -132,8 +200,11 @@ def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, 
     else:
         ops.write_kv_cache(kv_T1E, kv_T1E, state.k_cache, state.v_cache, state.slot_mapping)
         sink = params[spec.sink_name] if spec.attention_sink else None
+        kw = {}
+        if spec.compressed:
+            kw["compressed"] = _compressed_kv(spec, layer_index, params, x_TD, c_TQ, batch, store, ctx)
         o_THE = ops.paged_attention(q_THE, state.k_cache, state.v_cache, state.block_table, batch.seq_idx,
-                                    batch.positions, spec.scale, sliding_window=spec.sliding_window, sink=sink)
+                                    batch.positions, spec.scale, sliding_window=spec.sliding_window, sink=sink, **kw)
     o_THE = rope_tail(o_THE, batch.positions, spec, ctx, inverse=True)
     g, r = spec.o_groups, spec.o_lora_rank
     o_TgI = o_THE.reshape(t, g, h * e // g)
@@ -145,7 +216,10 @@ def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, 
 def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor],
                               x_TD: torch.Tensor) -> torch.Tensor:
     """Steps 1-6 in plain torch for ONE sequence from position 0, in ``x_TD.dtype`` (fp32 or
-    fp64), dense attention over the window; RoPE angles in fp64 (``apply_rope_reference``)."""
+    fp64), dense attention over the window and (compressed types) the entries it attends
+    (:func:`.deepseek_compressor.compressor_oracle`; CSA the indexer's set,
+    :func:`.deepseek_compressor.indexer_oracle`); RoPE angles in fp64
+    (``apply_rope_reference``, YaRN frequencies in fp64)."""
     t, h, e, eps = x_TD.shape[0], a.num_heads, a.head_dim, a.rms_norm_eps
     pos = torch.arange(t, device=x_TD.device)
     c = rms_norm_oracle(linear_oracle(x_TD, params, f"{a.name}.wq_a", False), params[f"{a.name}.q_norm.weight"], eps)
@@ -156,6 +230,18 @@ def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, t
     kv = rope_tail_oracle(kv.view(t, 1, e), pos, a)[:, 0]
     s = torch.einsum("the,se->hts", q, kv) * a.scale
     s = s.masked_fill(~causal_mask(t, a.sliding_window, x_TD.device), float("-inf"))
+    if a.compressed:
+        def rope(x, p_):
+            return rope_tail_oracle(x, p_, a)
+
+        ent = dsc.compressor_oracle(a, params, x_TD, rope)  # [J, E]
+        j = torch.arange(ent.shape[0], device=x_TD.device)
+        seen = j[None, :] < ((pos + 1) // a.compress_ratio)[:, None]  # [T, J]
+        if a.has_indexer:
+            keys = dsc.compressor_oracle(a, params, x_TD, rope, indexer=True)
+            seen = dsc.indexer_oracle(a, params, x_TD, c, keys, rope)
+        sc = (torch.einsum("the,je->htj", q, ent) * a.scale).masked_fill(~seen[None], float("-inf"))
+        s, kv = torch.cat([s, sc], dim=-1), torch.cat([kv, ent], dim=0)
     probs = softmax_with_sink(s, params[a.sink_name] if a.attention_sink else None)
     o = rope_tail_oracle(torch.einsum("hts,se->the", probs, kv), -pos, a)
     g, r = a.o_groups, a.o_lora_rank
@@ -165,18 +251,42 @@ def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, t
 
 # ----------------------------------------------------------------------------- declarations
 
-def deepseek_attention_caches(a: DeepseekV4AttentionSpec, model_dtype: torch.dtype) -> dict[str, PagedKVCache]:
-    """One sliding-window cache of one shared K = V vector per token (vLLM ``SlidingWindowMLASpec``,
-    as vLLM's own DeepSeek-V4 declares its SWA cache)."""
-    return {CACHE: PagedKVCache(num_kv_heads=1, head_dim=a.head_dim, sliding_window=a.sliding_window,
-                                shared_kv=True)}
+def deepseek_attention_caches(a: DeepseekV4AttentionSpec, model_dtype: torch.dtype) -> dict:
+    """The layer's caches (the vLLM specs vLLM's own DeepSeek-V4 declares):
+
+    * ``"swa"``: one sliding-window K = V vector per token (``SlidingWindowMLASpec``);
+    * compressed types: ``"compressor_rows"``, fp32 ``kv | score`` rows ``[2*c*E]`` per token
+      over a window of ``c*m`` tokens (``SlidingWindowMLASpec`` fp32, as vLLM's compressor
+      state cache); ``"compressed_kv"``, one entry per m tokens (``MLAAttentionSpec`` with a
+      compression);
+    * CSA: ``"indexer_rows"`` (``[4*I]`` fp32 rows, window 2m) and ``"indexer_keys"``
+      (:class:`~unified_models.caches.IndexerKeyCache`, one key per m tokens).
+    """
+    out: dict = {CACHE: PagedKVCache(num_kv_heads=1, head_dim=a.head_dim, sliding_window=a.sliding_window,
+                                     shared_kv=True)}
+    if a.compressed:
+        m, c = a.compress_ratio, a.coff
+        out[dsc.ROWS] = PagedKVCache(num_kv_heads=1, head_dim=2 * c * a.head_dim, sliding_window=c * m,
+                                     shared_kv=True, dtype=torch.float32)
+        out[dsc.ENTRIES] = CompressedKVCache(ratio=m, head_dim=a.head_dim)
+    if a.has_indexer:
+        m, i = a.compress_ratio, a.index_head_dim
+        out[dsc.INDEXER_ROWS] = PagedKVCache(num_kv_heads=1, head_dim=4 * i, sliding_window=2 * m, shared_kv=True,
+                                             dtype=torch.float32)
+        out[dsc.INDEXER_KEYS] = IndexerKeyCache(ratio=m, head_dim=i)
+    return out
 
 
 def deepseek_attention_init_rules(a: DeepseekV4AttentionSpec) -> dict:
-    """As transformers' ``DeepseekV4PreTrainedModel._init_weights``: sinks 0, norm weights 1."""
+    """As transformers' ``DeepseekV4PreTrainedModel._init_weights``: sinks 0, norm weights 1,
+    the compressors' ``ape`` (``position_bias``) 0."""
     rules = {f"{a.name}.q_norm.weight": lambda w: w.fill_(1.0), f"{a.name}.norm.weight": lambda w: w.fill_(1.0)}
     if a.attention_sink:
         rules[a.sink_name] = lambda w: w.zero_()
+    for indexer in ((False, True) if a.has_indexer else (False,) if a.compressed else ()):
+        pfx = a.compressor_prefix(indexer)
+        rules[f"{pfx}.norm.weight"] = lambda w: w.fill_(1.0)
+        rules[f"{pfx}.ape"] = lambda w: w.zero_()
     return rules
 
 
@@ -186,17 +296,17 @@ def deepseek_attention_megatron_fields(a: DeepseekV4AttentionSpec) -> dict:
 
 
 def deepseek_attention_linears(a: DeepseekV4AttentionSpec) -> dict[str, str]:
-    """:data:`QUANTIZABLE` -> export role ``"attn_proj"`` (no ModelOpt recipe sets it yet)."""
-    return {a.linear_name(n): "attn_proj" for n in QUANTIZABLE}
+    """:func:`quantizable` -> export role ``"attn_proj"`` (no ModelOpt recipe sets it yet)."""
+    return {a.linear_name(n): "attn_proj" for n in quantizable(a)}
 
 
 def deepseek_attention_check_formats(a: DeepseekV4AttentionSpec, weight_format) -> None:
-    """Each of :data:`QUANTIZABLE` in the model dtype or block-FP8 (the published checkpoints).
+    """Each of :func:`quantizable` in the model dtype or block-FP8 (the published checkpoints).
 
     Raises:
         SpecError: another format on one of them (names the linear and the format).
     """
-    for n in QUANTIZABLE:
+    for n in quantizable(a):
         fmt = weight_format(a.linear_name(n))
         if (None if fmt is None else fmt.format) not in QUANTIZABLE_FORMATS:
             raise SpecError(f"{a.linear_name(n)}: weight format {fmt.format!r} is not supported for DeepSeek-V4 "

@@ -77,7 +77,9 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
     behind ``num_computed - W + 1`` for the null block, which the attention op
     never reads (it reads ``p-W+1..p`` only). Shared K = V (``decl.shared_kv``):
     one vector per token (the MLA specs, :class:`UnifiedSharedKVBackend`), the
-    same view handed as ``k_cache`` and ``v_cache``.
+    same view handed as ``k_cache`` and ``v_cache``. A declared ``decl.dtype`` (DeepSeek-V4's
+    fp32 compressor rows) is the spec's dtype whatever the model dtype (vLLM allocates and
+    binds the pages in it; its page-size unification scales block sizes around it).
 
     Raises:
         SpecError: vLLM's ``cache_config.cache_dtype`` disagrees with the
@@ -114,7 +116,8 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
             )
         d = self.decl
         return compat.attention_kv_cache_spec(block_size=block_size, num_kv_heads=d.num_kv_heads,
-                                              head_size=d.head_dim, dtype=torch.uint8 if d.fp8 else self.dtype,
+                                              head_size=d.head_dim,
+                                              dtype=torch.uint8 if d.fp8 else d.element_dtype(self.dtype),
                                               sliding_window=d.sliding_window, one_vector=d.shared_kv, fp8=d.fp8)
 
     def kv_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:

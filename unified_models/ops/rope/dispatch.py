@@ -7,6 +7,7 @@ import torch
 
 from .._dispatch import use_triton
 from .cpu import apply_rope_torch
+from .yarn import yarn_inv_freq
 
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -28,6 +29,33 @@ def rope_cos_sin(max_positions: int, rotary_dim: int, theta: float,
     key = (int(max_positions), int(rotary_dim), float(theta), str(torch.device(device)))
     if key not in _TABLES:
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+    return _TABLES[key]
+
+
+def rope_cos_sin_yarn(max_positions: int, rotary_dim: int, theta: float, factor: float,
+                      original_max_position_embeddings: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                      truncate: bool = True, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos, sin`` tables ``[P, R/2]`` of YaRN RoPE (attention factor 1) for positions ``0..P-1``.
+
+    ``inv_freq``: :func:`.yarn.yarn_inv_freq` (fp32, bitwise transformers 5.19's
+    ``_compute_yarn_parameters``); angles ``p * inv_freq`` and their cos/sin in fp64 from
+    those fp32 frequencies, rounded once to fp32 (transformers forms the angle in fp32:
+    ours are the exact values of the same frequencies). Memoized per (P, R, theta, YaRN
+    parameters, device) like :func:`rope_cos_sin`.
+
+    Raises:
+        ValueError: as :func:`.yarn.yarn_inv_freq`, or a non-positive ``max_positions``.
+    """
+    if max_positions <= 0:
+        raise ValueError(f"rope: max_positions ({max_positions}) must be > 0")
+    key = ("yarn", int(max_positions), int(rotary_dim), float(theta), float(factor),
+           int(original_max_position_embeddings), float(beta_fast), float(beta_slow), bool(truncate),
+           str(torch.device(device)))
+    if key not in _TABLES:
+        inv_freq = yarn_inv_freq(rotary_dim, theta, factor, original_max_position_embeddings, beta_fast, beta_slow,
+                                 truncate).double()
         ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
         _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
     return _TABLES[key]
