@@ -151,10 +151,10 @@ def peer_check(spec, state_dict, model_dir: Path, prompt_ids: list[list[int]], t
     from .backends.reference import ReferenceModel
     from .converters.hf_safetensors import load_hf_config
     from .converters.modelopt import dequantize_state_dict, dequantized_spec
-    from .layers import model_caches
 
-    # an FP8 KV cache alone also has no transformers counterpart: compare without it
-    quantized = spec.stores_quantized_weights or any(getattr(d, "fp8", False) for d in model_caches(spec).values())
+    # KV quantization (an FP8 KV cache, DeepSeek-V4's FP8 KV rule) alone also has no transformers
+    # counterpart: compare without it (the families' dequantized() drop it)
+    quantized = spec.stores_quantized_weights or dequantized_spec(spec) != spec.replace(weight_formats=())
     # On a CUDA host both fp32 forwards run on the GPU (TF32 off): a 3B-parameter model
     # single-threaded on the CPU takes minutes. On CPU hosts nothing changes.
     dev = "cuda" if torch.cuda.is_available() else "cpu"

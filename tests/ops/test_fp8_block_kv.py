@@ -81,7 +81,7 @@ def test_gradient_is_straight_through():
 @pytest.mark.parametrize("shape, rope, dtype, match", [
     ((3, 192), 100, torch.bfloat16, "positive multiple of 64"),
     ((3, 64), 64, torch.bfloat16, "positive multiple of 64"),
-    ((3, 192), 64, torch.float16, "bf16 or fp32"),
+    ((3, 192), 64, torch.float16, "bf16, fp32 or fp64"),
 ])
 def test_bad_arguments_are_refused(shape, rope, dtype, match):
     with pytest.raises(ValueError, match=match):

@@ -46,6 +46,9 @@ COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_att
 
 ROPE_TYPES = ("default", "yarn")
 
+KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
+"""``DeepseekV4AttentionSpec.kv_cache_dtype`` values (vLLM's names: ``auto``, ``fp8_ds_mla``)."""
+
 LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 """The linear modules of one attention sublayer (checkpoint names under the spec's ``name``)."""
 
@@ -167,6 +170,12 @@ class DeepseekV4AttentionSpec:
             ``compress_rates[layer_type]``: 4 / 128 published).
         index_n_heads, index_head_dim, index_topk: CSA only (0 otherwise): Hi, I (>= R: the
             indexer rotates its last R dims) and the entries kept per token.
+        kv_cache_dtype: ``"auto"`` (K = V vectors in the model dtype) or ``"fp8_ds_mla"``:
+            DeepSeek-V4's FP8 KV rule (``ops.ds_kv_fp8_roundtrip``: the E - R no-RoPE dims
+            through e4m3 with one power-of-two scale per 64 dims, the R RoPE dims kept), applied
+            to every window vector and every main-compressor entry before it is written, in
+            prefill and decode alike (the published QAT rule; vLLM's ``fp8_ds_mla`` cache).
+            E - R must be a multiple of 64.
 
     Raises:
         SpecError: an unknown layer type, a RoPE type or YaRN block that does not fit the
@@ -193,9 +202,16 @@ class DeepseekV4AttentionSpec:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         n = self.name
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecError(f"{n}: kv_cache_dtype={self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8_ds_mla" and (self.head_dim - self.qk_rope_head_dim) % 64:
+            raise SpecError(f"{n}: kv_cache_dtype='fp8_ds_mla' needs head_dim - qk_rope_head_dim = "
+                            f"{self.head_dim - self.qk_rope_head_dim} to be a multiple of 64 (one FP8 scale per 64 "
+                            "no-RoPE dims)")
         if self.layer_type not in DEEPSEEK_V4_LAYER_TYPES:
             raise SpecError(f"{n}: layer_type={self.layer_type!r} is not one of {list(DEEPSEEK_V4_LAYER_TYPES)}")
         if self.rope_type not in ROPE_TYPES:

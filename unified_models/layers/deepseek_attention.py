@@ -40,6 +40,8 @@ groups, r output rank, m compress ratio, J compressed entries of a sequence.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Mapping
 
 import torch
@@ -148,6 +150,19 @@ def rope_tail_oracle(x_THE: torch.Tensor, positions_T: torch.Tensor, spec: Deeps
     return from_rotate_half(out, r)
 
 
+# ----------------------------------------------------------------------------- FP8 KV
+
+def kv_quantize(spec: DeepseekV4AttentionSpec, kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` ``[..., E]`` (RoPE applied) through the layer's KV rule: unchanged for
+    ``kv_cache_dtype="auto"``, ``ops.ds_kv_fp8_roundtrip`` (straight-through gradient) for
+    ``"fp8_ds_mla"``. Applied to window vectors and main-compressor entries before they are
+    written (and in the oracle at the same points), so prefill, decode and the trainer read
+    the same rounded values."""
+    if spec.kv_cache_dtype == "fp8_ds_mla":
+        return ops.ds_kv_fp8_roundtrip(kv, spec.qk_rope_head_dim)
+    return kv
+
+
 # ----------------------------------------------------------------------------- forward
 
 def _compressed_kv(spec: DeepseekV4AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor],
@@ -160,7 +175,8 @@ def _compressed_kv(spec: DeepseekV4AttentionSpec, layer_index: int, params: Mapp
         return rope_tail(x, pos, spec, ctx)
 
     entries = store.state(layer_index, dsc.ENTRIES)
-    dsc.compress_step(spec, params, x_TD, batch, store.state(layer_index, dsc.ROWS), entries, ctx, rope)
+    dsc.compress_step(spec, params, x_TD, batch, store.state(layer_index, dsc.ROWS), entries, ctx, rope,
+                      quantize_kv=lambda x: kv_quantize(spec, x))
     m = spec.compress_ratio
     if spec.has_indexer:
         keys = store.state(layer_index, dsc.INDEXER_KEYS)
@@ -193,7 +209,7 @@ def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, 
     kv_TE = ops.rms_norm(apply_linear(ctx.model, params, f"{p}.wkv", x_TD), params[f"{p}.norm.weight"], eps,
                          out_dtype=dt)
     q_THE = rope_tail(q_THE, batch.positions, spec, ctx)
-    kv_T1E = rope_tail(kv_TE.view(t, 1, e), batch.positions, spec, ctx)
+    kv_T1E = kv_quantize(spec, rope_tail(kv_TE.view(t, 1, e), batch.positions, spec, ctx))
     state = store.state(layer_index, CACHE)
     if state is None:  # profiling / dummy run: no cache bound yet
         o_THE = torch.zeros_like(q_THE)
@@ -227,14 +243,14 @@ def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, t
     q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps)
     kv = rms_norm_oracle(linear_oracle(x_TD, params, f"{a.name}.wkv", False), params[f"{a.name}.norm.weight"], eps)
     q = rope_tail_oracle(q, pos, a)
-    kv = rope_tail_oracle(kv.view(t, 1, e), pos, a)[:, 0]
+    kv = kv_quantize(a, rope_tail_oracle(kv.view(t, 1, e), pos, a)[:, 0])
     s = torch.einsum("the,se->hts", q, kv) * a.scale
     s = s.masked_fill(~causal_mask(t, a.sliding_window, x_TD.device), float("-inf"))
     if a.compressed:
         def rope(x, p_):
             return rope_tail_oracle(x, p_, a)
 
-        ent = dsc.compressor_oracle(a, params, x_TD, rope)  # [J, E]
+        ent = dsc.compressor_oracle(a, params, x_TD, rope, quantize_kv=lambda x: kv_quantize(a, x))  # [J, E]
         j = torch.arange(ent.shape[0], device=x_TD.device)
         seen = j[None, :] < ((pos + 1) // a.compress_ratio)[:, None]  # [T, J]
         if a.has_indexer:
@@ -313,7 +329,22 @@ def deepseek_attention_check_formats(a: DeepseekV4AttentionSpec, weight_format) 
                             f"attention linears; supported: model dtype or 'fp8_block'")
 
 
-QUANTIZATION = QuantizationRules(linears=deepseek_attention_linears, check_formats=deepseek_attention_check_formats)
+def deepseek_attention_dequantized(a: DeepseekV4AttentionSpec) -> DeepseekV4AttentionSpec:
+    """The layer without KV quantization (the peer check's common ground with transformers)."""
+    return dataclasses.replace(a, kv_cache_dtype="auto")
+
+
+def deepseek_attention_quantized(a: DeepseekV4AttentionSpec, opts) -> DeepseekV4AttentionSpec:
+    """``opts.kv_cache == "fp8"``: DeepSeek-V4's FP8 KV rule (``kv_cache_dtype="fp8_ds_mla"``).
+
+    Raises:
+        SpecError: ``head_dim - qk_rope_head_dim`` is not a multiple of 64.
+    """
+    return dataclasses.replace(a, kv_cache_dtype="fp8_ds_mla") if opts.kv_cache == "fp8" else a
+
+
+QUANTIZATION = QuantizationRules(linears=deepseek_attention_linears, check_formats=deepseek_attention_check_formats,
+                                 dequantized=deepseek_attention_dequantized, quantized=deepseek_attention_quantized)
 
 FAMILY = LayerFamily(spec_type=DeepseekV4AttentionSpec, forward=deepseek_attention_forward,
                      oracle=deepseek_attention_oracle, caches=deepseek_attention_caches,

@@ -92,7 +92,7 @@ def _row_slots(state: AttentionState, seq_E: torch.Tensor, pos_EN: torch.Tensor)
 
 def compress_step(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
                   batch: FlatBatch, rows: AttentionState, entries: AttentionState, ctx: LayerContext,
-                  rope, indexer: bool = False) -> None:
+                  rope, indexer: bool = False, quantize_kv=None) -> None:
     """Steps 1-3 of the module docstring for this step's tokens: write their rows, then pool,
     norm, rope and write every entry they complete (in place; nothing returned).
 
@@ -105,6 +105,8 @@ def compress_step(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tens
         entries: the entry cache (``[N, S // m, 1, d]``, model dtype) with its group's tables.
         ctx: the layer context (model dtype, weight formats).
         rope: ``rope(x_EHd, positions_E) -> x_EHd``, the layer's interleaved RoPE on the last R dims.
+        quantize_kv: ``x -> x``, the layer's KV rule applied to the main compressor's entries
+            before they are written (FP8 KV); None = none. Not applied to the indexer's keys.
     """
     d, c = _width(spec, indexer)
     m, pfx, dt = spec.compress_ratio, spec.compressor_prefix(indexer), x_TD.dtype
@@ -137,6 +139,8 @@ def compress_step(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tens
     pooled_Ed = ops.compress_pool(kv_ENd.contiguous(), sc_ENd.contiguous())
     normed_Ed = ops.rms_norm(pooled_Ed.to(dt), params[f"{pfx}.norm.weight"], spec.rms_norm_eps, out_dtype=dt)
     entry_E1d = rope(normed_Ed.view(-1, 1, d), first_E.clamp(min=0))
+    if quantize_kv is not None and not indexer:
+        entry_E1d = quantize_kv(entry_E1d)
     slot_E = entry_slots(entries.block_table, seq_E, torch.where(done_E, p_E, torch.full_like(p_E, -1)), m,
                          entries.group.block_size)
     ops.write_kv_cache(entry_E1d, entry_E1d, entries.k_cache, entries.k_cache, slot_E)
@@ -181,11 +185,12 @@ def indexer_entries(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Te
 # ----------------------------------------------------------------------------- oracles (one sequence, dense)
 
 def compressor_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
-                      rope, indexer: bool = False) -> torch.Tensor:
+                      rope, indexer: bool = False, quantize_kv=None) -> torch.Tensor:
     """Steps 1-3 in plain torch for ONE sequence from position 0 (transformers' stateless
     single-shot compressor): ``[T // m, d]`` entries, in ``x_TD.dtype``.
 
-    ``rope(x_EHd, positions_E)``: the layer's RoPE oracle."""
+    ``rope(x_EHd, positions_E)``: the layer's RoPE oracle; ``quantize_kv``: the layer's KV rule
+    on the main compressor's entries (None = none), as :func:`compress_step`."""
     d, c = _width(spec, indexer)
     m, pfx = spec.compress_ratio, spec.compressor_prefix(indexer)
     t = x_TD.shape[0]
@@ -200,7 +205,8 @@ def compressor_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.
         sc = torch.cat([sc_prev, sc[..., d:]], dim=1)
     pooled = (kv * sc.softmax(dim=1)).sum(dim=1)
     normed = rms_norm_oracle(pooled, params[f"{pfx}.norm.weight"], spec.rms_norm_eps)
-    return rope(normed.view(n_win, 1, d), torch.arange(n_win, device=x_TD.device) * m)[:, 0]
+    out = rope(normed.view(n_win, 1, d), torch.arange(n_win, device=x_TD.device) * m)[:, 0]
+    return quantize_kv(out) if quantize_kv is not None and not indexer else out
 
 
 def indexer_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,

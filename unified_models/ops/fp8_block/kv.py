@@ -38,7 +38,8 @@ def ds_kv_fp8_roundtrip_forward(x_TE: torch.Tensor, rope_dims: int) -> torch.Ten
     """The rule of the module docstring without autograd.
 
     Args:
-        x_TE: ``[..., E]`` bf16/fp32 K = V vectors (RoPE already applied to the last dims).
+        x_TE: ``[..., E]`` bf16/fp32 K = V vectors (fp64 for the oracles: the tile's values are
+            divided and quantized in fp64 there, the same codes whenever ``x`` is fp32-exact) (RoPE already applied to the last dims).
         rope_dims: R, the trailing dims left unquantized (``qk_rope_head_dim``); ``E - R`` must be
             a positive multiple of 64.
 
@@ -46,20 +47,21 @@ def ds_kv_fp8_roundtrip_forward(x_TE: torch.Tensor, rope_dims: int) -> torch.Ten
         ``[..., E]`` in ``x_TE.dtype``.
 
     Raises:
-        ValueError: a dtype other than bf16/fp32 (fp16 cannot hold every dequantized value), or ``E - R`` not a positive multiple of 64.
+        ValueError: a dtype other than bf16/fp32/fp64 (fp16 cannot hold every dequantized value), or ``E - R`` not a positive multiple of 64.
     """
-    if x_TE.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"ds_kv_fp8_roundtrip: x must be bf16 or fp32 (every dequantized value is exact there; "
-                         f"fp16 cannot hold the small ones), got {x_TE.dtype}")
+    if x_TE.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"ds_kv_fp8_roundtrip: x must be bf16, fp32 or fp64 (every dequantized value is exact "
+                         f"there; fp16 cannot hold the small ones), got {x_TE.dtype}")
     e = x_TE.shape[-1]
     n = e - rope_dims
     if rope_dims < 0 or n <= 0 or n % KV_TILE:
         raise ValueError(f"ds_kv_fp8_roundtrip: head dim {e} minus rope dims {rope_dims} = {n} must be a positive "
                          f"multiple of {KV_TILE} (one FP8 scale per {KV_TILE} no-RoPE dims)")
-    nope = x_TE[..., :n].float().reshape(*x_TE.shape[:-1], n // KV_TILE, KV_TILE)
-    s = ue8m0_scale(nope.abs().amax(dim=-1, keepdim=True))
+    wide = torch.float64 if x_TE.dtype == torch.float64 else torch.float32
+    nope = x_TE[..., :n].to(wide).reshape(*x_TE.shape[:-1], n // KV_TILE, KV_TILE)
+    s = ue8m0_scale(nope.abs().amax(dim=-1, keepdim=True)).to(wide)
     codes = torch.clamp(nope / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    deq = (codes.float() * s).reshape(*x_TE.shape[:-1], n).to(x_TE.dtype)
+    deq = (codes.to(wide) * s).reshape(*x_TE.shape[:-1], n).to(x_TE.dtype)
     return torch.cat([deq, x_TE[..., n:]], dim=-1)
 
 
