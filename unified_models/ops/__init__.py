@@ -1,6 +1,6 @@
 """The numerical contract: one package per operator family.
 
-Every op family (``activations``, ``attention``, ``embedding``, ``fp8``, ``fp8_block``,
+Every op family (``activations``, ``attention``, ``compressor``, ``embedding``, ``fp8``, ``fp8_block``,
 ``linear``, ``logprob``, ``mamba2``, ``mhc``, ``moe``, ``rmsnorm``, ``rope``) is a package
 ``ops/<family>/`` with the same files:
 
@@ -12,7 +12,7 @@ Every op family (``activations``, ``attention``, ``embedding``, ``fp8``, ``fp8_b
 * ``triton.py``    the Triton kernel (``*_triton``), imported on first use;
 * ``reference.py`` the fp64 oracle (``*_reference``);
 * ``backward.py``  the autograd functions and the differentiable entry points;
-* ``common.py``    (attention, fp8, fp8_block, mamba2, moe) what several of these share:
+* ``common.py``    (attention, compressor, fp8, fp8_block, mamba2, moe) what several of these share:
   formats, data classes, checks.
 
 Imports point one way: ``dispatch`` imports ``cpu`` and (lazily) ``triton``;
@@ -79,3 +79,12 @@ __all__ += ["FP8BlockWeight", "fp8_block_linear", "ds_kv_fp8_roundtrip"]
 from .moe.deepseek_backward import hash_route, sqrtsoftplus_route, swiglu_experts, swiglu_shared_expert
 
 __all__ += ["sqrtsoftplus_route", "hash_route", "swiglu_experts", "swiglu_shared_expert"]
+from .compressor.backward import compress_pool
+
+__all__ += ["compress_pool"]
+from .autograd import CompressedKV, read_kv_cache
+
+__all__ += ["CompressedKV", "read_kv_cache"]
+from .indexer import indexer_topk
+
+__all__ += ["indexer_topk"]

@@ -16,7 +16,9 @@ linear                      analytic (``dX = dY W``, ``dW = dY^T X``, ``db``)
 relu2, swiglu               analytic, fp32
 apply_rope                  analytic (inverse rotation); tables constant
 write_kv_cache +            recomputation: plain-torch causal attention per
-paged_attention             sequence, ``visible + (graph - graph.detach())``
+paged_attention             sequence, ``visible + (graph - graph.detach())``;
+                            compressed entries (DeepSeek-V4) from their cache's tape
+read_kv_cache               scatter onto the taped writes; older rows constant
 logprobs                    analytic (softmax form, temperature included)
 gather_token_logprobs       analytic (scatter)
 ==========================  ===============================================
@@ -49,7 +51,8 @@ returning gradients of no weight version.
 from __future__ import annotations
 
 from .activations.backward import relu2, swiglu
-from .attention.backward import paged_attention, write_kv_cache
+from .attention.backward import paged_attention, read_kv_cache, write_kv_cache
+from .attention.common import CompressedKV
 from .embedding.backward import embedding
 from .grad.helpers import needs_grad
 from .grad.weights import StaleWeightError, bump_on_step, bump_weight_version, name_weights, weight_version
@@ -60,6 +63,7 @@ from .rope.backward import apply_rope
 
 __all__ = [
     "embedding", "rms_norm", "linear", "relu2", "swiglu", "apply_rope", "write_kv_cache", "paged_attention",
+    "read_kv_cache", "CompressedKV",
     "logprobs", "gather_token_logprobs", "StaleWeightError", "bump_weight_version", "bump_on_step",
     "name_weights", "weight_version", "needs_grad",
 ]

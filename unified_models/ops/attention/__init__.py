@@ -39,6 +39,14 @@ joins every row's softmax as a column without a value, so only the denominator g
 implementation adds it once, after the row's last KV tile (or split merge), from the
 row's final running max; without a sink no code path changes.
 
+Compressed entries (DeepSeek-V4 CSA/HCA, ``compressed=`` :class:`CompressedKV`): after
+its window keys a row attends the entries listed for it (ids into a ``[N, S//ratio, G, E]``
+compressed cache, K = V, valid ids first, -1 trailing) in list order, in the same online
+softmax with the same scale; the sink joins once after both. List slots are taken in fixed
+tiles and a tile without a valid slot for the row keeps its state as is (a selection), so
+the list width, the other rows, the block layouts and the step in which keys or entries
+were written change no bit. :func:`read_kv_cache` reads cache rows back (an exact copy).
+
 Files (the same for every op family): ``dispatch.py`` the public ops (argument checks,
 then the Triton kernel on GPU or the CPU path, see ``ops/_dispatch.py``); ``cpu.py`` the
 batch-invariant plain-torch path; ``triton.py`` the Triton kernel (imported on first
@@ -48,13 +56,17 @@ FP8 KV-cache rule and the scale checks, which the kernel, the CPU path, the orac
 the backward share.
 """
 
-from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, check_kv_scales, check_sink, check_sliding_window, kv_cache_is_fp8,
+from .common import (FP8_E4M3_MAX, KV_FP8_DTYPE, CompressedKV, check_compressed, check_compressed_entries,
+                     check_kv_scales, check_sink, check_sliding_window, compressed_entry_slots, kv_cache_is_fp8,
                      kv_fp8_dequantize, kv_fp8_quantize, kv_fp8_roundtrip, window_start)
-from .cpu import KV_TILE_CPU, paged_attention_torch, write_kv_cache_torch
-from .dispatch import paged_attention, write_kv_cache
-from .reference import causal_mask, dense_causal_attention_reference, paged_attention_reference, softmax_with_sink
+from .cpu import KV_TILE_CPU, paged_attention_torch, read_kv_cache_torch, write_kv_cache_torch
+from .dispatch import paged_attention, read_kv_cache, write_kv_cache
+from .reference import (causal_mask, dense_causal_attention_reference, dense_compressed_attention_reference,
+                        paged_attention_reference, read_kv_cache_reference, softmax_with_sink)
 
 __all__ = ["write_kv_cache", "paged_attention", "KV_FP8_DTYPE", "FP8_E4M3_MAX", "kv_cache_is_fp8", "check_kv_scales",
            "kv_fp8_quantize", "kv_fp8_dequantize", "kv_fp8_roundtrip", "KV_TILE_CPU", "write_kv_cache_torch",
            "paged_attention_torch", "dense_causal_attention_reference", "paged_attention_reference",
-           "check_sliding_window", "check_sink", "window_start", "causal_mask", "softmax_with_sink"]
+           "check_sliding_window", "check_sink", "window_start", "causal_mask", "softmax_with_sink",
+           "CompressedKV", "check_compressed", "check_compressed_entries", "compressed_entry_slots", "read_kv_cache",
+           "read_kv_cache_torch", "read_kv_cache_reference", "dense_compressed_attention_reference"]

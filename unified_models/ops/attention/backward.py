@@ -27,9 +27,20 @@ differentiates at the values the kernel read) and passes gradients straight
 through it (STE); the scales get no gradient. Shapes: T query tokens, H/G
 query/kv heads, E head dim, N blocks, S block size, Kt keys over all sequences.
 
+Compressed entries (``compressed=`` :class:`~.common.CompressedKV`, DeepSeek-V4): the
+compressed cache ``[N, S//ratio, G, E]`` carries its own tape (its entries are written
+with ``write_kv_cache(e, e, cache, cache, entry_slots)``); each listed entry of each row
+is resolved the same way (the latest taped write of its slot, else a constant snapshot),
+and the recomputation attends, per row, its window keys then its listed entries (K = V)
+in one softmax with the sink, in chunks of :data:`GRAD_TOKENS` tokens of one sequence
+(ordered by position; the keys of a chunk are its window span only), so its memory is
+``GRAD_TOKENS x K x G x E`` for the entries, whatever the sequence length.
 
-The differentiable :func:`write_kv_cache` and :func:`paged_attention` at the end of
-this file are what :mod:`unified_models.ops` exports.
+:func:`read_kv_cache` reads cache rows back (the compressor's per-token rows) and is
+differentiable the same way: rows of a taped write carry its graph, others are constants.
+
+The differentiable :func:`write_kv_cache`, :func:`paged_attention` and :func:`read_kv_cache`
+at the end of this file are what :mod:`unified_models.ops` exports.
 """
 
 from __future__ import annotations
@@ -42,11 +53,14 @@ import torch
 from ..grad.helpers import acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
-from .common import kv_fp8_dequantize, kv_fp8_roundtrip, window_start
+from .common import CompressedKV, compressed_entry_slots, kv_fp8_dequantize, kv_fp8_roundtrip, window_start
 from .reference import softmax_with_sink
 
 
 TAPE_ATTR = "_um_kv_tape"
+
+GRAD_TOKENS = 64
+"""Query tokens per recomputation chunk of compressed attention's backward (memory only)."""
 
 
 @dataclass
@@ -94,6 +108,49 @@ def record_write(k_TGE, v_TGE, k_cache, v_cache, slot_mapping_T, differentiable:
     tape.writes.append(_Write(slot_mapping_T.detach().long().clone(), k_TGE, v_TGE))
 
 
+def _resolve(slots_X: torch.Tensor, writes: list[_Write], n_slots: int, block_size: int,
+             caches: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """Where each slot's row comes from: the latest taped write of the slot, else the cache.
+
+    Args:
+        slots_X: int64 ``[X]`` cache slots, ``-1`` = no row.
+        writes: the tape's writes, in order (later ones override earlier ones).
+        n_slots: ``N * S`` of the cache; block_size: S.
+        caches: the tensors to snapshot the uncovered rows of (``[N, S, G, E]`` each).
+
+    Returns:
+        ``(consts, index, sizes)``: ``consts[i]`` the rows of ``caches[i]`` at the slots no
+        write covers (clones: constants); ``index [X]`` the row of each slot in
+        ``[const rows | write 0 rows | write 1 rows | ... | one zero row]`` (``-1`` slots: the
+        zero row); ``sizes`` the lengths of those parts.
+    """
+    dev = slots_X.device
+    present = slots_X >= 0
+    s0 = torch.where(present, slots_X, 0)
+    owner = torch.full_like(slots_X, -1)
+    row = torch.full_like(slots_X, -1)
+    for e, w in enumerate(writes):  # later writes override earlier ones
+        keep = (w.slots_T >= 0).nonzero().view(-1)
+        where = torch.full((n_slots,), -1, dtype=torch.long, device=dev)
+        where[w.slots_T[keep]] = keep
+        r = torch.where(present, where[s0], -1)
+        owner = torch.where(r >= 0, e, owner)
+        row = torch.where(r >= 0, r, row)
+    const = ((owner < 0) & present).nonzero().view(-1)
+    blk, off = slots_X[const] // block_size, slots_X[const] % block_size
+    consts = [c[blk, off].clone() for c in caches]
+    index = torch.empty_like(slots_X)
+    index[const] = torch.arange(const.shape[0], device=dev)
+    sizes = [const.shape[0]] + [w.slots_T.shape[0] for w in writes] + [1]
+    base = const.shape[0]
+    for e, w in enumerate(writes):
+        sel = (owner == e).nonzero().view(-1)
+        index[sel] = base + row[sel]
+        base += w.slots_T.shape[0]
+    index[~present] = base
+    return consts, index, sizes
+
+
 class _Plan:
     """Where every key of every query sequence comes from (built once in the forward).
 
@@ -101,12 +158,20 @@ class _Plan:
     position of the first key)``; the keys of a sequence are positions ``lo..max position``,
     ``lo`` the window start of its lowest query position (0 without a window), so nothing
     behind every query's window is read;
-    ``index [Kt]``: row of each key in ``[cache snapshot rows | write 0 rows | write 1 rows | ...]``.
+    ``index [Kt]``: row of each key in ``[cache snapshot rows | write 0 rows | write 1 rows | ... | zero row]``.
+
+    With ``compressed``: ``c_index [T, K]`` the row of each listed entry in ``[compressed cache
+    snapshot rows | compressed write 0 rows | ... | zero row]`` and ``c_valid [T, K]`` which
+    slots the kernels attend (id >= 0 and ``j < (p+1)//ratio``).
     """
 
     def __init__(self, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes: list[_Write],
-                 k_scale=None, v_scale=None, read_dtype=None, sliding_window: int | None = None):
+                 k_scale=None, v_scale=None, read_dtype=None, sliding_window: int | None = None,
+                 compressed: CompressedKV | None = None, c_writes: list[_Write] | None = None):
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+        self.compressed, self.c_writes = compressed, list(c_writes or [])
+        self.has_compressed = compressed is not None
+        self.n_kv = 2 * len(writes)
         self.sliding_window = sliding_window
         self.block_table, self.seq_idx, self.positions = block_table_BN, seq_idx_T, positions_T
         self.writes = writes
@@ -142,27 +207,22 @@ class _Plan:
             self.groups.append((tok, pos[tok], start, p.shape[0], lo))
             start += p.shape[0]
         kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
-        owner = torch.full_like(kslots, -1)
-        row = torch.full_like(kslots, -1)
-        for e, w in enumerate(self.writes):  # later writes override earlier ones
-            keep = (w.slots_T >= 0).nonzero().view(-1)
-            where = torch.full((n_slots,), -1, dtype=torch.long, device=dev)
-            where[w.slots_T[keep]] = keep
-            r = where[kslots]
-            owner = torch.where(r >= 0, e, owner)
-            row = torch.where(r >= 0, r, row)
-        const = (owner < 0).nonzero().view(-1)
-        blk, off = kslots[const] // s, kslots[const] % s
-        self.k_const, self.v_const = kc[blk, off].clone(), vc[blk, off].clone()  # constants (earlier chunks)
-        self.index = torch.empty_like(kslots)
-        self.index[const] = torch.arange(const.shape[0], device=dev)
-        self.sizes = [const.shape[0]] + [w.slots_T.shape[0] for w in self.writes]
-        base = const.shape[0]
-        for e, w in enumerate(self.writes):
-            sel = (owner == e).nonzero().view(-1)
-            self.index[sel] = base + row[sel]
-            base += w.slots_T.shape[0]
+        # constants (earlier chunks): the cache rows no taped write covers
+        (self.k_const, self.v_const), self.index, self.sizes = _resolve(kslots, self.writes, n_slots, s, (kc, vc))
+        if self.compressed is not None:
+            comp = self.compressed
+            cc = comp.cache
+            cslots = compressed_entry_slots(comp, self.seq_idx)  # [T, K], -1 = none
+            limit = torch.where(pos >= 0, (pos + 1).div(comp.ratio, rounding_mode="floor"), 0)
+            ent = comp.entries_TK.long()
+            self.c_valid = (cslots >= 0) & (ent < limit.view(-1, 1))  # what the kernels attend
+            cslots = torch.where(self.c_valid, cslots, -1)
+            (self.c_const,), c_index, self.c_sizes = _resolve(cslots.reshape(-1), self.c_writes,
+                                                              cc.shape[0] * cc.shape[1], cc.shape[1], (cc,))
+            self.c_index = c_index.view(cslots.shape)
+            self.c_dtype = cc.dtype
         self.k_cache = self.v_cache = self.block_table = self.writes = None  # keep no cache alive
+        self.compressed = self.c_writes = None
 
 
 def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: int | None = None, sink_H=None):
@@ -184,36 +244,66 @@ def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: i
     return o.transpose(0, 1)
 
 
+def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_window: int, sink_H, c_TKGE,
+                       cvalid_TK):
+    """fp32 attention of queries at ``qpos`` over keys ``key0..key0+P-1`` (their windows) and then
+    each row's own compressed entries ``c_TKGE[t]`` (K = V; ``cvalid_TK`` the attended slots),
+    one softmax with the sink's column. Plain torch (differentiable); q heads grouped per kv
+    head (``[T, G, R, E]``), so no entry is repeated across heads."""
+    t, h, e = q_THE.shape
+    g = k_PGE.shape[1]
+    r = h // g
+    kpos = key0 + torch.arange(k_PGE.shape[0], device=q_THE.device)
+    mask = (kpos[None, :] <= qpos_T[:, None]) & (kpos[None, :] > qpos_T[:, None] - sliding_window)
+    qg = q_THE.view(t, g, r, e)
+    sw = torch.einsum("tgre,pge->grtp", qg, k_PGE).reshape(h, t, -1) * scale
+    sw = sw.masked_fill(~mask, float("-inf"))
+    sc = torch.einsum("tgre,tkge->grtk", qg, c_TKGE).reshape(h, t, -1) * scale
+    sc = sc.masked_fill(~cvalid_TK, float("-inf"))
+    probs = softmax_with_sink(torch.cat([sw, sc], dim=-1), sink_H)  # [H, T, P + K]
+    n = k_PGE.shape[0]
+    pw, pc = probs[..., :n].view(g, r, t, n), probs[..., n:].view(g, r, t, -1)
+    return (torch.einsum("grtp,pge->tgre", pw, v_PGE) + torch.einsum("grtk,tkge->tgre", pc, c_TKGE)).reshape(t, h, e)
+
+
 class PagedAttentionFn(torch.autograd.Function):
-    """Inputs ``(q, sink, plan, k_0, v_0, k_1, v_1, ...)``: the query, the attention sink
-    (``[H]`` fp32 or ``None``; a weight, guarded against changes between forward and
-    backward) and the taped writes."""
+    """Inputs ``(q, sink, plan, k_0, v_0, k_1, v_1, ..., c_0, c_1, ...)``: the query, the
+    attention sink (``[H]`` fp32 or ``None``; a weight, guarded against changes between
+    forward and backward), the taped writes of the window cache and (``compressed=``) those
+    of the compressed cache (K = V: one tensor per write)."""
 
     @staticmethod
-    def forward(ctx, q_THE, sink_H, plan: _Plan, *kv):
+    def forward(ctx, q_THE, sink_H, plan: _Plan, *tensors):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
                                         plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window,
-                                        sink=sink_H)
+                                        sink=sink_H, compressed=plan.compressed)
         plan.build()
         ctx.plan = plan
         ctx.sink = sink_H
         ctx.stamps = stamp(sink=sink_H)
-        ctx.save_for_backward(q_THE, *kv)
+        ctx.save_for_backward(q_THE, *tensors)
         return out
 
     @staticmethod
     def backward(ctx, g_THE):
         check_stamps("paged_attention", ctx.stamps)
-        q_in, *kv = ctx.saved_tensors
+        q_in, *tensors = ctx.saved_tensors
         plan = ctx.plan
+        kv, cw = tensors[:plan.n_kv], tensors[plan.n_kv:]
         sink = None if ctx.sink is None else acc(ctx.sink.detach())
         dsink = None if sink is None else torch.zeros_like(sink)
         srcs_k = [acc(plan.read_const(plan.k_const, 0))] + [acc(plan.read_written(t, 0)) for t in kv[0::2]]
         srcs_v = [acc(plan.read_const(plan.v_const, 1))] + [acc(plan.read_written(t, 1)) for t in kv[1::2]]
+        srcs_k.append(srcs_k[0].new_zeros((1, *srcs_k[0].shape[1:])))  # the zero row (index of no slot)
+        srcs_v.append(srcs_v[0].new_zeros((1, *srcs_v[0].shape[1:])))
         k_all, v_all = torch.cat(srcs_k)[plan.index], torch.cat(srcs_v)[plan.index]
         q, g = acc(q_in), acc(g_THE)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
-        for tok, qpos, start, n, key0 in plan.groups:  # one sequence at a time: memory of one sequence
+        grads_c = []
+        if plan.has_compressed:
+            dsink, grads_c = _backward_compressed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
+        window_groups = [] if plan.has_compressed else plan.groups
+        for tok, qpos, start, n, key0 in window_groups:  # one sequence at a time: memory of one sequence
             with torch.enable_grad():
                 qb = q[tok].detach().requires_grad_()
                 kb = k_all[start:start + n].detach().requires_grad_()
@@ -231,25 +321,66 @@ class PagedAttentionFn(torch.autograd.Function):
         dsrc_v = torch.zeros_like(dsrc_k)
         dsrc_k.index_add_(0, plan.index, dk)
         dsrc_v.index_add_(0, plan.index, dv)
-        dks, dvs = dsrc_k.split(plan.sizes)[1:], dsrc_v.split(plan.sizes)[1:]
+        dks, dvs = dsrc_k.split(plan.sizes)[1:-1], dsrc_v.split(plan.sizes)[1:-1]
         grads = []
         for i, t in enumerate(kv):
             d = (dks if i % 2 == 0 else dvs)[i // 2]
             grads.append(d.to(t.dtype) if ctx.needs_input_grad[3 + i] else None)
+        for i, t in enumerate(cw):
+            grads.append(grads_c[i].to(t.dtype) if ctx.needs_input_grad[3 + plan.n_kv + i] else None)
         gsink = dsink.to(ctx.sink.dtype) if dsink is not None and ctx.needs_input_grad[1] else None
         return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), gsink, None, *grads
 
 
+def _backward_compressed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv):
+    """The recomputation of compressed attention (fills ``dq``/``dk``/``dv`` in place): per sequence,
+    its tokens by position in chunks of :data:`GRAD_TOKENS`, each over the keys of its windows and
+    its rows' listed entries. Returns ``(dsink, [gradient of each compressed write])``."""
+    const = acc(plan.c_const)
+    c_src = torch.cat([const] + [acc(t.to(plan.c_dtype)) for t in cw] + [const.new_zeros((1, *const.shape[1:]))])
+    dc_src = torch.zeros_like(c_src)
+    w = plan.sliding_window
+    for tok, qpos, start, n, key0 in plan.groups:
+        real = qpos >= 0  # padding rows attend nothing (zero output, no gradient)
+        tok, qpos = tok[real], qpos[real]
+        order = torch.argsort(qpos, stable=True)
+        for a in range(0, tok.shape[0], GRAD_TOKENS):
+            sel = order[a:a + GRAD_TOKENS]
+            tk, qp = tok[sel], qpos[sel]
+            lo, hi = int(window_start(qp.min(), w)), int(qp.max())
+            ka, kb = start + lo - key0, start + hi - key0 + 1
+            cidx = plan.c_index[tk]  # [Tc, K]
+            with torch.enable_grad():
+                qb = q[tk].detach().requires_grad_()
+                kb_ = k_all[ka:kb].detach().requires_grad_()
+                vb = v_all[ka:kb].detach().requires_grad_()
+                cb = c_src[cidx].detach().requires_grad_()
+                sb = None if sink is None else sink.detach().requires_grad_()
+                ob = _attend_compressed(qb, kb_, vb, qp, plan.scale, lo, w, sb, cb, plan.c_valid[tk])
+                gq, gk, gv, gc, *gs = torch.autograd.grad(ob, (qb, kb_, vb, cb) + (() if sb is None else (sb,)), g[tk])
+            if gs:
+                dsink += gs[0]
+            dq[tk] = gq
+            dk[ka:kb] += gk
+            dv[ka:kb] += gv
+            dc_src.index_add_(0, cidx.reshape(-1), gc.reshape(-1, *gc.shape[2:]))
+    return dsink, list(dc_src.split(plan.c_sizes)[1:-1])
+
+
 def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
                          tape: KVTape | None, k_scale=None, v_scale=None, sliding_window: int | None = None,
-                         sink: torch.Tensor | None = None) -> torch.Tensor:
-    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q, the taped K/V and
-    the sink (FP8 caches: straight through the quantization; the scales are constants)."""
+                         sink: torch.Tensor | None = None, compressed: CompressedKV | None = None,
+                         c_tape: KVTape | None = None) -> torch.Tensor:
+    """Kernel values of :func:`ops.paged_attention`, differentiable w.r.t. q, the taped K/V,
+    the sink and (``compressed``, its cache's tape ``c_tape``) the taped compressed entries
+    (FP8 caches: straight through the quantization; the scales are constants)."""
     writes = list(tape.writes) if tape is not None else []
+    c_writes = list(c_tape.writes) if c_tape is not None else []
     plan = _Plan(k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale, writes,
                  None if k_scale is None else k_scale.detach(), None if v_scale is None else v_scale.detach(),
-                 q_THE.dtype, sliding_window)
-    return PagedAttentionFn.apply(q_THE, sink, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)))
+                 q_THE.dtype, sliding_window, compressed, c_writes)
+    return PagedAttentionFn.apply(q_THE, sink, plan, *(t for w in writes for t in (w.k_TGE, w.v_TGE)),
+                                  *(w.k_TGE for w in c_writes))
 
 
 def write_kv_cache(k_TGE: torch.Tensor, v_TGE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -276,11 +407,14 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor,
                     scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, sliding_window: int | None = None,
-                    sink: torch.Tensor | None = None) -> torch.Tensor:
+                    sink: torch.Tensor | None = None, compressed: CompressedKV | None = None) -> torch.Tensor:
     """:func:`ops.attention.paged_attention`, differentiable w.r.t. ``q_THE``, the
-    K/V written into this cache by differentiable :func:`write_kv_cache` calls and the
+    K/V written into this cache by differentiable :func:`write_kv_cache` calls, the
     attention ``sink`` (fp32 ``[H]``; its gradient is
-    ``-sum_t p_sink(t, h) <g_t,h, o_t,h>``, from the recomputation).
+    ``-sum_t p_sink(t, h) <g_t,h, o_t,h>``, from the recomputation) and, with
+    ``compressed``, the entries written into ``compressed.cache`` by differentiable
+    :func:`write_kv_cache` calls (``write_kv_cache(e, e, cache, cache, entry_slots)``; entries
+    written earlier are constants).
 
     Values are the kernel's. Gradients come from a plain-torch causal attention
     recomputed per sequence in the backward; K/V slots no differentiable write
@@ -294,8 +428,63 @@ def paged_attention(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tape = getattr(k_cache, "_um_kv_tape", None)
     grad_kv = tape is not None and tape.differentiable
     grad_sink = sink is not None and sink.requires_grad
-    if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv or grad_sink):
+    c_tape = None
+    if isinstance(compressed, CompressedKV) and isinstance(compressed.cache, torch.Tensor):
+        c_tape = getattr(compressed.cache, TAPE_ATTR, None)
+    grad_c = c_tape is not None and c_tape.differentiable
+    if not torch.is_grad_enabled() or not (q_THE.requires_grad or grad_kv or grad_sink or grad_c):
         return dispatch.paged_attention(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                        k_scale, v_scale, sliding_window, sink=sink)
+                                        k_scale, v_scale, sliding_window, sink=sink, compressed=compressed)
+    if c_tape is not None:
+        c_tape = tape_of(compressed.cache, compressed.cache)
     return paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
-                                tape_of(k_cache, v_cache), k_scale, v_scale, sliding_window, sink)
+                                tape_of(k_cache, v_cache), k_scale, v_scale, sliding_window, sink, compressed, c_tape)
+
+
+class _ReadPlan:
+    """Where each row read by :func:`read_kv_cache` comes from (built in the forward):
+    ``index [X]`` into ``[constant rows | write 0 rows | ... | zero row]``, ``sizes``."""
+
+    def __init__(self, cache: torch.Tensor, slots_X: torch.Tensor, writes: list[_Write]):
+        self.cache, self.slots, self.writes = cache, slots_X, writes
+
+    def build(self) -> None:
+        c = self.cache
+        _, self.index, self.sizes = _resolve(self.slots.long(), self.writes, c.shape[0] * c.shape[1], c.shape[1], ())
+        self.row_shape = tuple(c.shape[2:])
+        self.cache = self.writes = None  # keep no cache alive
+
+
+class ReadKVFn(torch.autograd.Function):
+    """Inputs ``(plan, w_0, w_1, ...)``: the taped writes (their K tensors) of the cache read."""
+
+    @staticmethod
+    def forward(ctx, plan: _ReadPlan, *ws):
+        out = dispatch.read_kv_cache(plan.cache, plan.slots)
+        plan.build()
+        ctx.plan = plan
+        ctx.dtypes = [w.dtype for w in ws]
+        return out
+
+    @staticmethod
+    def backward(ctx, g_XGE):
+        plan = ctx.plan
+        g = acc(g_XGE)
+        dsrc = torch.zeros((sum(plan.sizes), *plan.row_shape), dtype=g.dtype, device=g.device)
+        dsrc.index_add_(0, plan.index, g)
+        parts = dsrc.split(plan.sizes)[1:-1]
+        return None, *(parts[i].to(dt) if ctx.needs_input_grad[1 + i] else None for i, dt in enumerate(ctx.dtypes))
+
+
+def read_kv_cache(cache: torch.Tensor, slots_X: torch.Tensor) -> torch.Tensor:
+    """:func:`ops.attention.read_kv_cache` (rows at slots, exact copy), differentiable: a row
+    whose slot was last written by a differentiable :func:`write_kv_cache` into ``cache`` (as
+    its K cache; a shared K = V cache is its own K cache) gets that write's gradient, straight
+    through the cast to the cache dtype; other rows (earlier steps, no tape) are constants.
+    Values are the op's. Shapes and errors as the op.
+    """
+    tape = getattr(cache, TAPE_ATTR, None)
+    if not torch.is_grad_enabled() or tape is None or not tape.differentiable:
+        return dispatch.read_kv_cache(cache, slots_X)
+    writes = list(tape.writes)
+    return ReadKVFn.apply(_ReadPlan(cache, slots_X, writes), *(w.k_TGE for w in writes))

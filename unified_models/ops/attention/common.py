@@ -1,10 +1,12 @@
 """The FP8 KV-cache rule and the KV-scale checks, shared by the attention kernel
 (:mod:`.triton`), its CPU path, its oracle, the backward and the engines' caches
-(the rule itself: :mod:`unified_models.ops.attention`)."""
+(the rule itself: :mod:`unified_models.ops.attention`); the argument checks of the
+window, the sink and the compressed entries (:class:`CompressedKV`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -130,3 +132,122 @@ def window_start(positions: torch.Tensor, sliding_window: int | None) -> torch.T
     if sliding_window is None:
         return torch.zeros_like(positions)
     return (positions - (sliding_window - 1)).clamp(min=0)
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedKV:
+    """The compressed entries a :func:`ops.paged_attention` row attends after its window
+    (DeepSeek-V4 CSA / HCA; transformers ``DeepseekV4Attention`` concatenates the
+    compressor's entries after the sliding-window keys, K = V).
+
+    Attributes:
+        cache: ``[N, S // ratio, G, E]`` pages of the layer's ``CompressedKVCache`` (any
+            strides; G and E those of the window cache; bf16/fp16/fp32, not FP8): entry
+            ``j`` of sequence ``b`` is page ``block_table_BN[b, j // (S // ratio)]``, offset
+            ``j % (S // ratio)`` (the rule of :func:`unified_models.state.entry_slots`:
+            block ``j*ratio // S``, offset ``(j*ratio % S) // ratio``). K = V.
+        ratio: m, tokens per entry; entry ``j`` covers positions ``m*j .. m*j + m - 1`` and
+            a token at position ``p`` may attend it only if ``j < (p + 1) // m``.
+        entries_TK: int32/int64 ``[T, K]``: row t's entry ids in the order they are attended,
+            the valid ids (>= 0) first, then -1 (no entry; any K, 0 included).
+        block_table_BN: int ``[B, max_blocks]`` of the compressed cache's KV-cache group
+            (rows indexed by the attention's ``seq_idx_T``).
+    """
+
+    cache: torch.Tensor
+    ratio: int
+    entries_TK: torch.Tensor
+    block_table_BN: torch.Tensor
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_COMPRESSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_compressed(what: str, compressed: CompressedKV | None, q_THE: torch.Tensor, k_cache: torch.Tensor,
+                     sliding_window: int | None) -> CompressedKV | None:
+    """Validate the ``compressed=`` argument of paged attention (shapes, dtypes, devices; no
+    values read, so no device sync).
+
+    Raises:
+        ValueError: not a :class:`CompressedKV`; ``sliding_window`` is ``None`` (compressed
+            attention is DeepSeek-V4's window + entries); ``ratio`` not an int >= 1; a cache
+            that is not ``[N, S', G, E]`` with the window cache's G and the queries' E, or is
+            not bf16/fp16/fp32 (FP8 compressed caches are not supported); ``entries_TK`` not
+            int32/int64 ``[T, K]``; a block table that is not a 2-D int tensor; a tensor on
+            another device than the queries.
+    """
+    if compressed is None:
+        return None
+    if not isinstance(compressed, CompressedKV):
+        raise ValueError(f"{what}: compressed must be a CompressedKV, got {type(compressed).__name__}")
+    if sliding_window is None:
+        raise ValueError(f"{what}: compressed= needs sliding_window (DeepSeek-V4 attends its window, then the "
+                         "compressed entries)")
+    r = compressed.ratio
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{what}: compressed.ratio must be an int >= 1, got {r!r}")
+    c, ent, bt = compressed.cache, compressed.entries_TK, compressed.block_table_BN
+    t, _, e = q_THE.shape
+    g = k_cache.shape[2]
+    if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.shape[2] != g or c.shape[3] != e:
+        desc = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
+        raise ValueError(f"{what}: compressed.cache must be [N, S//ratio, {g}, {e}] (the window cache's kv heads, "
+                         f"the queries' head dim), got {desc}")
+    if c.shape[1] < 1:
+        raise ValueError(f"{what}: compressed.cache has no entry per page (S//ratio = 0); the block size S must be "
+                         f"a multiple of ratio={r}")
+    if c.dtype not in _COMPRESSED_DTYPES:
+        raise ValueError(f"{what}: compressed.cache must be bf16/fp16/fp32 (no FP8 compressed cache), got {c.dtype}")
+    if not isinstance(ent, torch.Tensor) or ent.dim() != 2 or ent.shape[0] != t or ent.dtype not in _INDEX_DTYPES:
+        desc = f"{tuple(ent.shape)} {ent.dtype}" if isinstance(ent, torch.Tensor) else type(ent).__name__
+        raise ValueError(f"{what}: compressed.entries_TK must be int32/int64 [{t}, K], got {desc}")
+    if not isinstance(bt, torch.Tensor) or bt.dim() != 2 or bt.dtype not in _INDEX_DTYPES:
+        desc = f"{tuple(bt.shape)} {bt.dtype}" if isinstance(bt, torch.Tensor) else type(bt).__name__
+        raise ValueError(f"{what}: compressed.block_table_BN must be an int32/int64 [B, max_blocks], got {desc}")
+    for name, x in (("cache", c), ("entries_TK", ent), ("block_table_BN", bt)):
+        if x.device != q_THE.device:
+            raise ValueError(f"{what}: compressed.{name} is on {x.device}, the queries on {q_THE.device}")
+    return compressed
+
+
+def check_compressed_entries(what: str, compressed: CompressedKV, positions_T: torch.Tensor) -> None:
+    """Check the entry ids against causality and the block table (reads the values: the CPU
+    path and the oracles call it; the Triton kernel masks such ids instead).
+
+    Raises:
+        ValueError: a valid id (>= 0) of row t with ``j >= (p_t + 1) // ratio`` (an entry the
+            token may not attend yet: it is not complete at position ``p_t``; a padding row,
+            ``p_t < 0``, may list none), or whose page ``j // (S // ratio)`` lies past the
+            block table's width. Names the row, its position and the id.
+    """
+    ent = compressed.entries_TK.long()
+    if ent.numel() == 0:
+        return
+    pos = positions_T.long()
+    limit = torch.where(pos >= 0, (pos + 1).div(compressed.ratio, rounding_mode="floor"), 0)
+    bad = (ent >= 0) & (ent >= limit.view(-1, 1))
+    if bool(bad.any()):
+        t, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what}: row {t} (position {int(pos[t])}) lists compressed entry {int(ent[t, k])}, "
+                         f"but a token at position p may attend only entries j < (p+1)//{compressed.ratio} = "
+                         f"{int(limit[t])} (the complete ones)")
+    width = compressed.block_table_BN.shape[1] * compressed.cache.shape[1]
+    far = ent >= width
+    if bool(far.any()):
+        t, k = (int(i) for i in far.nonzero()[0])
+        raise ValueError(f"{what}: row {t} lists compressed entry {int(ent[t, k])}, past the compressed block "
+                         f"table's {compressed.block_table_BN.shape[1]} pages x {compressed.cache.shape[1]} entries")
+
+
+def compressed_entry_slots(compressed: CompressedKV, seq_idx_T: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T, K]``: cache slot (``page * (S // ratio) + offset``) of each listed entry,
+    ``-1`` where the id is ``-1`` (no block-table entry is read there)."""
+    ent = compressed.entries_TK.long()
+    sc = compressed.cache.shape[1]
+    valid = ent >= 0
+    e0 = torch.where(valid, ent, 0)
+    col = (e0 // sc).clamp(max=max(compressed.block_table_BN.shape[1] - 1, 0))
+    rows = compressed.block_table_BN[seq_idx_T.long().clamp(min=0)].long()  # [T, nb]
+    blk = rows.gather(1, col) if ent.shape[1] else col
+    return torch.where(valid, blk * sc + e0 % sc, -1)

@@ -38,6 +38,14 @@ Reading (FlashAttention-2 style, batch-invariant by construction):
   position 0 and do not depend on the batch. Loads are masked to the tile's
   ``[window start of its first token, last position]``: block-table entries of
   blocks behind the window (vLLM's null block, stale memory) are never read.
+* **Compressed entries** (``compressed=``, DeepSeek-V4 CSA/HCA): every token then goes
+  through the merge. The partial kernel writes every row's window splits as partials; a
+  third kernel (:func:`_attention_compressed_kernel`, one program per token and kv head)
+  runs the online softmax from a fresh state over the token's own entry list, in list
+  order, ``BLOCK_KV`` list slots per step (K = V: one load feeds both dots), into one more
+  workspace split; the merge combines the window splits in increasing order, then that
+  partial, then adds the sink, divides and rounds once. A step without a valid slot keeps
+  the state by selection, so the list width K never changes a bit.
 * Each position's physical block is looked up through the block table on its
   own (``block_table[seq, p // S]``), so neither the tiling nor the bits
   depend on the cache block size ``S`` or on which physical blocks hold the
@@ -84,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KV_FP8_DTYPE, check_kv_scales, check_sink, check_sliding_window
+from .common import KV_FP8_DTYPE, CompressedKV, check_compressed, check_kv_scales, check_sink, check_sliding_window
 from ..triton._common import _INTERP, FLOAT_DTYPES, INTERPRET, check_device, interpreter_dot, e4m3_bits_to_f32, next_pow2, round_to
 
 if INTERPRET:
@@ -315,8 +323,12 @@ def _attention_partial_kernel(
         k_desc, v_desc, kv_rows_per_block,
         Q_PER_KV: tl.constexpr, QP: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT_KV: tl.constexpr,
-        FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, SINK: tl.constexpr):
+        FP32_DOT: tl.constexpr, FP8: tl.constexpr, KV_TMA: tl.constexpr, SINK: tl.constexpr,
+        COMPRESSED: tl.constexpr = False):
     """Grid (tile programs, G, splits): query tile x kv head ``g`` x KV split (module docstring).
+
+    ``COMPRESSED``: every row writes its splits' partial states (none is finalized here); the
+    merge kernel adds the compressed entries' partial (:func:`_attention_compressed_kernel`).
 
     ``SINK``: ``sink_ptr`` holds one fp32 logit per q head; a row finalized here (one split)
     divides by ``l + exp2(sink * log2(e) - m)`` (log2 domain, ``m`` its final max).
@@ -412,7 +424,10 @@ def _attention_partial_kernel(
 
         # A token below SPLIT_KV has this one split: divide and round once, here.
         # (a scalar bool in a mask trips the interpreter: fold it into the bound)
-        one_split = row_ok & (pos_r < tl.where(split == 0, SPLIT_KV, 0))
+        if COMPRESSED:  # every row is finalized by the merge, after its compressed entries
+            one_split = row_ok & (pos_r < 0)
+        else:
+            one_split = row_ok & (pos_r < tl.where(split == 0, SPLIT_KV, 0))
         l_fin = l_i
         if SINK:  # the sink's column without a value: denominator only (the partials below keep l_i)
             sk = tl.load(sink_ptr + h, mask=row_ok, other=0.0)
@@ -422,7 +437,10 @@ def _attention_partial_kernel(
                  round_to(acc / l_safe[:, None], out_ptr.dtype.element_ty),
                  mask=one_split[:, None] & mask_e[None, :])
         # Other tokens: this split's partial state, merged by _attention_merge_kernel.
-        partial = row_ok & (pos_r >= SPLIT_KV) & (pos_r >= kv_lo)
+        if COMPRESSED:
+            partial = row_ok & (pos_r >= kv_lo)
+        else:
+            partial = row_ok & (pos_r >= SPLIT_KV) & (pos_r >= kv_lo)
         w = t_r * stride_wt + h * stride_wh + split * stride_ws
         tl.store(m_ptr + w, m_i, mask=partial)
         tl.store(l_ptr + w, l_i, mask=partial)
@@ -437,13 +455,15 @@ def _attention_merge_kernel(
         stride_wt, stride_wh, stride_ws,
         stride_at, stride_ah, stride_as, stride_ae,
         Q_PER_KV: tl.constexpr, QP: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_KV: tl.constexpr,
-        SINK: tl.constexpr):
+        SINK: tl.constexpr, COMPRESSED: tl.constexpr = False, C_SPLIT=0):
     """Grid (T, G): token ``t``'s q heads of kv head ``g``. Positions >= SPLIT_KV: merge the
     splits in increasing order, divide, round once; padding tokens: zeros; others: nothing
     (the partial kernel wrote them). ``WINDOW`` > 0: the merge starts at the split of the
     token's window start (the splits before it hold the empty state m = -inf, l = acc = 0,
     and merging the empty state first changes no bit: ``L = 0 * 0 + l_s``). ``SINK``: the
-    merged denominator gets ``exp2(sink * log2(e) - M)`` once, after the last split."""
+    merged denominator gets ``exp2(sink * log2(e) - M)`` once, after the last split.
+    ``COMPRESSED``: every token (position >= 0) is merged here, its window splits and then the
+    compressed entries' partial at workspace split ``C_SPLIT``, by the same rule; then the sink."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -451,7 +471,10 @@ def _attention_merge_kernel(
     h = g * Q_PER_KV + hq
     e = tl.arange(0, BLOCK_E)
     mask_e = e < E
-    multi = pos >= SPLIT_KV
+    if COMPRESSED:
+        multi = pos >= 0
+    else:
+        multi = pos >= SPLIT_KV
     # (a scalar bool in a mask trips the interpreter: fold it into a bound)
     row_m = hq < tl.where(multi, Q_PER_KV, 0)
     row_out = hq < tl.where(multi | (pos < 0), Q_PER_KV, 0)
@@ -474,12 +497,108 @@ def _attention_merge_kernel(
         L = L * c_old + l_s * c_new
         ACC = ACC * c_old[:, None] + acc_s * c_new[:, None]
         M = M_new
+    if COMPRESSED:  # the compressed entries' partial, merged after the window's splits
+        wc = t * stride_wt + h * stride_wh + C_SPLIT * stride_ws
+        ac = t * stride_at + h[:, None] * stride_ah + e[None, :] * stride_ae + C_SPLIT * stride_as
+        m_s = tl.load(m_ptr + wc, mask=row_m, other=0.0)
+        l_s = tl.load(l_ptr + wc, mask=row_m, other=0.0)
+        acc_s = tl.load(acc_ptr + ac, mask=mask_a, other=0.0)
+        M_new = tl.maximum(M, m_s)
+        c_old = tl.where(M == M_new, 1.0, tl.exp2(M - M_new))
+        c_new = tl.where(m_s == M_new, 1.0, tl.exp2(m_s - M_new))
+        L = L * c_old + l_s * c_new
+        ACC = ACC * c_old[:, None] + acc_s * c_new[:, None]
+        M = M_new
     if SINK:  # the sink's column without a value: denominator only, after the merge
         sk = tl.load(sink_ptr + h, mask=row_m, other=0.0)
         L = L + tl.where(row_m, tl.exp2(sk * _LOG2E_F - tl.where(M == float("-inf"), 0.0, M)), 0.0)
     L_safe = tl.where(L > 0, L, 1.0)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + e[None, :] * stride_oe,
              round_to(ACC / L_safe[:, None], out_ptr.dtype.element_ty), mask=row_out[:, None] & mask_e[None, :])
+
+
+@triton.jit(do_not_specialize=["K"])
+def _attention_compressed_kernel(
+        q_ptr, cc_ptr, ent_ptr, cbt_ptr, seq_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+        qk_scale, K, E, SC, RATIO, C_SPLIT,
+        stride_qt, stride_qh, stride_qe,
+        stride_ccb, stride_ccs, stride_ccg, stride_cce,
+        stride_et, stride_ek,
+        stride_cbb, stride_cbn,
+        stride_wt, stride_wh, stride_ws,
+        stride_at, stride_ah, stride_as, stride_ae,
+        Q_PER_KV: tl.constexpr, CROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+        FP32_DOT: tl.constexpr):
+    """Grid (T, G): token ``t``'s q heads of kv head ``g`` over its listed compressed entries.
+
+    An fp32 online softmax from a fresh state over the list slots ``BLOCK_C*c ..
+    BLOCK_C*c + BLOCK_C - 1`` (c = 0, 1, ...: list order), the scores in the log2 domain
+    (``qk_scale`` = scale * log2(e), as the window's); entry ``j`` is page
+    ``cbt[seq, j // SC]``, offset ``j % SC`` of the ``[N, SC, G, E]`` cache (K = V: one
+    load feeds both dots). Slots with ``-1``, or with ``j >= (p+1) // RATIO`` (not complete
+    at the token's position; masked, not raised: no device sync) are masked and their
+    block-table entries are not read. A step in which the token has no valid slot keeps its
+    state (selected, not recomputed), so trailing ``-1`` slots are exact no-ops and the bits
+    do not depend on K. Writes ``(m, l, acc)`` to workspace split ``C_SPLIT`` for the merge
+    kernel (padding tokens, ``p < 0``: the empty state)."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    seq = tl.load(seq_ptr + t).to(tl.int64)
+    hq = tl.arange(0, CROWS)
+    h = g * Q_PER_KV + hq
+    row_ok = hq < Q_PER_KV
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    n_done = tl.where(pos >= 0, (pos + 1) // RATIO, 0)  # entries complete at this position
+    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + e[None, :] * stride_qe,
+                mask=row_ok[:, None] & mask_e[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.full((CROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((CROWS,), dtype=tl.float32)
+    acc = tl.zeros((CROWS, BLOCK_E), dtype=tl.float32)
+    kk0 = tl.arange(0, BLOCK_C)
+    bt_row = cbt_ptr + seq * stride_cbb
+    for c0 in range(0, K, BLOCK_C):
+        kk = c0 + kk0
+        ids = tl.load(ent_ptr + t * stride_et + kk * stride_ek, mask=kk < K, other=-1).to(tl.int64)
+        valid = (ids >= 0) & (ids < n_done)
+        ids0 = tl.where(valid, ids, 0)
+        blk = tl.load(bt_row + (ids0 // SC) * stride_cbn, mask=valid, other=0).to(tl.int64)
+        off = ids0 % SC
+        c = tl.load(cc_ptr + blk[:, None] * stride_ccb + off[:, None] * stride_ccs + g * stride_ccg
+                    + e[None, :] * stride_cce, mask=valid[:, None] & mask_e[None, :], other=0.0)  # [BLOCK_C, BLOCK_E]
+        ct = tl.trans(c)
+        if _INTERP:  # no BLAS under the interpreter (see interpreter_dot)
+            sc = interpreter_dot(q, ct).to(tl.float32)
+        elif FP32_DOT:
+            sc = tl.dot(q, ct.to(tl.float32), input_precision="ieee")
+        else:
+            sc = tl.dot(q, ct.to(q.dtype))
+        sc = sc * qk_scale
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+        pr = tl.where(valid[None, :], tl.exp2(sc - m_safe[:, None]), 0.0)
+        l_new = l_i * alpha + tl.sum(pr, axis=1)
+        if _INTERP:
+            pv = interpreter_dot(pr, c).to(tl.float32)
+        elif FP32_DOT:
+            pv = tl.dot(pr, c.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pr.to(q.dtype), c.to(q.dtype))
+        acc_new = acc * alpha[:, None] + pv
+        keep = (tl.zeros((CROWS,), dtype=tl.int32) + tl.sum(valid.to(tl.int32), axis=0)) > 0
+        m_i = tl.where(keep, m_new, m_i)
+        l_i = tl.where(keep, l_new, l_i)
+        acc = tl.where(keep[:, None], acc_new, acc)
+    w = t * stride_wt + h * stride_wh + C_SPLIT * stride_ws
+    tl.store(m_ptr + w, m_i, mask=row_ok)
+    tl.store(l_ptr + w, l_i, mask=row_ok)
+    tl.store(acc_ptr + t * stride_at + h[:, None] * stride_ah + C_SPLIT * stride_as + e[None, :] * stride_ae, acc,
+             mask=row_ok[:, None] & mask_e[None, :])
 
 
 def _grid_sizes(chunks: list[tuple[int, int]], block_t: int, num_block_rows: int,
@@ -641,7 +760,8 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_table_BN: torch.Tensor, seq_idx_T: torch.Tensor,
                            positions_T: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                           sink: torch.Tensor | None = None, launch: AttentionLaunch | None = None) -> torch.Tensor:
+                           sink: torch.Tensor | None = None, launch: AttentionLaunch | None = None,
+                           compressed: CompressedKV | None = None) -> torch.Tensor:
     """Causal paged attention (GQA), batch-invariant per token.
 
     Token ``t`` attends to positions ``0..positions_T[t]`` of sequence
@@ -667,6 +787,11 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         sink: ``None`` or fp32 ``[H]`` attention-sink logits (``ops.attention.check_sink``): a row's
             denominator gets ``exp2(sink_h * log2(e) - m)`` once, where it is finalized (the
             partial kernel for one split, else the merge); ``None`` compiles the kernels without it.
+        compressed: ``None`` or a ``CompressedKV`` (``ops.attention.check_compressed``; needs
+            ``sliding_window``): every token then goes through the merge kernel, which merges
+            its window splits, then the partial state of its listed entries
+            (:func:`_attention_compressed_kernel`, workspace split ``n_split``), then adds the
+            sink. Ids that break causality are masked, not raised (no device sync).
         launch: benchmarks and tests only: override the partial kernel's rows,
             warps, stages, grid cap or K/V loads (:class:`AttentionLaunch`); the
             model never passes it.
@@ -713,6 +838,8 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scales = check_kv_scales("paged_attention_triton", k_cache, v_cache, k_scale, v_scale)
     window = check_sliding_window("paged_attention_triton", sliding_window) or 0  # 0: no window
     sink = check_sink("paged_attention_triton", sink, H, q_THE.device)
+    compressed = check_compressed("paged_attention_triton", compressed, q_THE, k_cache, window or None)
+    comp = compressed is not None
     sink_arg = sink if sink is not None else q_THE  # (an unused pointer without a sink)
     out = torch.empty((T, H, E), dtype=q_THE.dtype, device=q_THE.device)
     if T == 0:
@@ -734,16 +861,18 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     seq, pos = seq_idx_T.contiguous(), positions_T.contiguous()
 
     # Tokens in chunks of tc so that the fp32 split workspace (tc x H x n_split x (E + 2)) stays bounded.
-    tc = T if n_split == 1 else max(1, min(T, WORKSPACE_BYTES // (H * n_split * (E + 2) * 4)))
+    # With compressed entries one more split slot (n_split) holds their partial state.
+    n_ws = n_split + 1 if comp else n_split
+    tc = T if n_ws == 1 else max(1, min(T, WORKSPACE_BYTES // (H * n_ws * (E + 2) * 4)))
     chunks = [(a, min(tc, T - a)) for a in range(0, T, tc)]
     sched = torch.empty((len(chunks), tc + 1), dtype=torch.int32, device=q_THE.device)
     _tile_schedule_kernel[(len(chunks),)](seq, pos, sched, T, tc, sched.stride(0), BLOCK_T=block_t,
                                           SB=SCHED_BLOCK, num_warps=4)
-    if n_split > 1:  # one allocation: acc [tc, H, n_split, E] (rows aligned), then (m, l) [tc, H, n_split, 2]
-        n_acc = tc * H * n_split * E
-        ws = torch.empty((n_acc + tc * H * n_split * 2,), dtype=torch.float32, device=q_THE.device)
-        acc_ws = ws[:n_acc].view(tc, H, n_split, E)
-        ml_ws = ws[n_acc:].view(tc, H, n_split, 2)
+    if n_ws > 1:  # one allocation: acc [tc, H, n_ws, E] (rows aligned), then (m, l) [tc, H, n_ws, 2]
+        n_acc = tc * H * n_ws * E
+        ws = torch.empty((n_acc + tc * H * n_ws * 2,), dtype=torch.float32, device=q_THE.device)
+        acc_ws = ws[:n_acc].view(tc, H, n_ws, E)
+        ml_ws = ws[n_acc:].view(tc, H, n_ws, 2)
         m_ws, l_ws = ml_ws[..., 0], ml_ws[..., 1]
         w_strides, a_strides = m_ws.stride(), acc_ws.stride()
     else:  # every token is finalized by the partial kernel; nothing is written here
@@ -766,7 +895,20 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             *w_strides, *a_strides, k_desc, v_desc, rows_per_block,
             Q_PER_KV=q_per_kv, QP=qp, ROWS=rows, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_KV=BLOCK_KV,
             SPLIT_KV=SPLIT_KV, FP32_DOT=fp32_dot, FP8=fp8, KV_TMA=tma is not None, SINK=sink is not None,
-            num_warps=num_warps, num_stages=num_stages)
+            COMPRESSED=comp, num_warps=num_warps, num_stages=num_stages)
+        if comp:
+            cc, ent = compressed.cache, compressed.entries_TK[a:a + n]
+            cbt = compressed.block_table_BN
+            _attention_compressed_kernel[(n, G)](
+                q_c, cc, ent, cbt, s_c, p_c, m_ws, l_ws, acc_ws, float(scale) * _LOG2E, ent.shape[1], E, cc.shape[1],
+                compressed.ratio, n_split, *q_c.stride(), *cc.stride(), *ent.stride(), *cbt.stride(),
+                *w_strides, *a_strides, Q_PER_KV=q_per_kv, CROWS=max(MIN_BLOCK_H, qp), BLOCK_E=block_e,
+                BLOCK_C=BLOCK_KV, FP32_DOT=fp32_dot, num_warps=num_warps)
+            _attention_merge_kernel[(n, G)](
+                p_c, o_c, m_ws, l_ws, acc_ws, sink_arg, E, window, *o_c.stride(), *w_strides, *a_strides,
+                Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, SINK=sink is not None,
+                COMPRESSED=True, C_SPLIT=n_split, num_warps=4)
+            continue
         _attention_merge_kernel[(n, G)](
             p_c, o_c, m_ws, l_ws, acc_ws, sink_arg, E, window, *o_c.stride(), *w_strides, *a_strides,
             Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, SINK=sink is not None, num_warps=4)
