@@ -119,7 +119,8 @@ def _tables(spec: DeepseekV4AttentionSpec, ctx: LayerContext, device, inverse: b
         return cos, sin
     key = _table_key(spec, ctx, sin.device)
     if key not in _NEG_SIN:
-        _NEG_SIN[key] = -sin
+        with torch.inference_mode(False):  # memoized: the trainer may save it for backward later
+            _NEG_SIN[key] = -sin
     return cos, _NEG_SIN[key]
 
 

@@ -11,6 +11,9 @@ from .yarn import yarn_inv_freq
 
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+"""Memoized tables. They are built outside inference mode (``torch.inference_mode(False)``): a
+table first built during a vLLM rollout step is later saved for backward by the trainer, which
+an inference tensor cannot be."""
 
 
 def rope_cos_sin(max_positions: int, rotary_dim: int, theta: float,
@@ -28,9 +31,10 @@ def rope_cos_sin(max_positions: int, rotary_dim: int, theta: float,
         raise ValueError(f"rope: theta ({theta}) and max_positions ({max_positions}) must be > 0")
     key = (int(max_positions), int(rotary_dim), float(theta), str(torch.device(device)))
     if key not in _TABLES:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-        ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+        with torch.inference_mode(False):
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+            ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
     return _TABLES[key]
 
 
@@ -54,10 +58,11 @@ def rope_cos_sin_yarn(max_positions: int, rotary_dim: int, theta: float, factor:
            int(original_max_position_embeddings), float(beta_fast), float(beta_slow), bool(truncate),
            str(torch.device(device)))
     if key not in _TABLES:
-        inv_freq = yarn_inv_freq(rotary_dim, theta, factor, original_max_position_embeddings, beta_fast, beta_slow,
-                                 truncate).double()
-        ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+        with torch.inference_mode(False):
+            inv_freq = yarn_inv_freq(rotary_dim, theta, factor, original_max_position_embeddings, beta_fast,
+                                     beta_slow, truncate).double()
+            ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+            _TABLES[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
     return _TABLES[key]
 
 
