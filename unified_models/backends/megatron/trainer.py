@@ -250,8 +250,11 @@ class Trainer:
     # ------------------------------------------------------------------ weights and checkpoints
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, parameter)`` of every trained tensor (for ``RolloutEngine.sync_weights``)."""
-        return self.model.named_parameters()
+        """``(HF name, parameter)`` of every floating-point parameter (for ``RolloutEngine.sync_weights``).
+
+        Integer tables (DeepSeek-V4's hash-routing ``tid2eid``) are never trained and are left
+        out: the engine holds them from the same checkpoint."""
+        return ((n, p) for n, p in self.model.named_parameters() if p.is_floating_point())
 
     def save(self, root: str | os.PathLike, *, iteration: int | None = None, hf_config: Any = None,
              extra: Mapping[str, Any] | None = None, overwrite: bool = False):

@@ -96,7 +96,8 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
             device; e.g. ``model.named_parameters()``). Tensors are cast to the
             engine dtype by ``copy_`` (round to nearest even); pass the bf16
             model parameters, not fp32 main weights, to copy bits unchanged.
-        strict: every engine parameter must be given (a full sync).
+        strict: every floating-point engine parameter must be given (a full sync; integer
+            tables such as ``tid2eid`` are never trained and never synced).
         skip_unchanged: copy only tensors whose bits (after the cast) differ from the engine's.
 
     Returns:
@@ -126,7 +127,8 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         # an NVFP4 W4A4 export's calibrated expert input_scale has no master (the W4A16
         # kernels never read it): the engine keeps its own
         pairs += [(n, p.detach()) for n, p in params.items() if n.endswith(".input_scale") and n not in stored]
-    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items()},
+    # integer tables (hash routing) are never trained: a full sync gives every floating-point parameter
+    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items() if p.is_floating_point()},
                                      {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
     if problems:
         raise CheckpointError("weight sync rejected; " + "; ".join(problems))
