@@ -103,15 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
     _add_plugin_flag(v)
 
-    q = sub.add_parser("quantize", help="export a bf16 Nemotron-H checkpoint in NVIDIA ModelOpt's quantized format "
-                                        "(NVFP4 experts, FP8 Mamba projections, FP8 KV cache)")
+    q = sub.add_parser("quantize", help="export a bf16 checkpoint quantized: Nemotron-H in NVIDIA ModelOpt's format "
+                                        "(NVFP4 experts, FP8 Mamba projections, FP8 KV cache); DeepSeek-V4 as "
+                                        "DeepSeek's block-FP8 checkpoint (W8A8, 128x128 ue8m0 blocks)")
     q.add_argument("src", help="HF checkpoint with model-dtype weights")
-    q.add_argument("dst", help="output directory (ModelOpt format: hf_quant_config.json, codes and scales)")
-    q.add_argument("--experts", choices=["nvfp4", "none"], default="nvfp4", help="routed experts (W4A16_NVFP4)")
-    q.add_argument("--mamba-proj", choices=["fp8", "none"], default="fp8", help="Mamba in/out_proj (FP8 W8A8)")
-    q.add_argument("--kv-cache", choices=["fp8", "none"], default="fp8", help="attention KV cache (FP8 e4m3)")
+    q.add_argument("dst", help="output directory (ModelOpt format: hf_quant_config.json, codes and scales; "
+                               "DeepSeek-V4: config.json quantization_config, codes and scales)")
+    q.add_argument("--experts", choices=["nvfp4", "none"], default=None,
+                   help="Nemotron-H routed experts (W4A16_NVFP4; default nvfp4)")
+    q.add_argument("--mamba-proj", choices=["fp8", "none"], default=None,
+                   help="Nemotron-H Mamba in/out_proj (FP8 W8A8; default fp8)")
+    q.add_argument("--kv-cache", choices=["fp8", "none"], default=None,
+                   help="Nemotron-H attention KV cache (FP8 e4m3; default fp8)")
     q.add_argument("--calibration-prompts", help="JSONL prompts for the static FP8 scales (default: bundled GSM8K)")
-    q.add_argument("--num-calibration-prompts", type=_positive(int), default=16)
+    q.add_argument("--num-calibration-prompts", type=_positive(int), default=None, help="default 16")
+    q.add_argument("--layout", choices=["official", "hf"], default=None,
+                   help="DeepSeek-V4 output layout: DeepSeek's published names and float32 .scale (official, "
+                        "default) or transformers' names and e8m0 .weight_scale_inv (hf)")
     q.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _add_plugin_flag(q)
@@ -199,6 +207,7 @@ def _add_rl_parser(sub) -> None:
 
 
 def _quantize(args) -> int:
+    import json
     from pathlib import Path
 
     from .converters.hf_safetensors import load_hf_config
@@ -208,6 +217,30 @@ def _quantize(args) -> int:
     from .prompts import load_prompt_texts, tokenize_prompts
     from .run_options import tokenizer_dir_for
 
+    try:
+        model_type = json.loads((Path(args.src) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None  # export_modelopt's loader says what is wrong with the source
+    nemotron_flags = {"--experts": args.experts, "--mamba-proj": args.mamba_proj, "--kv-cache": args.kv_cache,
+                      "--calibration-prompts": args.calibration_prompts,
+                      "--num-calibration-prompts": args.num_calibration_prompts}
+    if model_type == "deepseek_v4":
+        from .converters.deepseek_fp8 import export_deepseek_fp8
+
+        given = sorted(k for k, v in nemotron_flags.items() if v is not None)
+        if given:
+            raise UnifiedModelsError(f"quantize: {', '.join(given)} apply to Nemotron-H ModelOpt exports; a "
+                                     "DeepSeek-V4 checkpoint is written as DeepSeek's block-FP8 checkpoint "
+                                     "(options: --layout)")
+        out = export_deepseek_fp8(args.src, args.dst, layout=args.layout or "official", overwrite=args.overwrite)
+        print(f"wrote {out}")
+        return 0
+    if args.layout is not None:
+        raise UnifiedModelsError("quantize: --layout applies to DeepSeek-V4 block-FP8 exports only")
+    args.experts = args.experts or "nvfp4"
+    args.mamba_proj = args.mamba_proj or "fp8"
+    args.kv_cache = args.kv_cache or "fp8"
+    args.num_calibration_prompts = args.num_calibration_prompts or 16
     none = lambda v: None if v == "none" else v  # noqa: E731
     ids = None
     if args.mamba_proj != "none" or args.kv_cache != "none":

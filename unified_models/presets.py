@@ -70,16 +70,46 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
     from; ``experts`` / ``mamba_proj`` / ``kv_cache``; ``calibration_prompts``:
     how many bundled GSM8K prompts calibrate the static FP8 scales) is the
     base checkpoint exported in ModelOpt's format by
-    :func:`unified_models.converters.modelopt.export_modelopt`.
+    :func:`unified_models.converters.modelopt.export_modelopt`. A ``quantize`` block with
+    ``format: fp8_block`` (and ``layout``: ``official`` / ``hf``) is this preset's own bf16 model
+    (its ``hf_config``), written as DeepSeek's block-FP8 checkpoint by
+    :func:`unified_models.converters.deepseek_fp8.export_deepseek_fp8`.
     """
     preset = load_preset(name)
+    if "quantize" in preset and preset["quantize"].get("format") == "fp8_block":
+        return _build_block_fp8(name, preset, out_dir)
     if "quantize" in preset:
         return _build_quantized(name, preset, out_dir)
+    return _build_plain(name, preset, out_dir)
+
+
+def _preset_target(name: str, preset: dict, out_dir) -> Path:
+    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+
+
+def _build_block_fp8(name: str, preset: dict, out_dir) -> Path:
+    """The bf16 model of ``preset`` (cached under ``<name>-bf16-<digest>``), then its block-FP8 export."""
+    target = _preset_target(name, preset, out_dir)
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    q = dict(preset["quantize"])
+    q.pop("format")
+    layout = q.pop("layout", "official")
+    if q:
+        raise SpecError(f"preset {name!r}: quantize keys {sorted(q)} are not understood (fp8_block takes layout)")
+    plain = {k: v for k, v in preset.items() if k != "quantize"}
+    base = _build_plain(f"{name}-bf16", plain, None)
+    from .converters.deepseek_fp8 import export_deepseek_fp8
+
+    return export_deepseek_fp8(base, target, layout=layout, overwrite=True)
+
+
+def _build_plain(name: str, preset: dict, out_dir) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
-    target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+    target = _preset_target(name, preset, out_dir)
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,9 @@ mHC head                          ``model.hc_head.hc_{fn,base,scale}`` ``hc_head
 attention KV norm                 ``attn.norm.weight``                ``attn.kv_norm.weight``
 hash table ``ffn.gate.tid2eid``   int64                               int32
 MTP blocks                        (none: transformers drops them)     ``mtp.{k}.*`` (kept as they are)
+block-FP8 scale of a linear       ``<linear>.weight_scale_inv``       ``<linear>.scale``, float32
+                                  float8_e8m0fnu                      (``expert_dtype: fp8``, as
+                                                                      Flash-Base) or float8_e8m0fnu
 config: attention schedule        ``layer_types`` + ``compress_rates`` ``compress_ratios`` (one int per
                                                                       layer, then one per MTP block)
 config: hash layers               ``mlp_layer_types``                 ``num_hash_layers`` (the first n),
@@ -25,9 +28,14 @@ config: RoPE                      ``rope_parameters`` {main, compress} ``rope_th
                                                                       ``rope_scaling`` (YaRN), ``qk_rope_head_dim``
 ================================  ==================================  =============================
 
-Every other tensor keeps its name, dtype and bits. :func:`official_to_canonical` and
-:func:`canonical_to_official` are inverse bit for bit on tensors (the int32 <-> int64 hash table
-is exact: expert ids are < 2^31); the configs convert field by field and refuse what has no
+Every other tensor keeps its name, dtype and bits (block-FP8 codes included). :func:`official_to_canonical`
+and :func:`canonical_to_official` are inverse bit for bit on tensors (the int32 <-> int64 hash table
+is exact: expert ids are < 2^31; so is a power-of-two scale between a float32 container and
+float8_e8m0fnu, whose byte is the float32 exponent field: vLLM 0.32's ``DeepseekV4FP8Config`` reads
+float32 ``.scale`` containers for ``expert_dtype: fp8`` checkpoints and e8m0 ones for ``fp4``,
+transformers' ``FineGrainedFP8Config`` renames ``.scale`` to ``.weight_scale_inv`` and casts float32
+containers to e8m0); ``quantization_config`` passes through both configs as it is. The configs
+convert field by field and refuse what has no
 counterpart (a hash schedule that is not a prefix, an MTP block that is not sliding, a compress
 ratio a layer type has two of).
 """
@@ -70,6 +78,23 @@ def is_official_tensor_names(names) -> bool:
 
 # ----------------------------------------------------------------------------- configs
 
+_SKIP_KEYS = ("modules_to_not_convert", "ignored_layers")
+"""Block-FP8 skip lists in ``quantization_config`` (module names, converted with the tensor names)."""
+
+
+def _map_skip(cfg: dict, rename) -> None:
+    """Rename the module names of ``cfg["quantization_config"]``'s skip lists in place (patterns and
+    names that are no tensor's module pass through unchanged)."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, Mapping):
+        return
+    qc = dict(qc)
+    for key in _SKIP_KEYS:
+        if isinstance(qc.get(key), list):
+            qc[key] = [rename(e + ".weight")[: -len(".weight")] if isinstance(e, str) else e for e in qc[key]]
+    cfg["quantization_config"] = qc
+
+
 def official_config_to_hf(raw: Mapping) -> dict:
     """A published ``config.json`` dict -> the transformers ``DeepseekV4Config`` dict of the same model.
 
@@ -77,7 +102,9 @@ def official_config_to_hf(raw: Mapping) -> dict:
     ratio HCA) and ``compress_rates``; ``num_hash_layers`` -> ``mlp_layer_types`` (first n
     ``hash_moe``); ``rope_theta`` / ``compress_rope_theta`` / ``rope_scaling`` / ``qk_rope_head_dim``
     -> ``rope_parameters`` {main, compress} and ``partial_rotary_factor``, as transformers'
-    ``DeepseekV4Config.__post_init__`` folds them. ``topk_method`` and every other key are kept
+    ``DeepseekV4Config.__post_init__`` folds them; the module names of a block-FP8 skip list
+    (``quantization_config.modules_to_not_convert`` / ``ignored_layers``) renamed as the tensors
+    are. ``topk_method`` and every other key are kept
     (``topk_method`` marks the checkpoint as one that stores its MTP blocks:
     :func:`unified_models.models.deepseek_v4.has_mtp_tensors`).
 
@@ -129,12 +156,13 @@ def official_config_to_hf(raw: Mapping) -> dict:
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)
         out["rope_parameters"] = {"main": main, "compress": compress}
+    _map_skip(out, _canonical_name)
     return out
 
 
 def hf_config_to_official(cfg: Mapping) -> dict:
     """A transformers ``DeepseekV4Config`` dict -> a published ``config.json`` dict (inverse of
-    :func:`official_config_to_hf` on the fields it converts).
+    :func:`official_config_to_hf` on the fields it converts, block-FP8 skip lists included).
 
     Raises:
         SpecError: ``mlp_layer_types`` whose ``hash_moe`` layers are not a prefix (the published
@@ -173,6 +201,7 @@ def hf_config_to_official(cfg: Mapping) -> dict:
     elif comp:
         raise SpecError(f"DeepSeek-V4 rope_parameters['compress'] of type {rtype!r} has keys {sorted(comp)}: no "
                         "published counterpart")
+    _map_skip(out, _official_name)
     return out
 
 
@@ -214,20 +243,54 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Published-layout tensors -> canonical names (the int32 ``tid2eid`` widened to int64; every other
-    tensor the same object, bits untouched; ``mtp.*`` kept as they are).
+PUBLISHED_SCALE = ".scale"
+"""Suffix of a block-FP8 linear's scale in DeepSeek's published files (``<linear>.scale``)."""
+CANONICAL_SCALE = ".weight_scale_inv"
+"""The same tensor's suffix in the canonical layout (the ``fp8_block`` format's field)."""
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+"""Containers a published ``.scale`` may have (vLLM 0.32: float32 for ``expert_dtype: fp8``, e8m0 for ``fp4``)."""
+
+
+def _e8m0_from_float32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A float32 container of powers of two -> float8_e8m0fnu, exactly.
 
     Raises:
-        CheckpointError: two tensors that map to one name, or a quantized tensor (``*.scale``:
-            block-FP8 / FP4 checkpoints are not declared yet).
+        CheckpointError: a value that is not a finite positive power of two within e8m0's range
+            (2^-127 .. 2^127): it has no exact e8m0 byte (names the tensor and the value).
+    """
+    if t.dtype == torch.float8_e8m0fnu:
+        return t
+    if t.dtype != torch.float32:
+        raise CheckpointError(f"{name}: block-FP8 scale stored as {t.dtype}; expected float32 (a power-of-two "
+                              "container) or float8_e8m0fnu")
+    mant, exp = torch.frexp(t)
+    bad = ~(torch.isfinite(t) & (mant == 0.5) & (exp >= -126) & (exp <= 128))
+    if bool(bad.any()):
+        v = float(t[bad].flatten()[0])
+        raise CheckpointError(f"{name}: block-FP8 scale {v!r} is not a power of two in 2^-127..2^127 (ue8m0 "
+                              "scales are); the checkpoint is not DeepSeek's block-FP8 format")
+    return t.to(torch.float8_e8m0fnu)
+
+
+def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Published-layout tensors -> canonical names (the int32 ``tid2eid`` widened to int64; a block-FP8
+    ``<linear>.scale`` renamed ``<linear>.weight_scale_inv`` and, from a float32 container, cast to
+    float8_e8m0fnu exactly; every other tensor the same object, bits untouched; ``mtp.*`` keep their
+    names, their scales renamed the same way).
+
+    Raises:
+        CheckpointError: two tensors that map to one name, or a ``.scale`` that is not a power-of-two
+            float32 or float8_e8m0fnu tensor (named).
     """
     out: dict[str, torch.Tensor] = {}
-    scales = sorted(n for n in tensors if n.endswith(".scale") or n.endswith(".weight_scale_inv"))
-    if scales:
-        raise CheckpointError(f"published DeepSeek-V4 checkpoint holds quantized tensors ({scales[:3]} ...): "
-                              "block-FP8 / FP4 weights are not supported yet; dequantize to bf16 first")
     for name, t in tensors.items():
+        if name.endswith(PUBLISHED_SCALE):
+            base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
+            new = base + CANONICAL_SCALE
+            if new in out:
+                raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
+            out[new] = _e8m0_from_float32(name, t)
+            continue
         new = _canonical_name(name)
         if new in out:
             raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
@@ -237,14 +300,24 @@ def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
-def canonical_to_official(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical tensors -> the published layout (``tid2eid`` narrowed to int32, exactly).
+def canonical_to_official(tensors: Mapping[str, torch.Tensor], *,
+                          scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> the published layout (``tid2eid`` narrowed to int32, exactly; a block-FP8
+    ``<linear>.weight_scale_inv`` renamed ``<linear>.scale`` in ``scale_dtype``: float32 (exact,
+    what vLLM reads for ``expert_dtype: fp8``) or float8_e8m0fnu (as it is)).
 
     Raises:
         CheckpointError: a hash table with ids outside int32.
+        SpecError: a ``scale_dtype`` other than float32 / float8_e8m0fnu.
     """
+    if scale_dtype not in SCALE_DTYPES:
+        raise SpecError(f"canonical_to_official: scale_dtype={scale_dtype} must be one of {SCALE_DTYPES}")
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        if name.endswith(CANONICAL_SCALE):
+            base = _official_name(name[: -len(CANONICAL_SCALE)] + ".weight")[: -len(".weight")]
+            out[base + PUBLISHED_SCALE] = t.to(scale_dtype) if t.dtype != scale_dtype else t
+            continue
         new = _official_name(name)
         if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int64:
             if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
@@ -255,6 +328,13 @@ def canonical_to_official(tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
 
 
 # ----------------------------------------------------------------------------- directories
+
+def official_scale_dtype(cfg: Mapping) -> torch.dtype:
+    """The container of the published ``.scale`` tensors for a config: float8_e8m0fnu when
+    ``expert_dtype`` is ``fp4`` (DeepSeek-V4-Flash), else float32 (``fp8``, Flash-Base: vLLM 0.32's
+    ``DeepseekV4FP8Config.is_scale_e8m0``)."""
+    return torch.float8_e8m0fnu if cfg.get("expert_dtype") == "fp4" else torch.float32
+
 
 def read_config_dict(model_dir: str | os.PathLike) -> dict:
     """The directory's ``config.json`` as a dict, in transformers' form (converted when published)."""
@@ -299,7 +379,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         # (else readers would expect num_nextn_predict_layers blocks of mtp.* tensors)
         if not any(n.startswith("mtp.") for n in tensors):
             raw = {**raw, "num_nextn_predict_layers": 0}
-        cfg, out = hf_config_to_official(raw), canonical_to_official(tensors)
+        cfg = hf_config_to_official(raw)
+        out = canonical_to_official(tensors, scale_dtype=official_scale_dtype(cfg))
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"})

@@ -28,6 +28,20 @@ transformers-written checkpoint has no MTP tensors whatever the config says. Dee
 published checkpoints do; they are declared as :attr:`ModelSpec.inert_parameters` (loaded,
 validated, saved and converted bit for bit, never read by the forward, never trained) when
 the config is a published-layout config (:func:`has_mtp_tensors`).
+
+Block-FP8 checkpoints (DeepSeek's ``quantization_config {quant_method: fp8, fmt: e4m3,
+scale_fmt: ue8m0, weight_block_size: [128, 128], activation_scheme: dynamic}``, read by
+:mod:`.deepseek_fp8_config`): the linears the published checkpoints store in FP8
+(:func:`published_fp8_linears`: attention ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, the CSA
+indexer's ``wq_b``, the shared expert's and (``expert_dtype: fp8``) the routed experts' ``w1``/
+``w2``/``w3``; in the MTP blocks also ``e_proj``/``h_proj``) minus those the config's
+``modules_to_not_convert`` names get the ``fp8_block`` format (stored codes and scales,
+``<linear>.weight`` float8_e4m3fn and ``<linear>.weight_scale_inv`` float8_e8m0fnu; DeepSeek's
+published files call the scale ``<linear>.scale``, converted by the layout module). The router
+gate, norms, embeddings, head, compressors and the indexer's ``weights_proj`` stay in the model
+dtype / fp32 (DeepSeek's ``inference/model.py``; transformers' ``_keep_in_fp32_modules``). Which of
+those formats the layer families can run is their check
+(:func:`unified_models.layers.quantization.check_weight_formats`), which refuses the rest by name.
 """
 
 from __future__ import annotations
@@ -50,6 +64,10 @@ from ..dsl import (
     UnsupportedLayerError,
     YarnRope,
 )
+from ..dsl.weights import FP8_BLOCK, LinearFormat
+from .deepseek_fp8_config import FORMAT as FP8_FORMAT
+from .deepseek_fp8_config import DeepseekFP8Quantization, deepseek_fp8_quantization
+from .modelopt_config import QUANT_CONFIG_ATTR
 
 ARCHITECTURE = "UnifiedDeepseekV4ForCausalLM"
 HF_ARCHITECTURE = "DeepseekV4ForCausalLM"
@@ -72,6 +90,7 @@ HONOURED_FIELDS = frozenset({
     "index_head_dim", "index_topk", "num_nextn_predict_layers", "hidden_act", "rms_norm_eps",
     "tie_word_embeddings", "rope_parameters", "partial_rotary_factor", "qk_rope_head_dim", "attention_bias",
     "mlp_bias", "attention_dropout", "router_jitter_noise", "topk_method", "dtype", "torch_dtype",
+    "quantization_config", QUANT_CONFIG_ATTR,
 })
 """DeepseekV4Config fields that decide the forward, each read and checked below."""
 
@@ -142,10 +161,6 @@ def _check_fields(config: Any) -> None:
     except Exception:  # noqa: BLE001 - a plain namespace in tests: check its attributes
         keys = set(vars(config))
     unknown = sorted(keys - HONOURED_FIELDS - INERT_FIELDS - _generic_config_keys())
-    if "quantization_config" in keys:
-        raise SpecError("DeepseekV4 config: quantization_config is not supported yet (DeepSeek's block-FP8 / "
-                        "FP4-expert checkpoints need the fp8_block weight format wired into this declaration); "
-                        "dequantize the checkpoint to bf16 first")
     if unknown:
         raise SpecError(f"DeepseekV4 config: field(s) {unknown} are not understood by this declaration; refusing "
                         "rather than ignoring them")
@@ -258,7 +273,64 @@ def moe_spec(config: Any, name: str, hash_routing: bool) -> DeepseekV4MoESpec:
         vocab_size=_int(config, "vocab_size") if hash_routing else None)
 
 
-def mtp_parameters(config: Any, dtype: torch.dtype, count: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+ATTN_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+"""Attention linears the published block-FP8 checkpoints store in FP8 (DeepSeek's ``inference/model.py``
+``Attention``: ``wo_a`` too, "wo_a is FP8 in checkpoint", which the reference dequantizes to bf16;
+vLLM 0.32 builds all five with ``quant_config``)."""
+ATTN_FP8_CSA = ("indexer.wq_b",)
+"""CSA only: the indexer's query projection (FP8; its ``weights_proj`` and the compressors stay bf16)."""
+MOE_FP8 = ("w1", "w2", "w3")
+"""The shared expert's and (``expert_dtype: fp8``) each routed expert's FP8 linears."""
+MTP_FP8 = ("e_proj", "h_proj")
+"""An MTP block's own FP8 linears (besides its attention and MoE)."""
+
+
+def _attention_fp8(a: DeepseekV4AttentionSpec) -> tuple[str, ...]:
+    return tuple(a.linear_name(n) for n in ATTN_FP8 + (ATTN_FP8_CSA if a.has_indexer else ()))
+
+
+def _moe_fp8(m: DeepseekV4MoESpec, quant: DeepseekFP8Quantization | None) -> tuple[str, ...]:
+    out = tuple(m.shared_linear(j) for j in MOE_FP8)
+    if quant is None or quant.expert_dtype == "fp8":
+        out += tuple(m.expert_linear(e, j) for e in range(m.n_routed_experts) for j in MOE_FP8)
+    return out
+
+
+def published_fp8_linears(spec: ModelSpec, quant: DeepseekFP8Quantization | None = None) -> tuple[str, ...]:
+    """The canonical names of the linears of ``spec``'s decoder layers that DeepSeek's published block-FP8
+    checkpoints store in FP8, in model order (:data:`ATTN_FP8`, :data:`ATTN_FP8_CSA`, :data:`MOE_FP8`
+    of the shared and, unless ``quant.expert_dtype`` says otherwise, the routed experts); the
+    skip list is not applied here. MTP linears are inert parameters (:func:`mtp_parameters`)."""
+    out: list[str] = []
+    for block in spec.blocks:
+        attn, ffn = (s.mixer for s in block.sublayers)
+        out += _attention_fp8(attn) + _moe_fp8(ffn, quant)
+    return tuple(out)
+
+
+def fp8_weight_formats(spec: ModelSpec, quant: DeepseekFP8Quantization) -> ModelSpec:
+    """``spec`` with ``fp8_block`` (stored) on every :func:`published_fp8_linears` entry that
+    ``quant``'s skip list does not name, checked against the families.
+
+    Raises:
+        SpecError: a linear the families cannot run in block-FP8, or whose K is not a multiple of 128
+            (named, with the skip-list hint).
+    """
+    from ..layers.quantization import check_weight_formats
+
+    formats = {n: LinearFormat(FP8_FORMAT) for n in published_fp8_linears(spec, quant) if not quant.skipped(n)}
+    try:
+        qspec = spec.with_weight_formats(formats)
+        check_weight_formats(qspec)
+    except SpecError as e:
+        raise SpecError(f"DeepseekV4 block-FP8 checkpoint: {e} (a published checkpoint stores it in FP8; this "
+                        "model cannot run it so yet; a checkpoint that stores it unquantized names it in "
+                        "quantization_config.modules_to_not_convert)") from None
+    return qspec
+
+
+def mtp_parameters(config: Any, dtype: torch.dtype, count: int,
+                   quant: DeepseekFP8Quantization | None = None) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """``(name, shape, stored dtype)`` of the ``count`` published MTP blocks (``mtp.{k}.*``, DeepSeek's
     names, as vLLM's ``DeepSeekV4MultiTokenPredictorLayer`` loads them): ``e_proj``, ``h_proj``
     ``[D, D]``; ``enorm``, ``hnorm``, ``norm`` ``[D]``; ``hc_head_{fn,base,scale}``; one decoder
@@ -266,6 +338,12 @@ def mtp_parameters(config: Any, dtype: torch.dtype, count: int) -> tuple[tuple[s
     ``attn_norm``, ``ffn_norm``, ``hc_attn_*``, ``hc_ffn_*``) of the sliding layer type (the
     published ``compress_ratios`` entry of the MTP block is 0; the layout reader refuses another).
     fp32: the mHC weights, the sink and the router bias; the rest ``dtype``.
+
+    With ``quant`` (a block-FP8 checkpoint), each MTP linear of :data:`MTP_FP8` /
+    :data:`ATTN_FP8` / the experts that ``quant`` does not skip is stored as the published FP8
+    linear: ``<linear>.weight`` float8_e4m3fn ``[N, K]`` and ``<linear>.weight_scale_inv``
+    float8_e8m0fnu ``[ceil(N/128), ceil(K/128)]`` (DeepSeek's ``Linear``; loaded, validated,
+    converted and saved bit for bit, never computed with).
     """
     d, n = _int(config, "hidden_size"), _int(config, "hc_mult")
     m = (2 + n) * n
@@ -275,12 +353,24 @@ def mtp_parameters(config: Any, dtype: torch.dtype, count: int) -> tuple[tuple[s
         attn = attention_spec(config, f"{p}.attn", "sliding_attention")
         ffn = moe_spec(config, f"{p}.ffn", False)
         fp32 = {**attn.trainable_parameter_dtypes(), **ffn.parameter_dtypes()}
+        fp8 = set(_attention_fp8(attn) + _moe_fp8(ffn, quant)) | {f"{p}.{n}" for n in MTP_FP8} if quant else set()
+
+        def add(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+            linear = name[: -len(".weight")] if name.endswith(".weight") else None
+            if linear in fp8 and len(shape) == 2 and not quant.skipped(linear):
+                n_, k_ = shape
+                out.append((name, tuple(shape), torch.float8_e4m3fn))
+                out.append((f"{linear}.weight_scale_inv", (-(-n_ // FP8_BLOCK), -(-k_ // FP8_BLOCK)),
+                            torch.float8_e8m0fnu))
+            else:
+                out.append((name, tuple(shape), dt))
+
         for part in (attn, ffn):
             for name, shape in part.parameter_shapes().items():
                 name = name.replace(f"{p}.attn.norm.weight", f"{p}.attn.kv_norm.weight")
-                out.append((name, tuple(shape), fp32.get(name, dtype)))
+                add(name, tuple(shape), fp32.get(name, dtype))
         for name in ("e_proj.weight", "h_proj.weight"):
-            out.append((f"{p}.{name}", (d, d), dtype))
+            add(f"{p}.{name}", (d, d), dtype)
         for name in ("enorm.weight", "hnorm.weight", "norm.weight", "attn_norm.weight", "ffn_norm.weight"):
             out.append((f"{p}.{name}", (d,), dtype))
         for site in ("hc_attn", "hc_ffn"):
@@ -307,7 +397,9 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
     Raises:
         UnsupportedLayerError: an unknown ``layer_types`` / ``mlp_layer_types`` entry (named
             with its index).
-        SpecError: any field not honoured (an unknown field, ``quantization_config``,
+        SpecError: any field not honoured (an unknown field, a ``quantization_config`` other than
+            DeepSeek's block-FP8 (:func:`~.deepseek_fp8_config.deepseek_fp8_quantization`, naming the key),
+            a block-FP8 linear the families cannot run (:func:`fp8_weight_formats`),
             ``scoring_func`` other than sqrtsoftplus, ``num_key_value_heads != 1``, biases,
             dropout, router noise, ``n_shared_experts != 1``, ``norm_topk_prob`` False, a
             ``topk_method`` other than noaux_tc, RoPE parameters that do not fit, lists whose
@@ -338,6 +430,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
     n_mtp = _get(config, "num_nextn_predict_layers")
     if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or n_mtp < 0:
         raise SpecError(f"DeepseekV4 config: num_nextn_predict_layers={n_mtp!r} must be an int >= 0")
+    quant = deepseek_fp8_quantization(config)
     mtp = has_mtp_tensors(config) if mtp is None else int(mtp)
     if mtp and mtp != n_mtp:
         raise SpecError(f"DeepseekV4 config: {mtp} MTP blocks stored but num_nextn_predict_layers is {n_mtp}")
@@ -366,14 +459,17 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
     # transformers ties lm_head to model.embed_tokens (_tied_weights_keys) and then saves no head.weight
     lm_head = LMHeadSpec(name="head", vocab_size=v, hidden_size=d,
                          tied_to="model.embed_tokens.weight" if tie else None)
-    return ModelSpec(
+    extra = {"pattern": layer_pattern(config), "mtp_layers": mtp}
+    if quant is not None:
+        extra["quantization"] = FP8_FORMAT
+    spec = ModelSpec(
         family=MODEL_TYPE, architecture=ARCHITECTURE, hf_model_type=MODEL_TYPE, hf_architecture=HF_ARCHITECTURE,
         embedding=EmbeddingSpec(name="model.embed_tokens", vocab_size=v, hidden_size=d),
         blocks=tuple(blocks), residual=residual,
         final_norm=RMSNormSpec(name="model.norm", hidden_size=d, eps=eps), lm_head=lm_head,
         dtype=dtype, max_position_embeddings=_int(config, "max_position_embeddings"),
-        inert_parameters=mtp_parameters(config, dtype, mtp),
-        extra={"pattern": layer_pattern(config), "mtp_layers": mtp})
+        inert_parameters=mtp_parameters(config, dtype, mtp, quant), extra=extra)
+    return spec if quant is None else fp8_weight_formats(spec, quant)
 
 
 # ----------------------------------------------------------------------------- presets
