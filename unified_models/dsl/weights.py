@@ -29,6 +29,12 @@ Formats:
   ``weight_block_size [128, 128]``, ``scale_fmt: ue8m0``, dynamic 1x128 activation
   scales): stored ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale_inv``
   float8_e8m0fnu ``[ceil(N/128), K/128]``; K a multiple of 128.
+* ``"mxfp4"``: MXFP4 W4A8 (DeepSeek-V4-Flash ``expert_dtype: fp4``, the routed experts only; OCP MX
+  FP4): stored ``weight`` uint8 ``[N, K/2]`` (two e2m1 codes per byte, element ``2j`` in the low
+  nibble), ``weight_scale`` float8_e8m0fnu ``[N, K/32]`` (one power-of-two scale per 32 of K);
+  activations quantized per token to FP8 with 1x128 ue8m0 tiles, so K must be a multiple of 128
+  (:mod:`unified_models.ops.mxfp4`). DeepSeek's checkpoint names the scale ``.scale``; vLLM maps
+  it to ``weight_scale``, as here.
 
 ``stored=False`` is the master form of the same format (what a trainer
 trains): ``weight`` in the model dtype, quantized by the format's rule on
@@ -103,6 +109,10 @@ NVFP4_BLOCK = 16
 FP8_BLOCK = 128
 """Block-FP8 weight blocks (128 x 128) and activation tiles (1 x 128)."""
 
+MXFP4_BLOCK = 32
+"""Elements of K per MXFP4 e8m0 scale (the OCP MX block); an MXFP4 linear's K must also divide by
+``FP8_BLOCK``, its activations' FP8 tile (W4A8)."""
+
 FORMAT_LAYOUTS: dict[str, FormatLayout] = {
     "fp8": FormatLayout(stored=lambda n, k: {"weight": ((n, k), torch.float8_e4m3fn),
                                               "weight_scale": ((), torch.float32)},
@@ -115,6 +125,9 @@ FORMAT_LAYOUTS: dict[str, FormatLayout] = {
                                                     "weight_scale_inv": ((-(-n // FP8_BLOCK), k // FP8_BLOCK),
                                                                          torch.float8_e8m0fnu)},
                               k_multiple=FP8_BLOCK),
+    "mxfp4": FormatLayout(stored=lambda n, k: {"weight": ((n, k // 2), torch.uint8),
+                                                "weight_scale": ((n, k // MXFP4_BLOCK), torch.float8_e8m0fnu)},
+                          k_multiple=FP8_BLOCK),
 }
 """Format name -> :class:`FormatLayout` (the computing half: ``layers.weight_formats``)."""
 

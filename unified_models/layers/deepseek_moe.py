@@ -12,9 +12,15 @@ Expert weights: one tensor per expert and projection in the checkpoint (``expert
 when they are evenly spaced views of one buffer, which :func:`stacked_parameters` makes them,
 else ``torch.stack`` with the weight-version guard).
 
-Weight formats: none yet. DeepSeek-V4's routed experts ship MXFP4 / block-FP8, whose grouped
-SwiGLU kernels do not exist; with ``quantization=None`` the generic check
-(:func:`.quantization.check_weight_formats`) refuses any format on this family's linears.
+Weight formats (:data:`QUANTIZATION`): the routed experts' ``w1``/``w3``/``w2`` may be MXFP4
+(DeepSeek-V4-Flash ``expert_dtype: fp4``; :mod:`unified_models.ops.mxfp4`), every routed expert
+linear of a layer alike; the router and the shared expert stay model-dtype, and any other format
+(e.g. block-FP8 experts, ``expert_dtype: fp8``) is refused naming the layer, as it has no grouped
+SwiGLU kernel. :func:`.weight_formats.grouped_weight` turns the field stacks into the op's weight:
+an ``ops.mxfp4.MXFP4Weight`` of stored codes, or an ``MXFP4Master`` of masters that the op
+quantizes on every forward (straight-through gradient). Both compute W4A8 (per-token FP8 1x128
+activation tiles). The oracle sees the masters fake-quantized (the reference model's view) but
+does not model the FP8 activation rounding (as the Mamba FP8 projections' oracle).
 
 Shapes: T tokens, D hidden, E experts, K top-k, I expert width.
 """
@@ -34,7 +40,11 @@ from ..state import FlatBatch, StateStore
 from .common import LayerContext
 from .family import LayerFamily
 from .moe import _as_stack, expert_stack_key, expert_weights
-from .weight_formats import grouped_weight
+from .quantization import QuantizationRules
+from .weight_formats import grouped_weight, linear_fields
+
+EXPERT_FORMATS = ("mxfp4",)
+"""Weight formats the routed experts may carry (those with a grouped SwiGLU kernel)."""
 
 
 def _route(spec: DeepseekV4MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
@@ -60,7 +70,7 @@ def deepseek_moe_forward(spec: DeepseekV4MoESpec, layer_index: int, params: Mapp
     stacks = []
     for proj in EXPERT_PROJS:
         weight, kind = expert_weights(spec, ctx.model, params, proj)
-        if kind is not None:  # pragma: no cover - refused by check_weight_formats first
+        if kind is not None and kind not in EXPERT_FORMATS:  # pragma: no cover - refused by check_weight_formats
             raise SpecError(f"{spec.name}.experts.*.{proj}: weight format {kind!r} has no SwiGLU expert kernel")
         stacks.append(weight)
     shared_TD = ops.swiglu_shared_expert(x_TD, *(params[f"{spec.shared_linear(j)}.weight"] for j in EXPERT_PROJS),
@@ -96,14 +106,15 @@ def deepseek_moe_oracle(m: DeepseekV4MoESpec, params: Mapping[str, torch.Tensor]
 
 
 def deepseek_moe_frozen_views(spec: DeepseekV4MoESpec, model, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The routed experts' ``(stack, None)`` per projection when its tensors are views of one buffer
-    (as :func:`.moe.moe_frozen_views`, over ``w1``/``w3``/``w2``)."""
+    """The routed experts' ``(weight, kind)`` per projection when every stacked field is a view of one
+    buffer (as :func:`.moe.moe_frozen_views`, over ``w1``/``w3``/``w2``; MXFP4 codes and scales alike)."""
     out: dict[str, Any] = {}
     for proj in EXPERT_PROJS:
         linears = [spec.expert_linear(e, proj) for e in range(spec.n_routed_experts)]
-        stack = _as_stack([params[f"{n}.weight"] for n in linears])
-        if stack is not None:
-            out[expert_stack_key(spec, proj)] = grouped_weight(model, {"weight": stack}, linears)
+        stacks = {f: _as_stack([params[f"{n}.{f}"] for n in linears])
+                  for f in linear_fields(model.weight_format(linears[0]))}
+        if all(v is not None for v in stacks.values()):
+            out[expert_stack_key(spec, proj)] = grouped_weight(model, stacks, linears)
     return out
 
 
@@ -126,7 +137,40 @@ def deepseek_moe_stacked_parameters(m: DeepseekV4MoESpec) -> tuple[tuple[str, ..
     return tuple(tuple(m.expert_linear(e, proj) for e in range(m.n_routed_experts)) for proj in EXPERT_PROJS)
 
 
+# ----------------------------------------------------------------------------- quantization (MXFP4 experts)
+
+def deepseek_moe_linears(m: DeepseekV4MoESpec) -> dict[str, str]:
+    """Every routed expert's ``w1`` / ``w3`` / ``w2``: export role ``"experts"`` (the router and the
+    shared expert are never quantized)."""
+    return {m.expert_linear(e, proj): "experts" for e in range(m.n_routed_experts) for proj in EXPERT_PROJS}
+
+
+def deepseek_moe_check_formats(m: DeepseekV4MoESpec, weight_format) -> None:
+    """Every routed expert linear of the layer in one format of :data:`EXPERT_FORMATS` (MXFP4), or none;
+    the router and the shared expert model-dtype.
+
+    Raises:
+        SpecError: experts in different formats, a format without a grouped SwiGLU kernel, or a
+            format on the router / shared expert (each names the layer or the linear).
+    """
+    fmts = {weight_format(n) for n in deepseek_moe_linears(m)}
+    if len(fmts) != 1:
+        raise SpecError(f"{m.name}: routed experts in formats {sorted(str(f) for f in fmts)}; every routed expert "
+                        "linear (w1, w3, w2) of a layer must have the same format (or none)")
+    fmt = next(iter(fmts))
+    if fmt is not None and fmt.format not in EXPERT_FORMATS:
+        raise SpecError(f"{m.name}: routed experts in weight format {fmt.format!r}; DeepSeek-V4's SwiGLU experts "
+                        f"kernels take model-dtype or {', '.join(map(repr, EXPERT_FORMATS))} weights")
+    shared = [m.shared_linear(j) for j in EXPERT_PROJS]
+    for n in (f"{m.name}.gate", *shared):
+        if weight_format(n) is not None:
+            raise SpecError(f"{n}: a weight format on the router or the shared expert is not supported "
+                            "(only the routed experts may be MXFP4)")
+
+
+QUANTIZATION = QuantizationRules(linears=deepseek_moe_linears, check_formats=deepseek_moe_check_formats)
+
 FAMILY = LayerFamily(spec_type=DeepseekV4MoESpec, forward=deepseek_moe_forward, oracle=deepseek_moe_oracle,
                      init_rules=deepseek_moe_init_rules, megatron_fields=deepseek_moe_megatron_fields,
                      stacked_parameters=deepseek_moe_stacked_parameters, frozen_views=deepseek_moe_frozen_views,
-                     oracle_takes_input_ids=True)
+                     oracle_takes_input_ids=True, quantization=QUANTIZATION)

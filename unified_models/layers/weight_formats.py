@@ -164,6 +164,35 @@ def _fp8_block_problems(t: Tensors, shape: tuple[int, int], fmt: LinearFormat) -
     return fp8_block_problems(t.get("weight"), t.get("weight_scale_inv"), shape=shape)
 
 
+# ----------------------------------------------------------------------------- MXFP4 (DeepSeek-V4-Flash routed experts)
+
+def _mxfp4_grouped(stacks: Tensors, fmt: LinearFormat):
+    from ..ops.mxfp4 import MXFP4Master, MXFP4Weight
+
+    if not fmt.stored:
+        return MXFP4Master(stacks["weight"])  # quantized by the experts op on every call (straight-through)
+    return MXFP4Weight(stacks["weight"], stacks["weight_scale"])
+
+
+def _mxfp4_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    from ..ops.mxfp4 import mxfp4_quantize
+
+    q = mxfp4_quantize(w)
+    return {"weight": q.weight, "weight_scale": q.weight_scale}
+
+
+def _mxfp4_dequantize(t: Tensors, dtype: torch.dtype) -> torch.Tensor:
+    from ..ops.mxfp4 import MXFP4Weight, mxfp4_dequantize
+
+    return mxfp4_dequantize(MXFP4Weight(t["weight"], t["weight_scale"]), dtype)
+
+
+def _mxfp4_problems(t: Tensors, shape: tuple[int, int], fmt: LinearFormat) -> list[str]:
+    from ..ops.mxfp4 import mxfp4_problems
+
+    return mxfp4_problems(t.get("weight"), t.get("weight_scale"), shape=shape)
+
+
 WEIGHT_FORMATS: dict[str, WeightFormatRules] = {
     "fp8": WeightFormatRules(linear=_fp8_linear, grouped=_no_grouped("fp8"), grouped_kernel=None,
                              quantize=_fp8_quantize, dequantize=_fp8_dequantize, problems=_fp8_problems,
@@ -175,6 +204,9 @@ WEIGHT_FORMATS: dict[str, WeightFormatRules] = {
     "fp8_block": WeightFormatRules(linear=_fp8_block_linear, grouped=_no_grouped("fp8_block"), grouped_kernel=None,
                                    quantize=_fp8_block_quantize, dequantize=_fp8_block_dequantize,
                                    problems=_fp8_block_problems, modelopt_algo=None),
+    "mxfp4": WeightFormatRules(linear=_no_single_linear("mxfp4"), grouped=_mxfp4_grouped, grouped_kernel="mxfp4",
+                               quantize=_mxfp4_quantize, dequantize=_mxfp4_dequantize, problems=_mxfp4_problems,
+                               modelopt_algo=None),
 }
 """Format name -> its rules (keys equal :data:`unified_models.dsl.weights.FORMAT_LAYOUTS`'s)."""
 
@@ -228,7 +260,9 @@ def grouped_weight(model: Any, stacks: Mapping[str, torch.Tensor], linears: list
 
     Returns:
         ``(weight, kind)``: ``kind`` None = a model-dtype ``[E, N, K]`` stack, ``"nvfp4"``
-        = NVFP4 (an ``ops.NVFP4Weight`` of stored codes, or masters quantized in the op).
+        = NVFP4 (an ``ops.NVFP4Weight`` of stored codes, or masters quantized in the op),
+        ``"mxfp4"`` = MXFP4 W4A8 (an ``ops.mxfp4.MXFP4Weight`` of stored codes, or an
+        ``ops.mxfp4.MXFP4Master`` the DeepSeek-V4 experts op quantizes on every call).
 
     Raises:
         SpecError: the linears' formats differ, or the format has no grouped kernel.

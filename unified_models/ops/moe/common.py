@@ -1,4 +1,4 @@
-"""What the MoE implementations share: the expert-weight type (bf16 tensor or NVFP4),
+"""What the MoE implementations share: the expert-weight type (bf16 tensor, NVFP4 or MXFP4),
 shape checks, the per-expert weight as the kernels compute with it, and the
 expert grouping of the assignments (sort by ``(expert, token, slot)``)."""
 
@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from ..mxfp4 import MXFP4Master, MXFP4Weight, mxfp4_dequantize
 from ..nvfp4 import NVFP4Weight, nvfp4_dequantize
 
 
-ExpertWeight = torch.Tensor | NVFP4Weight
-"""``[E, N, K]`` bf16/fp32 tensor, or NVFP4 (``NVFP4Weight`` with ``[E, N, K/2]`` codes)."""
+ExpertWeight = torch.Tensor | NVFP4Weight | MXFP4Weight | MXFP4Master
+"""``[E, N, K]`` bf16/fp32 tensor, NVFP4 (``NVFP4Weight`` with ``[E, N, K/2]`` codes), or MXFP4
+(``MXFP4Weight`` codes, or an ``MXFP4Master`` quantized by the op: DeepSeek-V4's SwiGLU experts only)."""
 
 NORM_EPS = 1e-20
 """Added to the top-k weight sum before the division (transformers ``NemotronHTopkRouter``)."""
@@ -51,10 +53,27 @@ def check_expert_args(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up: ExpertW
 
 
 def expert_weight(w: ExpertWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e``'s ``[N, K]`` weight as the kernels compute with it (NVFP4 dequantized by ModelOpt's rule)."""
+    """Expert ``e``'s ``[N, K]`` weight as the kernels compute with it (NVFP4 dequantized by ModelOpt's rule,
+    MXFP4 dequantized exactly; an ``MXFP4Master`` must have been quantized first: :func:`resolve_expert`)."""
     if isinstance(w, NVFP4Weight):
         return nvfp4_dequantize(w.expert(e), dtype)
+    if isinstance(w, MXFP4Weight):
+        return mxfp4_dequantize(w.expert(e), dtype)
+    if isinstance(w, MXFP4Master):
+        raise TypeError("expert_weight: an MXFP4Master is quantized by the op first (resolve_expert)")
     return w[e]
+
+
+def resolve_expert(w: ExpertWeight) -> ExpertWeight:
+    """The weight the kernels take: an ``MXFP4Master`` quantized by ``ops.mxfp4.mxfp4_quantize`` (into an
+    ``MXFP4Weight``), anything else as it is."""
+    return w.quantize() if isinstance(w, MXFP4Master) else w
+
+
+def is_w4a8(w: ExpertWeight) -> bool:
+    """True for MXFP4 expert weights, whose activations the kernels quantize per token to FP8
+    (1x128 ue8m0 tiles, ``ops.fp8_block.fp8_block_quantize_activation``) before the product."""
+    return isinstance(w, (MXFP4Weight, MXFP4Master))
 
 
 def group_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +109,11 @@ def expert_counts(sorted_experts_R: torch.Tensor, num_experts: int) -> torch.Ten
 
 
 def stack_expert(w: ExpertWeight) -> ExpertWeight:
-    """A single ``[N, K]`` weight as a one-expert stack ``[1, N, K]`` (tensor view or NVFP4)."""
+    """A single ``[N, K]`` weight as a one-expert stack ``[1, N, K]`` (tensor view, NVFP4 or MXFP4)."""
+    if isinstance(w, MXFP4Weight):
+        return w if w.weight.dim() == 3 else MXFP4Weight(w.weight[None], w.weight_scale[None])
+    if isinstance(w, MXFP4Master):
+        return w if w.weight.dim() == 3 else MXFP4Master(w.weight[None])
     if isinstance(w, NVFP4Weight):
         if w.weight.dim() == 3:
             return w
