@@ -120,6 +120,9 @@ def test_declaration_reads_the_published_fp8_linears_and_refuses_what_it_cannot_
                   "model.layers.1.ffn.shared_experts.w1.weight", "model.layers.1.ffn.experts.0.w2.weight"):
         assert dtypes[stays] == torch.bfloat16, stays
     assert not any(n.endswith("wo_a.weight_scale_inv") for n in shapes)
+    # the published recipe's FP8 KV rule on every attention layer (a bf16 config keeps bf16 vectors)
+    attn = [s.mixer for s in spec.sublayers if hasattr(s.mixer, "kv_cache_dtype")]
+    assert len(attn) == 4 and {a.kv_cache_dtype for a in attn} == {"fp8_ds_mla"}
 
 
 @pytest.mark.parametrize("key,value", [

@@ -29,6 +29,9 @@ published checkpoints do; they are declared as :attr:`ModelSpec.inert_parameters
 validated, saved and converted bit for bit, never read by the forward, never trained) when
 the config is a published-layout config (:func:`has_mtp_tensors`).
 
+Block-FP8 checkpoints also get DeepSeek-V4's FP8 KV rule on every attention layer
+(``kv_cache_dtype="fp8_ds_mla"``, the published recipe's QAT rounding of the KV vectors).
+
 Block-FP8 checkpoints (DeepSeek's ``quantization_config {quant_method: fp8, fmt: e4m3,
 scale_fmt: ue8m0, weight_block_size: [128, 128], activation_scheme: dynamic}``, read by
 :mod:`.deepseek_fp8_config`): the linears the published checkpoints store in FP8
@@ -230,8 +233,10 @@ def _rope(config: Any, label: str, head_dim: int, rotary: int) -> tuple[float, s
     return float(theta), "yarn", yarn
 
 
-def attention_spec(config: Any, name: str, layer_type: str) -> DeepseekV4AttentionSpec:
-    """The attention sublayer of one layer of ``layer_type`` under module name ``name``.
+def attention_spec(config: Any, name: str, layer_type: str, kv_cache_dtype: str = "auto") -> DeepseekV4AttentionSpec:
+    """The attention sublayer of one layer of ``layer_type`` under module name ``name``
+    (``kv_cache_dtype``: ``"fp8_ds_mla"`` for a published block-FP8 checkpoint, whose recipe
+    quantizes the KV vectors in prefill and decode alike).
 
     Raises:
         UnsupportedLayerError: an unknown layer type.
@@ -258,7 +263,8 @@ def attention_spec(config: Any, name: str, layer_type: str) -> DeepseekV4Attenti
         head_dim=head_dim, q_lora_rank=_int(config, "q_lora_rank"), qk_rope_head_dim=rotary,
         o_groups=_int(config, "o_groups"), o_lora_rank=_int(config, "o_lora_rank"),
         sliding_window=_int(config, "sliding_window"), rope_theta=theta, rope_type=rtype, yarn=yarn,
-        rms_norm_eps=float(_get(config, "rms_norm_eps")), layer_type=layer_type, **kw)
+        rms_norm_eps=float(_get(config, "rms_norm_eps")), layer_type=layer_type, kv_cache_dtype=kv_cache_dtype,
+        **kw)
 
 
 def moe_spec(config: Any, name: str, hash_routing: bool) -> DeepseekV4MoESpec:
@@ -440,13 +446,16 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
         raise SpecError(f"DeepseekV4 config: partial_rotary_factor={prf!r} gives {int(config.head_dim * prf)} "
                         f"rotary dims but qk_rope_head_dim is {rot}")
 
+    # DeepSeek's published recipe (inference/model.py) rounds every KV vector through its FP8 rule;
+    # a transformers-written bf16 checkpoint (transformers has no such rule) keeps bf16 vectors
+    kv_cache_dtype = "fp8_ds_mla" if quant is not None else "auto"
     blocks, sites = [], []
     for i, (lt, mt) in enumerate(zip(layer_types, mlp_types)):
         p = f"model.layers.{i}"
         attn_norm = RMSNormSpec(name=f"{p}.attn_norm", hidden_size=d, eps=eps)
         ffn_norm = RMSNormSpec(name=f"{p}.ffn_norm", hidden_size=d, eps=eps)
         blocks.append(BlockSpec(index=i, sublayers=(
-            SublayerSpec(index=i, norm=attn_norm, mixer=attention_spec(config, f"{p}.attn", lt)),
+            SublayerSpec(index=i, norm=attn_norm, mixer=attention_spec(config, f"{p}.attn", lt, kv_cache_dtype)),
             SublayerSpec(index=i, norm=ffn_norm, mixer=moe_spec(config, f"{p}.ffn", mt == "hash_moe")))))
         sites += [(attn_norm.name, f"{p}.hc_attn"), (ffn_norm.name, f"{p}.hc_ffn")]
     hc_eps = float(_get(config, "hc_eps"))
