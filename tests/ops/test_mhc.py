@@ -13,6 +13,7 @@ from unified_models import ops
 from unified_models.dsl import HyperConnectionSpec, SpecError
 from unified_models.ops.grad.weights import StaleWeightError
 from unified_models.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
+from unified_models.ops.mhc.cpu import hc_post_torch
 from unified_models.ops.mhc.reference import hc_head_math, hc_post_math, hc_pre_math
 
 N, D, ITERS, HC_EPS, NORM_EPS = 4, 64, 20, 1e-6, 1e-6
@@ -276,10 +277,138 @@ def test_hc_errors_name_what_is_wrong(monkeypatch):
         ops.hc_post(h, h[:2, 0], torch.ones(3, N), torch.ones(3, N, N))
     with pytest.raises(ValueError, match=r"hc_head: hc_scale has shape \(3,\)"):
         ops.hc_head(h, head.hc_fn, head.hc_base, hc.scale, **HEAD_KW)
-    monkeypatch.setenv("UM_OPS_BACKEND", "triton")  # what a CUDA tensor takes: the kernel is not written
-    with pytest.raises(NotImplementedError, match=r"mhc.hc_pre: no Triton kernel yet"):
-        ops.hc_pre(h, hc.fn, hc.base, hc.scale, **KW)
-    with pytest.raises(NotImplementedError, match=r"mhc.hc_post: no Triton kernel yet"):
-        ops.hc_post(h, h[:, 0], torch.ones(3, N), torch.ones(3, N, N))
-    with pytest.raises(NotImplementedError, match=r"mhc.hc_head: no Triton kernel yet"):
-        ops.hc_head(h, head.hc_fn, head.hc_base, head.hc_scale, **HEAD_KW)
+    monkeypatch.setenv("UM_OPS_BACKEND", "triton")  # what a CUDA tensor takes: the kernels' own checks
+    h16 = h.half()
+    with pytest.raises(ValueError, match=r"hc_pre_triton: the Triton kernel takes bf16 or fp32 streams"):
+        ops.hc_pre(h16, hc.fn, hc.base, hc.scale, **KW)
+    with pytest.raises(ValueError, match=r"hc_post_triton: the Triton kernel takes bf16 or fp32 streams"):
+        ops.hc_post(h16, h16[:, 0], torch.ones(3, N), torch.ones(3, N, N))
+    with pytest.raises(ValueError, match=r"hc_head_triton: the Triton kernel takes bf16 or fp32 streams"):
+        ops.hc_head(h16, head.hc_fn, head.hc_base, head.hc_scale, **HEAD_KW)
+    with pytest.raises(ValueError, match=r"hc_pre_triton: the streams have hidden size 0"):
+        ops.hc_pre(h[:, :, :0], hc.fn[:, :0], hc.base, hc.scale, **KW)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+# Through the interpreter on CPU (natively on CUDA). D = 80 crosses the interpreter's tiles: the
+# projection's 64-column chunks (two per stream, the second masked) and the 64-column output
+# blocks of the collapse and the post; 45 + 40 padding rows cross the 64-row tiles.
+
+TD = 80
+
+
+@pytest.fixture
+def kdev(monkeypatch, device):
+    """The device of the Triton kernels, with the Triton backend forced (CPU: the interpreter)."""
+    monkeypatch.setenv("UM_OPS_BACKEND", "triton")
+    return device
+
+
+def _on(dev, *ts):
+    return [t.detach().to(dev) for t in ts]
+
+
+def _bf16_step(v):
+    """The spacing of bf16 values at ``|v|`` (fp64): ``2^(floor(log2 |v|) - 7)``, between 2^-8 and 2^-7 of ``|v|``."""
+    _, e = torch.frexp(v)
+    return torch.ldexp(torch.ones_like(v), e - 8)
+
+
+def _collapse_terms(h, fn, base, scale):
+    """fp64 ``sum_j |pre_j h_j|`` (``pre = sigmoid(rms(h) fn[:n]^T scale + base[:n]) + eps``): the size
+    the fp32 errors of a collapse are relative to."""
+    n = h.shape[1]
+    flat = h.double().reshape(h.shape[0], -1)
+    mix = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + NORM_EPS) @ fn.detach().double()[:n].t()
+    pre = torch.sigmoid(mix * float(scale.detach()) + base.detach().double()[:n]) + HC_EPS
+    return (pre.unsqueeze(-1) * h.double().abs()).sum(1)
+
+
+@pytest.mark.parametrize("n,dtype", [(4, torch.float32), (4, torch.bfloat16), (3, torch.bfloat16)])
+def test_triton_hc_ops_match_fp64_oracle(kdev, inv, n, dtype):
+    """The kernels against the fp64 oracle. fp32 streams: x, the post-update and the head within
+    16 fp32 ulps of the largest magnitude, post / comb within 2e-6 absolute (interpreter measured:
+    x 4.8e-7 of max 5.1, post 2.4e-7, comb 1.8e-7; the GPU's approximate exp adds a few ulps).
+    bf16: x and head within one bf16 step of the oracle (plus 1e-5 of the collapse's term sizes:
+    fp32 coefficients; measured: x bitwise the oracle's, head one step off in one element),
+    the post-update within three bf16 roundings of its terms of the oracle at the rounded
+    coefficients and within one bf16 step of the CPU path (same rounding points). Run twice:
+    bitwise the same (deterministic)."""
+    hc, head = _modules(seed=30 + n, n=n, d=TD)
+    h = _streams(1, 24, n=n, d=TD, seed=31, dtype=dtype).reshape(-1, n, TD)
+    y = torch.randn(24, TD, generator=torch.Generator().manual_seed(32)).to(dtype)
+    fn, base, scale, hfn, hbase, hscale = _on(kdev, hc.fn, hc.base, hc.scale, head.hc_fn, head.hc_base, head.hc_scale)
+    hd, yd = h.to(kdev), y.to(kdev)
+    x, post, comb = (t.cpu() for t in ops.hc_pre(hd, fn, base, scale, **KW))
+    again = ops.hc_pre(hd, fn, base, scale, **KW)
+    for a, b in zip((x, post, comb), again):
+        inv.assert_bitwise(a, b.cpu(), "hc_pre run twice")
+    upd = ops.hc_post(hd, yd, post.to(kdev), comb.to(kdev)).cpu()
+    out = ops.hc_head(hd, hfn, hbase, hscale, **HEAD_KW).cpu()
+    assert x.dtype == upd.dtype == out.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    xr, pr, cr = hc_pre_reference(h, hc.fn, hc.base, hc.scale, **KW)
+    assert (post - pr).abs().max().item() <= 2e-6 and (comb - cr).abs().max().item() <= 2e-6
+    assert (comb.sum(-2) - 1).abs().max() < 1e-5  # columns normalised last
+    upd_ref = hc_post_reference(h, y, post, comb)
+    out_ref = hc_head_reference(h, head.hc_fn, head.hc_base, head.hc_scale, **HEAD_KW)
+    if dtype == torch.float32:
+        for name, got, want in (("x", x, xr), ("post-update", upd, upd_ref), ("head", out, out_ref)):
+            err, bound = (got - want).abs().max().item(), _bound(16, FP32_ULP, want)
+            assert err <= bound, (name, err, bound)
+        return
+    # x and head: one bf16 rounding of an fp32 value whose error is relative to the terms
+    # |pre_j h_j| (fp32 coefficients and adds; cancellation makes it large against the sum)
+    terms = {"x": _collapse_terms(h, hc.fn, hc.base, hc.scale[0]),
+             "head": _collapse_terms(h, head.hc_fn, head.hc_base, head.hc_scale[0])}
+    for name, got, want in (("x", x, xr), ("head", out, out_ref)):
+        ulp = _bf16_step(torch.maximum(want.double().abs(), got.double().abs()))
+        excess = ((got.double() - want.double()).abs() - ulp - 1e-5 * terms[name]).max().item()
+        assert excess <= 0, (name, excess)
+    # the post-update rounds post / comb, post * y and comb^T h to bf16 first (transformers' points):
+    # against the oracle at the rounded coefficients, three bf16 roundings of terms bounded by
+    # |post_k y| + sum_j |comb_jk h_j| (each <= 2^-9 of it)
+    pq, cq = post.to(dtype).double(), comb.to(dtype).double()
+    at_rounded = hc_post_reference(h, y, pq, cq).double()
+    size = pq.abs().unsqueeze(-1) * y.double().abs().unsqueeze(1) + cq.abs().transpose(-1, -2) @ h.double().abs()
+    excess = ((upd.double() - at_rounded).abs() - 2 * BF16_ULP * size).max().item()
+    assert excess <= 0, ("post-update", excess)
+    upd_cpu = hc_post_torch(h, y, post, comb)
+    ulp = torch.maximum(upd_cpu.float().abs(), upd.float().abs()) * BF16_ULP
+    assert ((upd.float() - upd_cpu.float()).abs() - ulp).max().item() <= 0
+    assert (upd == upd_cpu).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("n,dtype", [(4, torch.bfloat16), (3, torch.float32)])
+def test_triton_hc_pre_and_head_are_batch_invariant(kdev, inv, n, dtype):
+    """The kernels' rows bitwise independent of the batch: alone, prefixes, splits, random subsets
+    in random order with zero and large junk padding rows (T from 1 to 85)."""
+    hc, head = _modules(seed=40, n=n, d=TD)
+    gen = torch.Generator().manual_seed(41)
+    h = _streams(1, 45, n=n, d=TD, seed=42, dtype=dtype).reshape(-1, n, TD).to(kdev)
+    fn, base, scale, hfn, hbase, hscale = _on(kdev, hc.fn, hc.base, hc.scale, head.hc_fn, head.hc_base, head.hc_scale)
+
+    def pre(x):
+        a, p, c = ops.hc_pre(x, fn, base, scale, **KW)
+        return torch.cat([a.float(), p, c.flatten(1)], dim=1)
+
+    def pad(k):
+        return tuple(t.to(kdev) for t in _pad(n, TD, dtype, gen)(k))
+
+    inv.check_rows(pre, (h,), pad, gen, trials=2, pad_counts=(40, 5), what=f"triton hc_pre n={n} {dtype}")
+    if n == 4:
+        inv.check_rows(lambda x: ops.hc_head(x, hfn, hbase, hscale, **HEAD_KW), (h,), pad, gen, trials=2,
+                       pad_counts=(40, 5), what="triton hc_head")
+
+
+def test_triton_hc_post_is_batch_invariant(kdev, inv):
+    gen = torch.Generator().manual_seed(43)
+    h = _streams(1, 45, d=TD, seed=44, dtype=torch.bfloat16).reshape(-1, N, TD).to(kdev)
+    y = torch.randn(45, TD, generator=gen).bfloat16().to(kdev)
+    post, comb = (torch.rand(45, N, generator=gen) * 2).to(kdev), torch.rand(45, N, N, generator=gen).to(kdev)
+
+    def pad(k):
+        return tuple(t.to(kdev) for t in (torch.randn(k, N, TD, generator=gen).bfloat16() * 300,
+                                          torch.randn(k, TD, generator=gen).bfloat16(), torch.rand(k, N, generator=gen),
+                                          torch.rand(k, N, N, generator=gen)))
+
+    inv.check_rows(ops.hc_post, (h, y, post, comb), pad, gen, trials=2, pad_counts=(40, 5), what="triton hc_post")

@@ -16,8 +16,9 @@ rounding points the CPU path keeps; paper: Xie et al., arXiv 2512.24880.
 
 Files (as every op family, see :mod:`unified_models.ops`): ``dispatch.py`` the public ops;
 ``cpu.py`` the batch-invariant CPU path (fixed row tiles, fp64-exact projection via the
-linear's CPU path, stream sums as fixed chains of adds); ``triton.py`` the GPU kernels, NOT
-WRITTEN YET (CUDA tensors raise :class:`NotImplementedError`); ``reference.py`` the
+linear's CPU path, stream sums as fixed chains of adds); ``triton.py`` the GPU kernels (a
+fixed-chunk projection on tensor cores, the coefficients and Sinkhorn per tile of tokens, the
+collapse and the post, same formulas and rounding points); ``reference.py`` the
 formulas in differentiable torch and the fp64 oracle; ``backward.py`` the differentiable
 entry points (recomputation of the formulas).
 """

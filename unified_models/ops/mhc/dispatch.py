@@ -1,6 +1,5 @@
 """mHC's public ops: argument checks, then the CPU path (:mod:`.cpu`); on CUDA (or with
-``UM_OPS_BACKEND=triton``) the Triton kernels of :mod:`.triton`, which are not written yet
-and raise :class:`NotImplementedError` (no silent fallback)."""
+``UM_OPS_BACKEND=triton``) the Triton kernels of :mod:`.triton` (no silent fallback)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ def hc_pre(streams_TND: torch.Tensor, fn_MK: torch.Tensor, base_M: torch.Tensor,
         depends only on ``streams_TND[t]``.
 
     Raises:
-        ValueError: a shape does not match the streams, or ``sinkhorn_iters < 1``.
-        NotImplementedError: CUDA tensors (the Triton kernel is not written).
+        ValueError: a shape does not match the streams, or ``sinkhorn_iters < 1``; on the Triton
+            path (CUDA, or ``UM_OPS_BACKEND=triton``) streams not bf16/fp32 or tensors on different devices.
     """
     t, n, d = _check_streams("hc_pre", streams_TND)
     m = (2 + n) * n
@@ -81,8 +80,7 @@ def hc_post(streams_TND: torch.Tensor, y_TD: torch.Tensor, post_TN: torch.Tensor
         ``[T, n, D]`` in h's dtype; rows independent.
 
     Raises:
-        ValueError: shapes or dtypes do not match.
-        NotImplementedError: CUDA tensors (the Triton kernel is not written).
+        ValueError: shapes or dtypes do not match; on the Triton path as :func:`hc_pre`.
     """
     t, n, d = _check_streams("hc_post", streams_TND)
     _check_shape("hc_post", "y", y_TD, (t, d))
@@ -112,8 +110,7 @@ def hc_head(streams_TND: torch.Tensor, fn_NK: torch.Tensor, base_N: torch.Tensor
         ``[T, D]`` in h's dtype; rows independent.
 
     Raises:
-        ValueError: a shape does not match the streams.
-        NotImplementedError: CUDA tensors (the Triton kernel is not written).
+        ValueError: a shape does not match the streams; on the Triton path as :func:`hc_pre`.
     """
     t, n, d = _check_streams("hc_head", streams_TND)
     _check_shape("hc_head", "hc_fn", fn_NK, (n, n * d))

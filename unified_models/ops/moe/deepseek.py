@@ -32,8 +32,18 @@ slot order (:func:`.dispatch.moe_combine` with unit weights: ``1 * y`` is ``y`` 
 ``shared_t`` the shared expert's fp32 output (:func:`swiglu_shared_expert`: the same kernel,
 one expert, weight 1) added before the single rounding.
 
-GPU: the router runs (GEMM kernel + torch); the experts have no Triton kernel yet and raise
-``NotImplementedError`` (never another rule).
+**MXFP4 experts** (DeepSeek-V4-Flash, :mod:`unified_models.ops.mxfp4`): W4A8. The weight is
+dequantized exactly (``e2m1 * 2^e``); the GEMM's activation (``x`` for ``w1``/``w3``, the rounded
+``h`` for ``w2``) is quantized per token to FP8 with 1x128 ue8m0 tiles and dequantized exactly
+(DeepSeek's ``act_quant`` before its ``fp4_gemm``); then the same exact dot product rounded once
+to fp32. A token's codes depend on its own row only, so its output never depends on the batch.
+
+GPU (CUDA tensors, or ``UM_OPS_BACKEND=triton``): the router GEMM is the Triton linear, steps 2-4
+(and the hash router's gather and weights) one Triton kernel per tile of tokens, the experts the
+grouped gate+up / down GEMMs, and the combine the Triton combine (:mod:`.deepseek_triton`: same
+formulas and rounding points, GPU arithmetic; tolerances in ``tests/ops/test_deepseek_moe.py``).
+MXFP4 (W4A8) experts have no Triton kernel yet and raise ``NotImplementedError`` there (never
+another rule).
 """
 
 from __future__ import annotations
@@ -41,8 +51,8 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
-from .common import NORM_EPS, ExpertWeight, check_expert_args, stack_expert
-from .deepseek_cpu import SCORE_COLS, sqrtsoftplus_torch, swiglu_expert_outputs_torch
+from .common import NORM_EPS, ExpertWeight, check_expert_args, is_w4a8, resolve_expert, stack_expert
+from .deepseek_cpu import ACT_TILE, SCORE_COLS, sqrtsoftplus_torch, swiglu_expert_outputs_torch
 from .dispatch import moe_combine, router_logits, topk_total_order
 
 __all__ = ["sqrtsoftplus_scores", "topk_slot_weights", "sqrtsoftplus_select", "sqrtsoftplus_route", "hash_select",
@@ -91,6 +101,11 @@ def sqrtsoftplus_select(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, *,
         raise ValueError(f"sqrtsoftplus_select: top_k = {top_k} must be in [1, {E}] (n_routed_experts)")
     if bias_E is not None and tuple(bias_E.shape) != (E,):
         raise ValueError(f"sqrtsoftplus_select: bias must be [{E}], got {tuple(bias_E.shape)}")
+    if use_triton(logits_TE):
+        from .deepseek_triton import sqrtsoftplus_select_triton
+
+        return sqrtsoftplus_select_triton(logits_TE.float(), bias_E, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                          routed_scaling_factor=routed_scaling_factor)
     scores = sqrtsoftplus_scores(logits_TE)
     choice = scores + bias_E.float() if bias_E is not None else scores
     ids = topk_total_order(choice, top_k)
@@ -152,6 +167,11 @@ def hash_select(logits_TE: torch.Tensor, tid2eid_VK: torch.Tensor, input_ids_T: 
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"hash_select: tid2eid entries must be expert ids in [0, {E}), got [{lo}, {hi}]")
+    if use_triton(logits_TE):
+        from .deepseek_triton import hash_select_triton
+
+        return hash_select_triton(logits_TE.float(), tid2eid_VK, input_ids_T, norm_topk_prob=norm_topk_prob,
+                                  routed_scaling_factor=routed_scaling_factor)
     w = topk_slot_weights(sqrtsoftplus_scores(logits_TE), ids, norm_topk_prob=norm_topk_prob,
                           routed_scaling_factor=routed_scaling_factor)
     return w, ids
@@ -181,13 +201,18 @@ def swiglu_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_we
 
     Args:
         gate, up: ``[E, I, D]`` (``experts.{e}.w1`` / ``w3`` stacked); down: ``[E, D, I]`` (``w2``);
-            same dtype as ``x_TD``.
+            tensors in ``x_TD``'s dtype, or MXFP4 (``ops.mxfp4.MXFP4Weight`` codes, or an
+            ``MXFP4Master`` quantized here): W4A8, the activation of each MXFP4 GEMM quantized per
+            token to FP8 1x128 tiles (:func:`.deepseek_cpu.fp8_activation_f64`).
         swiglu_limit: ``L`` > 0.
 
     Raises:
-        ValueError: shapes/dtypes/ids as :func:`.common.check_expert_args`, weights not ``[T, K]``.
-        NotImplementedError: on CUDA (or ``UM_OPS_BACKEND=triton``): no Triton kernel yet.
+        ValueError: shapes/dtypes/ids as :func:`.common.check_expert_args`, weights not ``[T, K]``, an
+            MXFP4 GEMM whose K is not a multiple of 128; on the Triton path (CUDA, or
+            ``UM_OPS_BACKEND=triton``) x not bf16/fp32 or tensors on different devices.
+        NotImplementedError: MXFP4 weights on the Triton path (no W4A8 kernel yet).
     """
+    gate, up, down = (resolve_expert(w) for w in (gate, up, down))  # MXFP4 masters -> codes (no gradient)
     E, I, D = check_expert_args(x_TD, topk_ids_TK, up, down)
     if tuple(gate.shape) != (E, I, D) or (isinstance(gate, torch.Tensor) and gate.dtype != x_TD.dtype):
         raise ValueError(f"swiglu_expert_outputs: gate {list(gate.shape)} must match up [E, I, D] = {[E, I, D]} "
@@ -197,9 +222,18 @@ def swiglu_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_we
                          f"{tuple(topk_ids_TK.shape)}")
     if not swiglu_limit > 0:
         raise ValueError(f"swiglu_expert_outputs: swiglu_limit = {swiglu_limit} must be > 0")
+    for name, w, k in (("w1", gate, D), ("w3", up, D), ("w2", down, I)):
+        if is_w4a8(w) and k % ACT_TILE:
+            raise ValueError(f"swiglu_expert_outputs: MXFP4 {name} computes W4A8 with 1x{ACT_TILE} FP8 activation "
+                             f"tiles; its K = {k} is not a multiple of {ACT_TILE}")
     if use_triton(x_TD):
-        raise NotImplementedError("swiglu_expert_outputs: the Triton kernel of DeepSeek-V4's clamped-SwiGLU "
-                                  "experts (ops/moe/deepseek.py) is not written yet; only the CPU path exists")
+        if any(is_w4a8(w) for w in (gate, up, down)):
+            raise NotImplementedError("swiglu_expert_outputs: the Triton kernel of DeepSeek-V4's clamped-SwiGLU "
+                                      "experts has no MXFP4 W4A8 tile decode (e2m1 nibbles x e8m0 scales per 32, "
+                                      "FP8 1x128 activation tiles) yet; MXFP4 experts run only on the CPU path")
+        from .deepseek_triton import swiglu_expert_outputs_triton
+
+        return swiglu_expert_outputs_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, float(swiglu_limit))
     return swiglu_expert_outputs_torch(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, float(swiglu_limit))
 
 

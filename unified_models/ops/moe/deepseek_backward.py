@@ -8,7 +8,13 @@
   ``y = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)`` recomputed in fp32 (fp64 for fp64
   inputs) under autograd, gradients to ``x``, the routing weights, ``shared`` (identity) and
   the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
-  the clamps pass no gradient where they clip (torch's ``clamp`` rule).
+  the clamps pass no gradient where they clip (torch's ``clamp`` rule);
+* **MXFP4 experts** (W4A8): ``ops.mxfp4.MXFP4Master`` stacks are quantized by ``mxfp4_quantize`` on
+  every forward and the recomputation uses the dequantized weights, handing ``dL/dW_q`` to the
+  masters unchanged (straight-through estimator); the per-token FP8 activation quantization of
+  each MXFP4 GEMM is recomputed with a straight-through gradient (``a + (qdq(a) - a).detach()``),
+  so the weight gradients see the quantized activations, as the forward did. Stored
+  ``MXFP4Weight`` codes take no gradient.
 
 Every backward checks the weight-version stamps (:mod:`unified_models.ops.grad.weights`).
 Backwards are correct, not batch-invariant.
@@ -23,7 +29,9 @@ from ..grad.helpers import acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
 from .backward import RouteFn
-from .common import ExpertWeight, expert_rows, stack_expert
+from ..mxfp4 import MXFP4Master, mxfp4_quantize
+from .common import ExpertWeight, expert_rows, expert_weight, is_w4a8, stack_expert
+from .deepseek_cpu import fp8_activation_f64
 from .deepseek_reference import swiglu
 
 
@@ -31,20 +39,29 @@ def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(F.softplus(logits))
 
 
+def _ste_fp8_activation(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a`` (rounded to the forward's ``dtype``) through the W4A8 activation rule, straight-through."""
+    return a + (fp8_activation_f64(a.detach().to(dtype)).to(a.dtype) - a).detach()
+
+
 class SwigluExpertsFn(torch.autograd.Function):
     """``out = round(sum_k experts(x, w) + shared)``; ``gate``/``up``/``down`` are ``[E, N, K]`` (or one
-    expert's ``[N, K]``) master tensors."""
+    expert's ``[N, K]``) master tensors (quantized to MXFP4 on every call where ``mxfp4`` says so) or
+    stored ``MXFP4Weight`` codes (no gradient)."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype):
-        ctx.flat = tuple(w.dim() == 2 for w in (gate, up, down))
-        stacks = tuple(stack_expert(w) for w in (gate, up, down))
+    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype, mxfp4):
+        ws = (gate, up, down)
+        ctx.flat = tuple(isinstance(w, torch.Tensor) and w.dim() == 2 for w in ws)
+        ctx.w_dtypes = tuple(w.dtype if isinstance(w, torch.Tensor) else None for w in ws)
+        stacks = tuple(stack_expert(w) for w in ws)
+        stacks = tuple(mxfp4_quantize(s) if q else s for s, q in zip(stacks, mxfp4))
         out = deepseek.swiglu_experts(x_TD, ids_TK, weights_TK, *stacks, shared_TD, swiglu_limit=limit,
                                       out_dtype=out_dtype)
         ctx.save_for_backward(x_TD, weights_TK, ids_TK)
         ctx.stacks, ctx.limit = stacks, limit
         ctx.shared_dtype = shared_TD.dtype if shared_TD is not None else None
-        ctx.stamps = stamp(w1=gate, w3=up, w2=down)
+        ctx.stamps = stamp(**{n: w if isinstance(w, torch.Tensor) else None for n, w in zip(("w1", "w3", "w2"), ws)})
         return out
 
     @staticmethod
@@ -52,6 +69,7 @@ class SwigluExpertsFn(torch.autograd.Function):
         check_stamps("swiglu_experts", ctx.stamps)
         x_in, w_in, ids = ctx.saved_tensors
         nx, nw, ns, ng, nu, nd = ctx.needs_input_grad[:6]
+        qg, qu, qd = (is_w4a8(s) for s in ctx.stacks)
         g = acc(g_TD)
         dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
         g, x, wts = g.to(dt), x_in.to(dt), w_in.to(dt)
@@ -60,17 +78,20 @@ class SwigluExpertsFn(torch.autograd.Function):
         need = (ng, nu, nd)
         dx = torch.zeros_like(x) if nx else None
         dw = torch.zeros_like(wts) if nw else None
-        dstacks = [torch.zeros(s.shape, dtype=s.dtype, device=x.device) if n else None
-                   for s, n in zip(ctx.stacks, need)]
+        dstacks = [torch.zeros(s.shape, dtype=wdt, device=x.device) if n else None
+                   for s, n, wdt in zip(ctx.stacks, need, ctx.w_dtypes)]
         if nx or nw or any(need):
             for e, rows in expert_rows(ids, E):
                 tok, slot = rows // K, rows % K
                 with torch.enable_grad():
                     xe = x[tok].detach().requires_grad_(nx)
                     we = wts[tok, slot].detach().requires_grad_(nw)
-                    mats = [s[e].detach().to(dt).requires_grad_(n) for s, n in zip(ctx.stacks, need)]
-                    h = swiglu(xe @ mats[0].t(), xe @ mats[1].t(), ctx.limit) * we[:, None]
-                    y = h @ mats[2].t()
+                    mats = [expert_weight(s, e, x_in.dtype).detach().to(dt).requires_grad_(n)
+                            for s, n in zip(ctx.stacks, need)]
+                    xq = _ste_fp8_activation(xe, x_in.dtype) if qg or qu else None
+                    h = swiglu((xq if qg else xe) @ mats[0].t(), (xq if qu else xe) @ mats[1].t(),
+                               ctx.limit) * we[:, None]
+                    y = (_ste_fp8_activation(h, x_in.dtype) if qd else h) @ mats[2].t()
                     leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
                     grads = list(torch.autograd.grad(y, leaves, g[tok]))
                 if nx:
@@ -82,7 +103,7 @@ class SwigluExpertsFn(torch.autograd.Function):
                         dstacks[j][e] = grads.pop(0).to(dstacks[j].dtype)
         outs = [(d[0] if flat else d) if d is not None else None for d, flat in zip(dstacks, ctx.flat)]
         return (dx.to(x_in.dtype) if nx else None, dw.to(w_in.dtype) if nw else None,
-                g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None)
+                g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None, None)
 
 
 def sqrtsoftplus_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor | None = None, *,
@@ -111,11 +132,15 @@ def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                    up: ExpertWeight, down: ExpertWeight, shared_TD: torch.Tensor | None = None, *, swiglu_limit: float,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`.deepseek.swiglu_experts` (clamped-SwiGLU experts + ordered fp32 combine), differentiable
-    w.r.t. ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and the ``[E, N, K]`` weight stacks."""
+    w.r.t. ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and the ``[E, N, K]`` weight stacks (tensors,
+    or ``ops.mxfp4.MXFP4Master`` masters: straight-through to their ``weight``; stored
+    ``MXFP4Weight`` codes take no gradient)."""
     out_dtype = out_dtype or x_TD.dtype
-    if needs_grad(x_TD, topk_weights_TK, shared_TD, gate, up, down):
-        return SwigluExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, gate, up, down, topk_ids_TK,
-                                     float(swiglu_limit), out_dtype)
+    masters = tuple(isinstance(w, MXFP4Master) for w in (gate, up, down))
+    raw = tuple(w.weight if m else w for w, m in zip((gate, up, down), masters))
+    if needs_grad(x_TD, topk_weights_TK, shared_TD, *(w for w in raw if isinstance(w, torch.Tensor))):
+        return SwigluExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, *raw, topk_ids_TK,
+                                     float(swiglu_limit), out_dtype, masters)
     return deepseek.swiglu_experts(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, shared_TD,
                                    swiglu_limit=swiglu_limit, out_dtype=out_dtype)
 
@@ -129,5 +154,5 @@ def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch
         ids = torch.zeros(T, 1, dtype=torch.int32, device=x_TD.device)
         ones = torch.ones(T, 1, dtype=torch.float32, device=x_TD.device)
         return SwigluExpertsFn.apply(x_TD, ones, None, gate_ID, up_ID, down_DI, ids, float(swiglu_limit),
-                                     torch.float32)
+                                     torch.float32, (False, False, False))
     return deepseek.swiglu_shared_expert(x_TD, gate_ID, up_ID, down_DI, swiglu_limit=swiglu_limit)

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from .._dispatch import map_row_tiles
+from ..fp8_block.common import BLOCK as ACT_TILE
+from ..fp8_block.common import fp8_block_quantize_activation
 from ..linear import round_f64
-from .common import ExpertWeight, expert_rows, expert_weight
+from .common import ExpertWeight, expert_rows, expert_weight, is_w4a8
 
 SCORE_COLS = 64
 """The router scores run on ``[16, E padded to a multiple of 64]`` tiles: every element goes
@@ -45,27 +47,43 @@ def swiglu_hidden(g_f32: torch.Tensor, u_f32: torch.Tensor, w_f32: torch.Tensor 
     return h.to(dtype)
 
 
+def fp8_activation_f64(a_TK: torch.Tensor) -> torch.Tensor:
+    """The W4A8 activation rule as fp64 values: ``a`` quantized per token to FP8 with 1x128 ue8m0 tiles
+    (``ops.fp8_block.fp8_block_quantize_activation``, DeepSeek ``act_quant``) and dequantized exactly
+    (``e4m3 * 2^j``: 4 significant bits). Row ``t`` depends only on ``a_TK[t]``. ``[T, K]`` -> fp64 ``[T, K]``."""
+    q, s = fp8_block_quantize_activation(a_TK)
+    return q.double() * s.double().repeat_interleave(ACT_TILE, 1)
+
+
 def swiglu_expert_outputs_torch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                                 gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight,
                                 swiglu_limit: float) -> torch.Tensor:
     """CPU: fp32 ``[T*K, D]``, row ``t*K + k`` = ``fp32(round_x(swiglu(x_t) * w_tk) down_e^T)`` for
     ``e = ids[t, k]``; the three GEMMs are exact fp64 dot products of the (bf16) operands rounded once
     to fp32, the epilogue :func:`swiglu_hidden`, over fixed 16-row tiles. Arguments are checked by
-    the dispatcher (:func:`.deepseek.swiglu_expert_outputs`)."""
+    the dispatcher (:func:`.deepseek.swiglu_expert_outputs`).
+
+    MXFP4 weights (W4A8): the GEMM's activation (``x`` for ``w1``/``w3``, the bf16 ``h`` for ``w2``)
+    goes through :func:`fp8_activation_f64` per token first, and the weight is dequantized exactly;
+    each product of an e4m3 and an e2m1 value has at most 6 significant bits, so the fp64 dot product
+    is exact while its terms span fewer than ``53 - 6 - log2(K)`` binary orders, then rounded once
+    to fp32 as before. Other weights: unchanged (no activation quantization)."""
     E = gate.shape[0]
     T, K = topk_ids_TK.shape
     y = torch.zeros(T * K, down.shape[1], dtype=torch.float32, device=x_TD.device)
     if T == 0:
         return y
     w_R = topk_weights_TK.float().reshape(-1, 1)
+    qg, qu, qd = (is_w4a8(w) for w in (gate, up, down))
     for e, rows in expert_rows(topk_ids_TK, E):
         wg, wu, wd = (expert_weight(w, e, x_TD.dtype).double() for w in (gate, up, down))
 
         def tile(a, w, wg=wg, wu=wu, wd=wd):
             a64 = a.double()
-            h = swiglu_hidden(round_f64(a64 @ wg.t(), torch.float32), round_f64(a64 @ wu.t(), torch.float32), w,
-                              swiglu_limit, x_TD.dtype)
-            return round_f64(h.double() @ wd.t(), torch.float32)
+            aq = fp8_activation_f64(a) if qg or qu else None
+            h = swiglu_hidden(round_f64((aq if qg else a64) @ wg.t(), torch.float32),
+                              round_f64((aq if qu else a64) @ wu.t(), torch.float32), w, swiglu_limit, x_TD.dtype)
+            return round_f64((fp8_activation_f64(h) if qd else h.double()) @ wd.t(), torch.float32)
 
         y[rows] = map_row_tiles(tile, x_TD[rows // K], w_R[rows])
     return y
