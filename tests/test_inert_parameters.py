@@ -64,3 +64,12 @@ def test_refusals(specs):
         base.replace(inert_parameters=(("mtp.x", (2, -1), torch.bfloat16),))
     with pytest.raises(SpecError, match="not a shape"):
         base.replace(inert_parameters=(("mtp.x", (2,), "bf16"),))
+
+
+def test_speculative_decoding_is_refused(tmp_path):
+    """MTP weights load as inert parameters; a draft model would sample by a computation the trainer never
+    repeats, so asking the engine for speculative decoding is refused before anything is loaded."""
+    from unified_models.backends.vllm.engine import make_llm
+
+    with pytest.raises(ValueError, match="speculative decoding"):
+        make_llm(tmp_path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})

@@ -164,7 +164,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     Raises:
         CheckpointError / SpecError: bad checkpoint or config (``validate=True``).
         ValueError: a block size that is not a multiple of 16, an engine
-            kwarg that would undo a pin, a ``kv_cache_dtype`` that conflicts
+            kwarg that would undo a pin, a ``speculative_config``, a ``kv_cache_dtype`` that conflicts
             with the spec's (:func:`.settings.kv_cache_dtype_setting`), or
             ``cuda_graphs=True`` where they are not supported.
     """
@@ -177,6 +177,11 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     clash = sorted(pinned_args & set(engine_kwargs))
     if clash:
         raise ValueError(f"make_llm pins {clash}; do not pass them")
+    if engine_kwargs.get("speculative_config"):
+        raise ValueError("make_llm: speculative decoding (speculative_config) is not supported: the trainer "
+                         "recomputes the sampled tokens' logprobs with the main model only, and a draft model "
+                         "(DeepSeek-V4's MTP layer included, whose weights load but are never run) would "
+                         "change which tokens are sampled by a computation the trainer does not repeat")
     model_dir = str(Path(model_dir))
     spec = spec if spec is not None else _spec(model_dir)
     if validate:
