@@ -429,3 +429,32 @@ def test_diff_zero_through_both_engines(toy, chunked):
     assert ro.full_row_keys
     for k in ro.full_row_keys:
         assert torch.equal(ro.full_rows[k].cpu(), rec.full_rows[k].cpu()), k
+
+
+def test_prefix_cache_hits_give_the_trainers_bits(toy):
+    """Prefix caching on (with chunked prefill, as vLLM requires it here): the second request of a
+    prompt whose first 32 tokens (two blocks of 16, several window / CSA / HCA boundaries) are cached
+    reuses the cached window K = V, compressor rows, compressed entries and indexer keys; its first
+    row equals the uncached run's and every sampled token's logprob equals the trainer's recompute
+    (which caches nothing) bitwise. vLLM's hit count is not read here (its stats are off in our engine)."""
+    from unified_models.backends.megatron.trainer import recompute_logprobs
+    from unified_models.backends.vllm.rollout import RolloutEngine
+    from toy_models import toy_prompts
+
+    d, spec, sd = toy
+    base = toy_prompts(1, 40, seed=9)[0]
+    prompts = [base, base[:36] + [11, 12, 13, 14, 15]]
+    new = 10
+    with RolloutEngine(spec, d, device=ENGINE_DEVICE, seed=3, max_model_len=64, max_num_seqs=2, block_size=16,
+                       enable_prefix_caching=True, enable_chunked_prefill=True,
+                       max_num_batched_tokens=16) as engine:
+        first = engine.generate([prompts[0]], max_new_tokens=new, temperature=0.8, full_vocab_rows=-1)
+        second = engine.generate(prompts, max_new_tokens=new, temperature=0.8, full_vocab_rows=-1)
+    k0 = min(k for k in first.full_rows if k[0] == 0)  # the row that samples the first token: the prompt's alone
+    assert k0 in second.full_rows and torch.equal(first.full_rows[k0].cpu(), second.full_rows[k0].cpu())
+    rec = recompute_logprobs(spec, sd, prompts, second.completions, device=ENGINE_DEVICE, temperature=0.8,
+                             full_rows_for=second.full_row_keys)
+    for i, lp in enumerate(second.logprobs):
+        assert torch.equal(torch.tensor(lp, dtype=torch.float32), rec.logprobs[i].float().cpu()), i
+    for k in second.full_row_keys:
+        assert torch.equal(second.full_rows[k].cpu(), rec.full_rows[k].cpu()), k
