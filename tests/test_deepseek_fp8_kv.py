@@ -112,3 +112,33 @@ def test_quantization_rules_and_refusal():
         attention_spec(0, "sliding_attention", head_dim=96, qk_rope_head_dim=16, kv_cache_dtype="fp8_ds_mla")
     with pytest.raises(SpecError, match="kv_cache_dtype"):
         attention_spec(0, "sliding_attention", kv_cache_dtype="fp8")
+
+
+def test_block_fp8_wo_a_runs_dequantized_and_stored_equals_master():
+    """``wo_a`` in block FP8 (the published checkpoints store it so; DeepSeek's reference dequantizes it
+    and runs it in bf16, W8A16): stored codes and their bf16 master give the same bits, and the output
+    differs from the unquantized weight's."""
+    from unified_models.dsl.weights import LinearFormat
+    from unified_models.ops.fp8_block import fp8_block_quantize_weight
+
+    spec = attention_spec(0, "sliding_attention", head_dim=128, qk_rope_head_dim=16, num_heads=2, o_groups=2,
+                          o_lora_rank=8)
+    name = "model.layers.0.attn.wo_a"
+    base = _model_spec([spec])
+    params = _params(spec, seed=6)
+    codes, scale = fp8_block_quantize_weight(params[f"{name}.weight"])
+    stored = {k: v for k, v in params.items() if k != f"{name}.weight"}
+    stored.update({f"{name}.weight": codes, f"{name}.weight_scale_inv": scale})
+    x = torch.randn(12, SIZES["hidden_size"], generator=torch.Generator().manual_seed(7)).bfloat16()
+
+    def run(model, p):
+        store = PrivateStateStore(model, [12], block_size=16)
+        batch = FlatBatch.from_cu_seqlens(torch.zeros(12, dtype=torch.long), torch.tensor([0, 12]))
+        store.bind(batch)
+        return dsa.deepseek_attention_forward(spec, 0, p, x, batch, store, dsa.LayerContext(model=model))
+
+    with torch.no_grad():
+        y_stored = run(base.with_weight_formats({name: LinearFormat("fp8_block")}), stored)
+        y_master = run(base.with_weight_formats({name: LinearFormat("fp8_block").master()}), params)
+        y_plain = run(base, params)
+    assert torch.equal(y_stored, y_master) and not torch.equal(y_stored, y_plain)

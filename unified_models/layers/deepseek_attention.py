@@ -57,15 +57,16 @@ from .common import LayerContext
 from .family import LayerFamily
 from .oracle import linear_oracle, rms_norm_oracle
 from .quantization import QuantizationRules
-from .weight_formats import apply_linear
+from .weight_formats import apply_linear, dequantized_weight
 
 CACHE = "swa"
 """The layer's one cache: the sliding-window K = V pages (vLLM name ``<mixer>.swa``)."""
 
-QUANTIZABLE = ("wq_a", "wq_b", "wkv", "wo_b")
-"""The linears that may carry a weight format (block-FP8 in the published checkpoints;
-``wo_a`` is bf16 there and runs as per-group ``ops.linear`` slices; so are the
-compressors' ``wkv``/``wgate`` and the indexer's ``weights_proj``)."""
+QUANTIZABLE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+"""The linears that may carry a weight format (block-FP8 in the published checkpoints). ``wo_a``
+runs as per-group ``ops.linear`` slices of its dequantized weight (W8A16, as DeepSeek's reference
+runs it: "wo_a is FP8 in checkpoint", dequantized to bf16); the compressors' ``wkv``/``wgate`` and
+the indexer's ``weights_proj`` stay in the model dtype."""
 
 QUANTIZABLE_CSA = ("indexer.wq_b",)
 """CSA only: the indexer's query projection (block-FP8 in the published checkpoints)."""
@@ -225,7 +226,7 @@ def deepseek_attention_forward(spec: DeepseekV4AttentionSpec, layer_index: int, 
     o_THE = rope_tail(o_THE, batch.positions, spec, ctx, inverse=True)
     g, r = spec.o_groups, spec.o_lora_rank
     o_TgI = o_THE.reshape(t, g, h * e // g)
-    wo_a = params[f"{p}.wo_a.weight"]
+    wo_a = dequantized_weight(ctx.model, params, f"{p}.wo_a", dt)
     y_Tgr = torch.cat([ops.linear(o_TgI[:, j].contiguous(), wo_a[j * r:(j + 1) * r]) for j in range(g)], dim=-1)
     return apply_linear(ctx.model, params, f"{p}.wo_b", y_Tgr)
 

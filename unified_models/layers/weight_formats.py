@@ -254,6 +254,26 @@ def apply_linear(model: Any, params: Mapping[str, torch.Tensor], name: str, x_TK
     return rules.linear(x_TK, _fields(params, name, linear_fields(fmt)), fmt, bias_N, out_dtype or x_TK.dtype)
 
 
+def dequantized_weight(model: Any, params: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight of linear ``name`` for a layer that runs it as plain model-dtype GEMMs
+    (W8A16: no activation quantization; DeepSeek-V4's grouped ``wo_a``, which the published
+    reference dequantizes to bf16 and runs so): the weight itself without a format; stored codes
+    dequantized by the format's rule; a master fake-quantized by the same rule, straight-through
+    (:meth:`WeightFormatRules.fake_quantized`). For ``fp8_block`` both are exact in bf16 (e4m3 times
+    a power of two), so stored codes and their master give the same bits.
+
+    Raises:
+        KeyError: a stored field missing from ``params``.
+    """
+    fmt = model.weight_format(name)
+    if fmt is None:
+        return params[f"{name}.weight"]
+    rules = format_rules(fmt)
+    if fmt.stored:
+        return rules.dequantize(_fields(params, name, linear_fields(fmt)), dtype)
+    return rules.fake_quantized(params[f"{name}.weight"])
+
+
 def grouped_weight(model: Any, stacks: Mapping[str, torch.Tensor], linears: list[str]) -> tuple[Any, str | None]:
     """The ``ops.moe_experts`` weight of equally formatted linears (the routed experts of one
     projection) from their ``[E, ...]`` field stacks.
