@@ -238,7 +238,7 @@ def test_cache_declarations():
     rules["model.layers.1.attn.indexer.compressor.ape"](ape)
     assert torch.equal(ape, torch.zeros(4, 64)) and "model.layers.1.attn.compressor.norm.weight" in rules
     assert set(dsa.deepseek_attention_linears(csa)) == {f"model.layers.1.attn.{n}" for n in
-                                                        ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")}
+                                                        ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b")}
 
 
 # ----------------------------------------------------------------------------- the engine forward
