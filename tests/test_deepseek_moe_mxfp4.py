@@ -112,7 +112,7 @@ def toy():
 # ----------------------------------------------------------------------------- format rules
 
 
-def test_format_rules_routed_experts_only(toy):
+def test_format_rules_routed_and_shared_experts(toy):
     stored, _, _, sd = toy
     m = stored.sublayers[1].mixer
     w1 = m.expert_linear(3, "w1")
@@ -124,15 +124,22 @@ def test_format_rules_routed_experts_only(toy):
         not in shapes
     assert sd[f"{w1}.weight"].dtype == torch.uint8 and sd[f"{w1}.weight_scale"].dtype == torch.float8_e8m0fnu
     roles = quantizable_linears(stored)
-    assert set(roles) == {m2.expert_linear(e, p) for m2 in (s.mixer for s in stored.sublayers_of(DeepseekV4MoESpec))
-                          for e in range(8) for p in ("w1", "w3", "w2")} and set(roles.values()) == {"experts"}
+    moes = [s.mixer for s in stored.sublayers_of(DeepseekV4MoESpec)]
+    routed = {m2.expert_linear(e, p) for m2 in moes for e in range(8) for p in ("w1", "w3", "w2")}
+    shared = {m2.shared_linear(p) for m2 in moes for p in ("w1", "w3", "w2")}
+    assert set(roles) == routed | shared
+    assert {roles[n] for n in routed} == {"experts"} and {roles[n] for n in shared} == {"shared_experts"}
     plain = stored.replace(weight_formats=())
+    sh = {m.shared_linear(p): LinearFormat("fp8_block") for p in ("w1", "w3", "w2")}
+    check_weight_formats(plain.with_weight_formats(sh))  # the published checkpoints' block-FP8 shared expert
+    check_weight_formats(plain.with_weight_formats(  # Flash-Base: block-FP8 routed experts
+        {m.expert_linear(e, p): LinearFormat("fp8_block") for e in range(8) for p in ("w1", "w3", "w2")}))
     for bad, msg in (
-            ({m.shared_linear("w1"): LinearFormat("mxfp4")}, "shared_experts.w1: a weight format on the router"),
+            ({m.shared_linear("w1"): LinearFormat("fp8_block")}, r"shared_experts: w1/w3/w2 in formats"),
+            ({m.shared_linear(p): LinearFormat("mxfp4") for p in ("w1", "w3", "w2")},
+             r"shared_experts: weight format 'mxfp4'"),
             ({f"{m.name}.gate": LinearFormat("mxfp4")}, "ffn.gate: a weight format on the router"),
             ({m.expert_linear(0, "w2"): LinearFormat("mxfp4")}, r"ffn: routed experts in formats"),
-            ({m.expert_linear(e, p): LinearFormat("fp8_block") for e in range(8) for p in ("w1", "w3", "w2")},
-             "routed experts in weight format 'fp8_block'"),
             ({m.expert_linear(e, p): LinearFormat("nvfp4") for e in range(8) for p in ("w1", "w3", "w2")},
              "routed experts in weight format 'nvfp4'")):
         with pytest.raises(SpecError, match=msg):

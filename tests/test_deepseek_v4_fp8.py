@@ -124,6 +124,13 @@ def test_declaration_reads_the_published_fp8_linears_and_refuses_what_it_cannot_
     # the published recipe's FP8 KV rule on every attention layer (a bf16 config keeps bf16 vectors)
     attn = [s.mixer for s in spec.sublayers if hasattr(s.mixer, "kv_cache_dtype")]
     assert len(attn) == 4 and {a.kv_cache_dtype for a in attn} == {"fp8_ds_mla"}
+    # without skipping them, the shared and (expert_dtype fp8) routed experts are block FP8 (W8A8)
+    spec = spec_from_hf_config(_config(modules_to_not_convert=[f"layers.{i}.attn.wo_a" for i in range(4)]))
+    fmts = dict(spec.weight_formats)
+    experts = {f"model.layers.{i}.ffn.{n}" for i in range(4)
+               for n in [f"experts.{e}.{j}" for e in range(4) for j in ("w1", "w2", "w3")]
+               + [f"shared_experts.{j}" for j in ("w1", "w2", "w3")]}
+    assert set(fmts) == want | experts and {f.format for f in fmts.values()} == {"fp8_block"}
 
 
 @pytest.mark.parametrize("key,value", [
@@ -136,16 +143,19 @@ def test_quantization_config_refusals_name_the_key(key, value):
         spec_from_hf_config(_config(**{key: value}))
 
 
-def test_a_missing_key_and_fp4_experts_are_refused_by_name():
+def test_a_missing_key_and_expert_dtype_are_refused_by_name_fp4_experts_are_mxfp4():
     with pytest.raises(SpecError, match="scale_fmt"):
         spec_from_hf_config(_config(scale_fmt=None))
-    cfg = _config()
+    cfg = _config(modules_to_not_convert=[f"layers.{i}.attn.wo_a" for i in range(4)])
     cfg.expert_dtype = "fp4"
-    with pytest.raises(SpecError, match="expert_dtype='fp4'"):
-        spec_from_hf_config(cfg)
-    cfg.expert_dtype = None
-    with pytest.raises(SpecError, match="expert_dtype=None"):
-        spec_from_hf_config(cfg)
+    fmts = dict(spec_from_hf_config(cfg).weight_formats)
+    assert fmts["model.layers.2.ffn.experts.3.w2"].format == "mxfp4"
+    assert fmts["model.layers.2.ffn.shared_experts.w2"].format == "fp8_block"
+    assert fmts["model.layers.2.attn.wq_b"].format == "fp8_block"
+    for bad in (None, "int4"):
+        cfg.expert_dtype = bad
+        with pytest.raises(SpecError, match=f"expert_dtype={bad!r}"):
+            spec_from_hf_config(cfg)
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -175,7 +185,9 @@ def test_stored_codes_are_the_cast_of_the_weight_over_the_stored_scale(cache, of
         assert torch.equal(_bits(hf[canon]), _bits(codes)) and hf[h + ".weight_scale_inv"].dtype == torch.float8_e8m0fnu
         assert torch.equal(hf[h + ".weight_scale_inv"].float(), s)
         n_checked += 1
-    assert n_checked == 4 * 4 + 2  # wq_a, wq_b, wkv, wo_b per layer + the two CSA indexers' wq_b
+    # wq_a, wq_b, wkv, wo_b per layer + the two CSA indexers' wq_b + per layer 4 routed experts' and the
+    # shared expert's w1, w2, w3 (expert_dtype fp8, as DeepSeek-V4-Flash-Base)
+    assert n_checked == 4 * 4 + 2 + 4 * (4 + 1) * 3
     # every other tensor is the bf16 source's, bit for bit (in its declared stored dtype: the loader
     # widens the mHC / sink / bias tensors transformers saved in bf16 to fp32, exactly)
     q = {layout._canonical_name(n) for n in off if n.endswith(".weight") and n[:-7] + ".scale" in off}
@@ -278,7 +290,7 @@ def test_check_on_the_quantized_tiny_preset_is_diff_zero(cache, tmp_path, monkey
     root, _, quantized = cache
     monkeypatch.setenv("UNIFIED_MODELS_CACHE", str(root))
     _, spec, _ = spec_and_state_dict(quantized)
-    assert spec.stores_quantized_weights and len(spec.weight_formats) == 18
+    assert spec.stores_quantized_weights and len(spec.weight_formats) == 18 + 4 * (4 + 1) * 3  # + the experts
     assert spec.extra["pattern"] == "S#CHC"
     assert {s.mixer.kv_cache_dtype for s in spec.sublayers if hasattr(s.mixer, "kv_cache_dtype")} == {"fp8_ds_mla"}
     out = tmp_path / "report.json"

@@ -444,20 +444,24 @@ def test_ste_gradient_matches_fp64(gen):
         assert b.abs().max() > 0
 
 
-def test_cuda_path_and_relu2_experts_refuse_mxfp4(gen, monkeypatch):
+def test_triton_path_runs_w4a8_and_relu2_experts_refuse_mxfp4(gen, monkeypatch):
     qs = [mxfp4_quantize(m) for m in _experts(gen)]
-    x = torch.randn(2, D, generator=gen).bfloat16()
-    ids = torch.zeros(2, 1, dtype=torch.int32)
+    x = torch.randn(3, D, generator=gen).bfloat16()
+    ids = torch.tensor([[0], [2], [1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="relu2 experts take model-dtype or NVFP4"):
-        moe_experts(x, ids, torch.ones(2, 1), qs[1], qs[2])
+        moe_experts(x, ids, torch.ones(3, 1), qs[1], qs[2])
+    cpu = swiglu_expert_outputs(x, ids, torch.ones(3, 1), *qs, swiglu_limit=L)
     monkeypatch.setenv("UM_OPS_BACKEND", "triton")
-    with pytest.raises(NotImplementedError, match="no MXFP4 W4A8 tile decode"):
-        swiglu_expert_outputs(x, ids, torch.ones(2, 1), *qs, swiglu_limit=L)
+    tri = swiglu_expert_outputs(x, ids, torch.ones(3, 1), *qs, swiglu_limit=L)
+    one = swiglu_expert_outputs(x[1:2], ids[1:2], torch.ones(1, 1), *qs, swiglu_limit=L)
+    assert torch.equal(one.view(torch.int32), tri[1:2].view(torch.int32))  # row-local
+    assert (tri - cpu).abs().max() <= 2e-2 * cpu.abs().max()  # the same rule, GPU-order accumulation
 
 
 def test_w4a8_needs_k_a_multiple_of_128(gen):
     q = mxfp4_quantize(torch.randn(E, I, 64, generator=gen))
     d = mxfp4_quantize(torch.randn(E, 64, I, generator=gen))
-    with pytest.raises(ValueError, match="MXFP4 w1 computes W4A8 .* K = 64 is not a multiple of 128"):
+    with pytest.raises(ValueError, match="MXFP4Weight w1 computes with 1x128 FP8 activation tiles; its K = 64 is not a "
+                                         "multiple of 128"):
         swiglu_expert_outputs(torch.zeros(1, 64).bfloat16(), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
                               q, q, d, swiglu_limit=L)

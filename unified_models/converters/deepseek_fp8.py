@@ -93,19 +93,33 @@ def _runnable_fp8(spec, candidates) -> set[str]:
     return out
 
 
-def quantize_deepseek_fp8(src_dir: str | os.PathLike):
+EXPERT_DTYPES = ("fp8", "fp4")
+"""``expert_dtype`` an export may write: block-FP8 routed experts (Flash-Base) or MXFP4 ones (Flash)."""
+
+
+def quantize_deepseek_fp8(src_dir: str | os.PathLike, *, expert_dtype: str = "fp8"):
     """The block-FP8 spec, stored tensors (canonical names) and ``config.json`` dict (transformers'
     form) of the bf16 DeepSeek-V4 checkpoint ``src_dir``, as :func:`export_deepseek_fp8` writes them.
+
+    Args:
+        src_dir: a model-dtype DeepSeek-V4 checkpoint.
+        expert_dtype: ``"fp8"`` (routed experts block FP8, as DeepSeek-V4-Flash-Base) or ``"fp4"``
+            (routed experts MXFP4, as DeepSeek-V4-Flash; their K must divide by 128, the W4A8
+            activation tile, else they are refused).
 
     Returns:
         ``(qspec, stored, config_dict)``.
 
     Raises:
         CheckpointError: the source is not a model-dtype DeepSeek-V4 checkpoint.
+        SpecError: an unknown ``expert_dtype``; MXFP4 experts whose K is not a multiple of 128.
     """
     from ..models import spec_from_hf_config
-    from ..models.deepseek_fp8_config import WRITTEN_EXPERT_DTYPE, quantization_config_dict
+    from ..models.deepseek_fp8_config import quantization_config_dict
     from ..models.deepseek_v4 import published_fp8_linears
+
+    if expert_dtype not in EXPERT_DTYPES:
+        raise SpecError(f"block-FP8 export: expert_dtype={expert_dtype!r}; choose from {EXPERT_DTYPES}")
     from ..ops.fp8_block import fp8_block_quantize_weight
     from .deepseek_v4_layout import read_config_dict
     from .hf_safetensors import load_hf_config, spec_and_state_dict
@@ -118,7 +132,9 @@ def quantize_deepseek_fp8(src_dir: str | os.PathLike):
         raise CheckpointError(f"{src}: block-FP8 export is DeepSeek-V4's (model_type deepseek_v4), got {spec.family!r}")
     if spec.stores_quantized_weights or getattr(config, "quantization_config", None):
         raise CheckpointError(f"{src} is already quantized; the block-FP8 export takes a model-dtype checkpoint")
-    candidates = published_fp8_linears(spec)
+    from ..models.deepseek_fp8_config import DeepseekFP8Quantization
+
+    candidates = published_fp8_linears(spec, DeepseekFP8Quantization(expert_dtype=expert_dtype))
     runnable = _runnable_fp8(spec, candidates)
     skip = [n for n in candidates if n not in runnable]
     for name, shape, _ in spec.inert_parameters:
@@ -126,7 +142,7 @@ def quantize_deepseek_fp8(src_dir: str | os.PathLike):
             skip.append(name[: -len(".weight")])
     cfg = read_config_dict(src)
     cfg["quantization_config"] = quantization_config_dict(_compact_skip(skip, spec))
-    cfg["expert_dtype"] = WRITTEN_EXPERT_DTYPE
+    cfg["expert_dtype"] = expert_dtype
     with tempfile.TemporaryDirectory(prefix="um-fp8-cfg-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         qspec = spec_from_hf_config(load_hf_config(tmp), dtype=spec.dtype)
@@ -137,6 +153,12 @@ def quantize_deepseek_fp8(src_dir: str | os.PathLike):
             q, s = fp8_block_quantize_weight(masters[name])
             stored[name] = q
             stored[name[: -len(".weight")] + ".weight_scale_inv"] = s
+        elif dtype == torch.uint8:  # an MXFP4 routed expert of an MTP block (expert_dtype fp4)
+            from ..ops.mxfp4 import mxfp4_quantize
+
+            q = mxfp4_quantize(masters[name])
+            stored[name] = q.weight
+            stored[name[: -len(".weight")] + ".weight_scale"] = q.weight_scale
     missing = [n for n in qspec.parameter_shapes() if n not in stored]
     if missing:  # pragma: no cover - every stored tensor derives from a master
         raise CheckpointError(f"block-FP8 export: no tensor for {missing[:5]}")
@@ -149,7 +171,7 @@ def quantize_deepseek_fp8(src_dir: str | os.PathLike):
 
 
 def export_deepseek_fp8(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, layout: str = "official",
-                        overwrite: bool = False) -> Path:
+                        expert_dtype: str = "fp8", overwrite: bool = False) -> Path:
     """Write the bf16 DeepSeek-V4 checkpoint ``src_dir`` as a block-FP8 checkpoint in ``out_dir``.
 
     Args:
@@ -158,6 +180,7 @@ def export_deepseek_fp8(src_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             files copied).
         layout: ``"official"`` (DeepSeek's published names, float32 ``.scale``) or ``"hf"``
             (transformers' names, float8_e8m0fnu ``.weight_scale_inv``).
+        expert_dtype: the routed experts' format, ``"fp8"`` or ``"fp4"`` (:func:`quantize_deepseek_fp8`).
         overwrite: replace an existing ``out_dir``.
 
     Returns:
@@ -178,7 +201,7 @@ def export_deepseek_fp8(src_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     src, dst = Path(src_dir), Path(out_dir)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass overwrite=True (CLI --overwrite) to replace it")
-    _, stored, cfg = quantize_deepseek_fp8(src)
+    _, stored, cfg = quantize_deepseek_fp8(src, expert_dtype=expert_dtype)
     with atomic_output_dir(dst, overwrite) as tmp:
         with tempfile.TemporaryDirectory(prefix="um-fp8-") as scratch:
             hf_dir = Path(scratch) if layout == "official" else tmp

@@ -20,6 +20,8 @@ MTP blocks                        (none: transformers drops them)     ``mtp.{k}.
 block-FP8 scale of a linear       ``<linear>.weight_scale_inv``       ``<linear>.scale``, float32
                                   float8_e8m0fnu                      (``expert_dtype: fp8``, as
                                                                       Flash-Base) or float8_e8m0fnu
+MXFP4 routed expert (``fp4``)     ``<e>.weight`` uint8 ``[N, K/2]``,  ``<e>.weight`` int8 (the same bytes),
+                                  ``<e>.weight_scale`` float8_e8m0fnu ``<e>.scale`` float8_e8m0fnu ``[N, K/32]``
 config: attention schedule        ``layer_types`` + ``compress_rates`` ``compress_ratios`` (one int per
                                                                       layer, then one per MTP block)
 config: hash layers               ``mlp_layer_types``                 ``num_hash_layers`` (the first n),
@@ -243,6 +245,22 @@ def _canonical_name(name: str) -> str:
     return name
 
 
+_EXPERT_LINEAR = re.compile(r"\.experts\.\d+\.w[123]$")
+"""A routed expert's linear (the only linears DeepSeek-V4-Flash stores in MXFP4)."""
+_PACKED_FP4 = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+"""Containers of packed e2m1 pairs (one byte = two codes): a routed expert whose weight has one is MXFP4."""
+PUBLISHED_FP4_WEIGHT = torch.int8
+"""The container the published layout writes MXFP4 codes in (canonical: uint8, the same bytes)."""
+MXFP4_SCALE = ".weight_scale"
+"""An MXFP4 expert's scale suffix in the canonical layout (``weight_scale``; published ``.scale``)."""
+
+
+def _is_mxfp4_expert(base: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """``base`` (a linear's name without suffix) is a routed expert stored as packed e2m1 codes."""
+    w = tensors.get(base + ".weight")
+    return bool(_EXPERT_LINEAR.search(base)) and w is not None and w.dtype in _PACKED_FP4
+
+
 PUBLISHED_SCALE = ".scale"
 """Suffix of a block-FP8 linear's scale in DeepSeek's published files (``<linear>.scale``)."""
 CANONICAL_SCALE = ".weight_scale_inv"
@@ -275,8 +293,9 @@ def _e8m0_from_float32(name: str, t: torch.Tensor) -> torch.Tensor:
 def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Published-layout tensors -> canonical names (the int32 ``tid2eid`` widened to int64; a block-FP8
     ``<linear>.scale`` renamed ``<linear>.weight_scale_inv`` and, from a float32 container, cast to
-    float8_e8m0fnu exactly; every other tensor the same object, bits untouched; ``mtp.*`` keep their
-    names, their scales renamed the same way).
+    float8_e8m0fnu exactly; an MXFP4 routed expert's (packed int8 / uint8 / float4_e2m1fn_x2 codes)
+    ``.scale`` renamed ``.weight_scale`` and its codes viewed as uint8; every other tensor the same
+    object, bits untouched; ``mtp.*`` keep their names, their scales renamed the same way).
 
     Raises:
         CheckpointError: two tensors that map to one name, or a ``.scale`` that is not a power-of-two
@@ -285,8 +304,9 @@ def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(PUBLISHED_SCALE):
-            base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
-            new = base + CANONICAL_SCALE
+            src_base = name[: -len(PUBLISHED_SCALE)]
+            base = _canonical_name(src_base + ".weight")[: -len(".weight")]
+            new = base + (MXFP4_SCALE if _is_mxfp4_expert(src_base, tensors) else CANONICAL_SCALE)
             if new in out:
                 raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
             out[new] = _e8m0_from_float32(name, t)
@@ -296,6 +316,8 @@ def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
             raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
         if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int32:
             t = t.to(torch.int64)
+        if name.endswith(".weight") and t.dtype in _PACKED_FP4 and _EXPERT_LINEAR.search(name[: -len(".weight")]):
+            t = t.view(torch.uint8)
         out[new] = t
     return out
 
@@ -304,7 +326,8 @@ def canonical_to_official(tensors: Mapping[str, torch.Tensor], *,
                           scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Canonical tensors -> the published layout (``tid2eid`` narrowed to int32, exactly; a block-FP8
     ``<linear>.weight_scale_inv`` renamed ``<linear>.scale`` in ``scale_dtype``: float32 (exact,
-    what vLLM reads for ``expert_dtype: fp8``) or float8_e8m0fnu (as it is)).
+    what vLLM reads for ``expert_dtype: fp8``) or float8_e8m0fnu (as it is); an MXFP4 routed expert's
+    ``weight_scale`` renamed ``.scale`` (e8m0 as it is) and its uint8 codes viewed as int8).
 
     Raises:
         CheckpointError: a hash table with ids outside int32.
@@ -318,7 +341,13 @@ def canonical_to_official(tensors: Mapping[str, torch.Tensor], *,
             base = _official_name(name[: -len(CANONICAL_SCALE)] + ".weight")[: -len(".weight")]
             out[base + PUBLISHED_SCALE] = t.to(scale_dtype) if t.dtype != scale_dtype else t
             continue
+        if name.endswith(MXFP4_SCALE) and _is_mxfp4_expert(name[: -len(MXFP4_SCALE)], tensors):
+            base = _official_name(name[: -len(MXFP4_SCALE)] + ".weight")[: -len(".weight")]
+            out[base + PUBLISHED_SCALE] = t  # float8_e8m0fnu as it is (vLLM reads e8m0 for fp4 experts)
+            continue
         new = _official_name(name)
+        if name.endswith(".weight") and t.dtype == torch.uint8 and _EXPERT_LINEAR.search(name[: -len(".weight")]):
+            t = t.view(PUBLISHED_FP4_WEIGHT)
         if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int64:
             if t.numel() and (int(t.min()) < -2**31 or int(t.max()) >= 2**31):
                 raise CheckpointError(f"{name}: expert ids outside int32 cannot be written in the published layout")

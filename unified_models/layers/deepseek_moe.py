@@ -13,14 +13,16 @@ when they are evenly spaced views of one buffer, which :func:`stacked_parameters
 else ``torch.stack`` with the weight-version guard).
 
 Weight formats (:data:`QUANTIZATION`): the routed experts' ``w1``/``w3``/``w2`` may be MXFP4
-(DeepSeek-V4-Flash ``expert_dtype: fp4``; :mod:`unified_models.ops.mxfp4`), every routed expert
-linear of a layer alike; the router and the shared expert stay model-dtype, and any other format
-(e.g. block-FP8 experts, ``expert_dtype: fp8``) is refused naming the layer, as it has no grouped
-SwiGLU kernel. :func:`.weight_formats.grouped_weight` turns the field stacks into the op's weight:
-an ``ops.mxfp4.MXFP4Weight`` of stored codes, or an ``MXFP4Master`` of masters that the op
-quantizes on every forward (straight-through gradient). Both compute W4A8 (per-token FP8 1x128
-activation tiles). The oracle sees the masters fake-quantized (the reference model's view) but
-does not model the FP8 activation rounding (as the Mamba FP8 projections' oracle).
+(DeepSeek-V4-Flash ``expert_dtype: fp4``; :mod:`unified_models.ops.mxfp4`) or block FP8
+(Flash-Base ``expert_dtype: fp8``; :mod:`unified_models.ops.fp8_block.experts`), every routed
+expert linear of a layer alike; the shared expert's three linears may be block FP8 (every published
+block-FP8 checkpoint stores them so), all three alike; the router stays model-dtype.
+:func:`.weight_formats.grouped_weight` turns the field stacks into the op's weight (stored codes,
+or masters that the op quantizes on every forward, straight-through gradient); the shared expert
+is the same kernel with one expert (:func:`.weight_formats.expert_linear_weight`). MXFP4 computes
+W4A8, block FP8 W8A8 (per-token FP8 1x128 activation tiles in both). The oracle sees the masters
+fake-quantized (the reference model's view) but does not model the FP8 activation rounding (as the
+Mamba FP8 projections' oracle).
 
 Shapes: T tokens, D hidden, E experts, K top-k, I expert width.
 """
@@ -41,10 +43,12 @@ from .common import LayerContext
 from .family import LayerFamily
 from .moe import _as_stack, expert_stack_key, expert_weights
 from .quantization import QuantizationRules
-from .weight_formats import grouped_weight, linear_fields
+from .weight_formats import expert_linear_weight, grouped_weight, linear_fields
 
-EXPERT_FORMATS = ("mxfp4",)
+EXPERT_FORMATS = ("mxfp4", "fp8_block")
 """Weight formats the routed experts may carry (those with a grouped SwiGLU kernel)."""
+SHARED_FORMATS = ("fp8_block",)
+"""Weight formats the shared expert may carry (DeepSeek's published block-FP8 checkpoints)."""
 
 
 def _route(spec: DeepseekV4MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
@@ -73,8 +77,8 @@ def deepseek_moe_forward(spec: DeepseekV4MoESpec, layer_index: int, params: Mapp
         if kind is not None and kind not in EXPERT_FORMATS:  # pragma: no cover - refused by check_weight_formats
             raise SpecError(f"{spec.name}.experts.*.{proj}: weight format {kind!r} has no SwiGLU expert kernel")
         stacks.append(weight)
-    shared_TD = ops.swiglu_shared_expert(x_TD, *(params[f"{spec.shared_linear(j)}.weight"] for j in EXPERT_PROJS),
-                                         swiglu_limit=spec.swiglu_limit)
+    shared = [expert_linear_weight(ctx.model, params, spec.shared_linear(j))[0] for j in EXPERT_PROJS]
+    shared_TD = ops.swiglu_shared_expert(x_TD, *shared, swiglu_limit=spec.swiglu_limit)
     run = getattr(ctx.dispatcher, "swiglu_experts", None)
     if run is None:
         raise ParallelismError(f"{spec.name}: the expert dispatcher {type(ctx.dispatcher).__name__} has no "
@@ -137,23 +141,25 @@ def deepseek_moe_stacked_parameters(m: DeepseekV4MoESpec) -> tuple[tuple[str, ..
     return tuple(tuple(m.expert_linear(e, proj) for e in range(m.n_routed_experts)) for proj in EXPERT_PROJS)
 
 
-# ----------------------------------------------------------------------------- quantization (MXFP4 experts)
+# ----------------------------------------------------------------------------- quantization (FP8 / MXFP4 experts)
 
 def deepseek_moe_linears(m: DeepseekV4MoESpec) -> dict[str, str]:
-    """Every routed expert's ``w1`` / ``w3`` / ``w2``: export role ``"experts"`` (the router and the
-    shared expert are never quantized)."""
-    return {m.expert_linear(e, proj): "experts" for e in range(m.n_routed_experts) for proj in EXPERT_PROJS}
+    """Every routed expert's ``w1`` / ``w3`` / ``w2`` (export role ``"experts"``) and the shared expert's
+    (role ``"shared_experts"``); the router is never quantized."""
+    out = {m.expert_linear(e, proj): "experts" for e in range(m.n_routed_experts) for proj in EXPERT_PROJS}
+    out.update({m.shared_linear(j): "shared_experts" for j in EXPERT_PROJS})
+    return out
 
 
 def deepseek_moe_check_formats(m: DeepseekV4MoESpec, weight_format) -> None:
-    """Every routed expert linear of the layer in one format of :data:`EXPERT_FORMATS` (MXFP4), or none;
-    the router and the shared expert model-dtype.
+    """Every routed expert linear of the layer in one format of :data:`EXPERT_FORMATS` (or none), the shared
+    expert's three linears in one format of :data:`SHARED_FORMATS` (or none), the router model-dtype.
 
     Raises:
         SpecError: experts in different formats, a format without a grouped SwiGLU kernel, or a
             format on the router / shared expert (each names the layer or the linear).
     """
-    fmts = {weight_format(n) for n in deepseek_moe_linears(m)}
+    fmts = {weight_format(m.expert_linear(e, proj)) for e in range(m.n_routed_experts) for proj in EXPERT_PROJS}
     if len(fmts) != 1:
         raise SpecError(f"{m.name}: routed experts in formats {sorted(str(f) for f in fmts)}; every routed expert "
                         "linear (w1, w3, w2) of a layer must have the same format (or none)")
@@ -161,11 +167,17 @@ def deepseek_moe_check_formats(m: DeepseekV4MoESpec, weight_format) -> None:
     if fmt is not None and fmt.format not in EXPERT_FORMATS:
         raise SpecError(f"{m.name}: routed experts in weight format {fmt.format!r}; DeepSeek-V4's SwiGLU experts "
                         f"kernels take model-dtype or {', '.join(map(repr, EXPERT_FORMATS))} weights")
-    shared = [m.shared_linear(j) for j in EXPERT_PROJS]
-    for n in (f"{m.name}.gate", *shared):
-        if weight_format(n) is not None:
-            raise SpecError(f"{n}: a weight format on the router or the shared expert is not supported "
-                            "(only the routed experts may be MXFP4)")
+    if weight_format(f"{m.name}.gate") is not None:
+        raise SpecError(f"{m.name}.gate: a weight format on the router is not supported (its GEMM is the fp32 router)")
+    shared = {j: weight_format(m.shared_linear(j)) for j in EXPERT_PROJS}
+    if len(set(shared.values())) != 1:
+        raise SpecError(f"{m.name}.shared_experts: w1/w3/w2 in formats "
+                        f"{ {j: (f.format if f else None) for j, f in shared.items()} }; the three must have the same "
+                        "format (or none)")
+    sfmt = shared["w1"]
+    if sfmt is not None and sfmt.format not in SHARED_FORMATS:
+        raise SpecError(f"{m.name}.shared_experts: weight format {sfmt.format!r}; the shared expert takes "
+                        f"model-dtype or {', '.join(map(repr, SHARED_FORMATS))} weights")
 
 
 QUANTIZATION = QuantizationRules(linears=deepseek_moe_linears, check_formats=deepseek_moe_check_formats)

@@ -145,6 +145,14 @@ def _fp8_block_linear(x_TK, t: Tensors, fmt: LinearFormat, bias_N, out_dtype):
     return fp8_block_linear(x_TK, w, bias_N, out_dtype=out_dtype)
 
 
+def _fp8_block_grouped(stacks: Tensors, fmt: LinearFormat):
+    from ..ops.fp8_block import FP8BlockExperts, FP8BlockMaster
+
+    if not fmt.stored:
+        return FP8BlockMaster(stacks["weight"])  # quantized by the experts op on every call (straight-through)
+    return FP8BlockExperts(stacks["weight"], stacks["weight_scale_inv"])
+
+
 def _fp8_block_quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     from ..ops.fp8_block import fp8_block_quantize_weight
 
@@ -201,7 +209,7 @@ WEIGHT_FORMATS: dict[str, WeightFormatRules] = {
                                quantize=_nvfp4_quantize, dequantize=_nvfp4_dequantize, problems=_nvfp4_problems,
                                modelopt_algo=lambda fmt: "NVFP4" if fmt.input_scale else "W4A16_NVFP4",
                                modelopt_entry={"group_size": 16}),
-    "fp8_block": WeightFormatRules(linear=_fp8_block_linear, grouped=_no_grouped("fp8_block"), grouped_kernel=None,
+    "fp8_block": WeightFormatRules(linear=_fp8_block_linear, grouped=_fp8_block_grouped, grouped_kernel="fp8_block",
                                    quantize=_fp8_block_quantize, dequantize=_fp8_block_dequantize,
                                    problems=_fp8_block_problems, modelopt_algo=None),
     "mxfp4": WeightFormatRules(linear=_no_single_linear("mxfp4"), grouped=_mxfp4_grouped, grouped_kernel="mxfp4",
@@ -296,6 +304,20 @@ def grouped_weight(model: Any, stacks: Mapping[str, torch.Tensor], linears: list
         return stacks["weight"], None
     rules = format_rules(fmt)
     return rules.grouped(stacks, fmt), rules.grouped_kernel
+
+
+def expert_linear_weight(model: Any, params: Mapping[str, torch.Tensor], name: str) -> tuple[Any, str | None]:
+    """One linear ``name`` as an experts-op weight (a layer's shared expert, run by the routed experts'
+    kernel with one expert): :func:`grouped_weight` of its own ``[N, ...]`` fields.
+
+    Returns:
+        ``(weight, kind)`` as :func:`grouped_weight` (a ``[N, K]`` tensor, or the format's expert type).
+
+    Raises:
+        SpecError: the format has no grouped kernel. KeyError: a field missing from ``params``.
+    """
+    fmt = model.weight_format(name)
+    return grouped_weight(model, _fields(params, name, linear_fields(fmt)), [name])
 
 
 def oracle_weight(model: Any, name: str, params: Mapping[str, torch.Tensor]) -> torch.Tensor:

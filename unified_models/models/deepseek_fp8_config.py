@@ -44,7 +44,9 @@ NEUTRAL: dict[str, Any] = {"dequantize": False, "modules_to_convert": None, "moe
 values (``dequantize`` True, ``modules_to_convert`` (FP8 embeddings) or an NVFP4 ``moe_quant_algo``
 would change what the tensors mean)."""
 
-EXPERT_DTYPES = {"fp8": "block-FP8 routed experts, float32 scale containers (DeepSeek-V4-Flash-Base)"}
+EXPERT_DTYPES = {"fp8": "block-FP8 routed experts, float32 scale containers (DeepSeek-V4-Flash-Base)",
+                 "fp4": "MXFP4 routed experts (e2m1 codes, e8m0 scale per 32; W4A8), e8m0 scale containers "
+                        "(DeepSeek-V4-Flash)"}
 """``expert_dtype`` values of a quantized config this declaration reads."""
 
 WRITTEN_EXPERT_DTYPE = "fp8"
@@ -58,7 +60,8 @@ class DeepseekFP8Quantization:
 
     Attributes:
         skip: the skip-list entries (as written; matched by :meth:`skipped`).
-        expert_dtype: the config's ``expert_dtype`` (``"fp8"``).
+        expert_dtype: the config's ``expert_dtype`` (``"fp8"``: block-FP8 routed experts; ``"fp4"``:
+            MXFP4 routed experts).
     """
 
     skip: tuple[str, ...] = ()
@@ -118,8 +121,8 @@ def deepseek_fp8_quantization(config: Any) -> DeepseekFP8Quantization | None:
             ``weight_block_size`` (only ``[128, 128]``), ``activation_scheme`` (only ``dynamic``:
             a static activation scale has no tensor here), a missing one of those, an unknown
             key, ``dequantize`` / ``modules_to_convert`` / ``moe_quant_algo`` set, a skip list that
-            is not a list of strings, or ``expert_dtype`` other than ``fp8`` (``fp4``: MXFP4
-            routed experts are another weight format; missing: vLLM would read MXFP4 experts).
+            is not a list of strings, or ``expert_dtype`` other than ``fp8`` / ``fp4`` (missing: vLLM
+            would read MXFP4 experts, DeepSeek's reference FP8 ones).
     """
     qc = raw_quantization_config(config)
     if qc is None:
@@ -154,10 +157,6 @@ def deepseek_fp8_quantization(config: Any) -> DeepseekFP8Quantization | None:
             raise SpecError(f"DeepseekV4 config: quantization_config {key}={v!r} must be a list of module names")
         skip += list(v)
     ed = getattr(config, "expert_dtype", None)
-    if ed == "fp4":
-        raise SpecError("DeepseekV4 config: expert_dtype='fp4' (MXFP4 routed experts, DeepSeek-V4-Flash) is not "
-                        "read by the block-FP8 declaration; the MXFP4 expert format is separate (expert_dtype "
-                        "'fp8', e.g. DeepSeek-V4-Flash-Base, is)")
     if ed not in EXPERT_DTYPES:
         raise SpecError(f"DeepseekV4 config: expert_dtype={ed!r} with a block-FP8 quantization_config; supported: "
                         f"{sorted(EXPERT_DTYPES)} (a missing expert_dtype is read as 'fp4' by vLLM, as FP8 by "

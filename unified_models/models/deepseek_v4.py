@@ -297,7 +297,7 @@ def _attention_fp8(a: DeepseekV4AttentionSpec) -> tuple[str, ...]:
 
 def _moe_fp8(m: DeepseekV4MoESpec, quant: DeepseekFP8Quantization | None) -> tuple[str, ...]:
     out = tuple(m.shared_linear(j) for j in MOE_FP8)
-    if quant is None or quant.expert_dtype == "fp8":
+    if quant is None or quant.expert_dtype == "fp8":  # fp4: the routed experts are MXFP4 (mxfp4_expert_linears)
         out += tuple(m.expert_linear(e, j) for e in range(m.n_routed_experts) for j in MOE_FP8)
     return out
 
@@ -314,9 +314,20 @@ def published_fp8_linears(spec: ModelSpec, quant: DeepseekFP8Quantization | None
     return tuple(out)
 
 
+def mxfp4_expert_linears(spec: ModelSpec) -> tuple[str, ...]:
+    """Every routed expert linear (``w1``/``w3``/``w2``) of ``spec``'s decoder layers: what DeepSeek-V4-Flash
+    (``expert_dtype: fp4``) stores in MXFP4, in model order."""
+    out: list[str] = []
+    for block in spec.blocks:
+        ffn = block.sublayers[1].mixer
+        out += [ffn.expert_linear(e, j) for e in range(ffn.n_routed_experts) for j in MOE_FP8]
+    return tuple(out)
+
+
 def fp8_weight_formats(spec: ModelSpec, quant: DeepseekFP8Quantization) -> ModelSpec:
     """``spec`` with ``fp8_block`` (stored) on every :func:`published_fp8_linears` entry that
-    ``quant``'s skip list does not name, checked against the families.
+    ``quant``'s skip list does not name and, for ``expert_dtype: fp4``, ``mxfp4`` (stored) on every
+    routed expert linear it does not name, checked against the families.
 
     Raises:
         SpecError: a linear the families cannot run in block-FP8, or whose K is not a multiple of 128
@@ -325,6 +336,8 @@ def fp8_weight_formats(spec: ModelSpec, quant: DeepseekFP8Quantization) -> Model
     from ..layers.quantization import check_weight_formats
 
     formats = {n: LinearFormat(FP8_FORMAT) for n in published_fp8_linears(spec, quant) if not quant.skipped(n)}
+    if quant.expert_dtype == "fp4":
+        formats.update({n: LinearFormat("mxfp4") for n in mxfp4_expert_linears(spec) if not quant.skipped(n)})
     try:
         qspec = spec.with_weight_formats(formats)
         check_weight_formats(qspec)
@@ -348,8 +361,9 @@ def mtp_parameters(config: Any, dtype: torch.dtype, count: int,
     With ``quant`` (a block-FP8 checkpoint), each MTP linear of :data:`MTP_FP8` /
     :data:`ATTN_FP8` / the experts that ``quant`` does not skip is stored as the published FP8
     linear: ``<linear>.weight`` float8_e4m3fn ``[N, K]`` and ``<linear>.weight_scale_inv``
-    float8_e8m0fnu ``[ceil(N/128), ceil(K/128)]`` (DeepSeek's ``Linear``; loaded, validated,
-    converted and saved bit for bit, never computed with).
+    float8_e8m0fnu ``[ceil(N/128), ceil(K/128)]`` (DeepSeek's ``Linear``), except the routed experts
+    of an ``expert_dtype: fp4`` checkpoint: MXFP4, ``weight`` uint8 ``[N, K/2]`` and ``weight_scale``
+    float8_e8m0fnu ``[N, K/32]``; loaded, validated, converted and saved bit for bit, never computed with.
     """
     d, n = _int(config, "hidden_size"), _int(config, "hc_mult")
     m = (2 + n) * n
@@ -360,10 +374,16 @@ def mtp_parameters(config: Any, dtype: torch.dtype, count: int,
         ffn = moe_spec(config, f"{p}.ffn", False)
         fp32 = {**attn.trainable_parameter_dtypes(), **ffn.parameter_dtypes()}
         fp8 = set(_attention_fp8(attn) + _moe_fp8(ffn, quant)) | {f"{p}.{n}" for n in MTP_FP8} if quant else set()
+        fp4 = ({ffn.expert_linear(e, j) for e in range(ffn.n_routed_experts) for j in MOE_FP8}
+               if quant is not None and quant.expert_dtype == "fp4" else set())
 
         def add(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
             linear = name[: -len(".weight")] if name.endswith(".weight") else None
-            if linear in fp8 and len(shape) == 2 and not quant.skipped(linear):
+            if linear in fp4 and len(shape) == 2 and not quant.skipped(linear):
+                n_, k_ = shape
+                out.append((name, (n_, k_ // 2), torch.uint8))
+                out.append((f"{linear}.weight_scale", (n_, k_ // 32), torch.float8_e8m0fnu))
+            elif linear in fp8 and len(shape) == 2 and not quant.skipped(linear):
                 n_, k_ = shape
                 out.append((name, tuple(shape), torch.float8_e4m3fn))
                 out.append((f"{linear}.weight_scale_inv", (-(-n_ // FP8_BLOCK), -(-k_ // FP8_BLOCK)),

@@ -29,16 +29,18 @@ Rules (``../shared/reference/architectures.md`` section 3; DeepSeek-V3.2/V4 ``in
 Files: ``common.py`` (quantizers, :class:`FP8BlockWeight`, validation), ``cpu.py`` (the
 linear on CPU), ``triton.py`` (the GPU kernel; equal to the CPU path under the Triton
 interpreter), ``dispatch.py`` (argument checks, then one of the two), ``reference.py`` (fp64 oracle on dequantized operands), ``backward.py``
-(STE autograd and the differentiable :func:`fp8_block_linear`), ``kv.py`` (DeepSeek-V4's FP8 KV rule,
+(STE autograd and the differentiable :func:`fp8_block_linear`), ``experts.py`` (block-FP8 expert stacks, stored and master, for the W8A8 experts of
+:mod:`unified_models.ops.moe.deepseek`), ``kv.py`` (DeepSeek-V4's FP8 KV rule,
 :func:`ds_kv_fp8_roundtrip`: 64-dim tiles of the no-RoPE dims, the same ue8m0 scale rule).
 """
 
 from .backward import fp8_block_linear
 from .common import (BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_problems, fp8_block_quantize_activation,
                      fp8_block_quantize_weight, ue8m0_scale)
+from .experts import FP8BlockExperts, FP8BlockMaster
 from .kv import KV_TILE, ds_kv_fp8_roundtrip
 from .reference import fp8_block_linear_reference
 
 __all__ = ["BLOCK", "FP8BlockWeight", "fp8_block_linear", "fp8_block_dequantize", "fp8_block_problems",
            "fp8_block_quantize_activation", "fp8_block_quantize_weight", "ue8m0_scale", "fp8_block_linear_reference",
-           "KV_TILE", "ds_kv_fp8_roundtrip"]
+           "KV_TILE", "ds_kv_fp8_roundtrip", "FP8BlockExperts", "FP8BlockMaster"]

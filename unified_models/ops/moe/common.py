@@ -1,4 +1,4 @@
-"""What the MoE implementations share: the expert-weight type (bf16 tensor, NVFP4 or MXFP4),
+"""What the MoE implementations share: the expert-weight type (bf16 tensor, NVFP4, MXFP4 or block FP8),
 shape checks, the per-expert weight as the kernels compute with it, and the
 expert grouping of the assignments (sort by ``(expert, token, slot)``)."""
 
@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8_block.experts import FP8BlockExperts, FP8BlockMaster
 from ..mxfp4 import MXFP4Master, MXFP4Weight, mxfp4_dequantize
 from ..nvfp4 import NVFP4Weight, nvfp4_dequantize
 
 
-ExpertWeight = torch.Tensor | NVFP4Weight | MXFP4Weight | MXFP4Master
-"""``[E, N, K]`` bf16/fp32 tensor, NVFP4 (``NVFP4Weight`` with ``[E, N, K/2]`` codes), or MXFP4
-(``MXFP4Weight`` codes, or an ``MXFP4Master`` quantized by the op: DeepSeek-V4's SwiGLU experts only)."""
+ExpertWeight = torch.Tensor | NVFP4Weight | MXFP4Weight | MXFP4Master | FP8BlockExperts | FP8BlockMaster
+"""``[E, N, K]`` bf16/fp32 tensor, NVFP4 (``NVFP4Weight`` with ``[E, N, K/2]`` codes), MXFP4
+(``MXFP4Weight`` codes, or an ``MXFP4Master`` quantized by the op) or block FP8
+(``ops.fp8_block.FP8BlockExperts`` codes, or an ``FP8BlockMaster`` quantized by the op); the last
+two are DeepSeek-V4's SwiGLU experts only (W4A8 / W8A8: :func:`quantizes_activations`)."""
+
+MASTERS = (MXFP4Master, FP8BlockMaster)
+"""Expert-weight types holding model-dtype masters that the experts op quantizes on every call."""
 
 NORM_EPS = 1e-20
 """Added to the top-k weight sum before the division (transformers ``NemotronHTopkRouter``)."""
@@ -54,26 +60,29 @@ def check_expert_args(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up: ExpertW
 
 def expert_weight(w: ExpertWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert ``e``'s ``[N, K]`` weight as the kernels compute with it (NVFP4 dequantized by ModelOpt's rule,
-    MXFP4 dequantized exactly; an ``MXFP4Master`` must have been quantized first: :func:`resolve_expert`)."""
+    MXFP4 and block FP8 dequantized exactly; a master must have been quantized first: :func:`resolve_expert`)."""
     if isinstance(w, NVFP4Weight):
         return nvfp4_dequantize(w.expert(e), dtype)
     if isinstance(w, MXFP4Weight):
         return mxfp4_dequantize(w.expert(e), dtype)
-    if isinstance(w, MXFP4Master):
-        raise TypeError("expert_weight: an MXFP4Master is quantized by the op first (resolve_expert)")
+    if isinstance(w, FP8BlockExperts):
+        return w.expert(e).dequantize(dtype)
+    if isinstance(w, MASTERS):
+        raise TypeError(f"expert_weight: an {type(w).__name__} is quantized by the op first (resolve_expert)")
     return w[e]
 
 
 def resolve_expert(w: ExpertWeight) -> ExpertWeight:
-    """The weight the kernels take: an ``MXFP4Master`` quantized by ``ops.mxfp4.mxfp4_quantize`` (into an
-    ``MXFP4Weight``), anything else as it is."""
-    return w.quantize() if isinstance(w, MXFP4Master) else w
+    """The weight the kernels take: a master (:data:`MASTERS`) quantized by its format's rule
+    (``MXFP4Master`` -> ``MXFP4Weight``, ``FP8BlockMaster`` -> ``FP8BlockExperts``), anything else as it is."""
+    return w.quantize() if isinstance(w, MASTERS) else w
 
 
-def is_w4a8(w: ExpertWeight) -> bool:
-    """True for MXFP4 expert weights, whose activations the kernels quantize per token to FP8
-    (1x128 ue8m0 tiles, ``ops.fp8_block.fp8_block_quantize_activation``) before the product."""
-    return isinstance(w, (MXFP4Weight, MXFP4Master))
+def quantizes_activations(w: ExpertWeight) -> bool:
+    """True for MXFP4 (W4A8) and block-FP8 (W8A8) expert weights, whose activations the kernels
+    quantize per token to FP8 (1x128 ue8m0 tiles, ``ops.fp8_block.fp8_block_quantize_activation``)
+    before the product."""
+    return isinstance(w, (MXFP4Weight, MXFP4Master, FP8BlockExperts, FP8BlockMaster))
 
 
 def group_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +118,9 @@ def expert_counts(sorted_experts_R: torch.Tensor, num_experts: int) -> torch.Ten
 
 
 def stack_expert(w: ExpertWeight) -> ExpertWeight:
-    """A single ``[N, K]`` weight as a one-expert stack ``[1, N, K]`` (tensor view, NVFP4 or MXFP4)."""
+    """A single ``[N, K]`` weight as a one-expert stack ``[1, N, K]`` (tensor view, NVFP4, MXFP4 or block FP8)."""
+    if isinstance(w, (FP8BlockExperts, FP8BlockMaster)):
+        return w.stacked()
     if isinstance(w, MXFP4Weight):
         return w if w.weight.dim() == 3 else MXFP4Weight(w.weight[None], w.weight_scale[None])
     if isinstance(w, MXFP4Master):

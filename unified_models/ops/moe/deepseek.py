@@ -51,8 +51,9 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
-from .common import NORM_EPS, ExpertWeight, check_expert_args, is_w4a8, resolve_expert, stack_expert
-from .deepseek_cpu import ACT_TILE, SCORE_COLS, sqrtsoftplus_torch, swiglu_expert_outputs_torch
+from .common import (NORM_EPS, ExpertWeight, check_expert_args, expert_weight, quantizes_activations, resolve_expert,
+                     stack_expert)
+from .deepseek_cpu import ACT_TILE, SCORE_COLS, fp8_activation_f64, sqrtsoftplus_torch, swiglu_expert_outputs_torch
 from .dispatch import moe_combine, router_logits, topk_total_order
 
 __all__ = ["sqrtsoftplus_scores", "topk_slot_weights", "sqrtsoftplus_select", "sqrtsoftplus_route", "hash_select",
@@ -223,18 +224,44 @@ def swiglu_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_we
     if not swiglu_limit > 0:
         raise ValueError(f"swiglu_expert_outputs: swiglu_limit = {swiglu_limit} must be > 0")
     for name, w, k in (("w1", gate, D), ("w3", up, D), ("w2", down, I)):
-        if is_w4a8(w) and k % ACT_TILE:
-            raise ValueError(f"swiglu_expert_outputs: MXFP4 {name} computes W4A8 with 1x{ACT_TILE} FP8 activation "
-                             f"tiles; its K = {k} is not a multiple of {ACT_TILE}")
+        if quantizes_activations(w) and k % ACT_TILE:
+            raise ValueError(f"swiglu_expert_outputs: {type(w).__name__} {name} computes with 1x{ACT_TILE} FP8 "
+                             f"activation tiles; its K = {k} is not a multiple of {ACT_TILE}")
     if use_triton(x_TD):
-        if any(is_w4a8(w) for w in (gate, up, down)):
-            raise NotImplementedError("swiglu_expert_outputs: the Triton kernel of DeepSeek-V4's clamped-SwiGLU "
-                                      "experts has no MXFP4 W4A8 tile decode (e2m1 nibbles x e8m0 scales per 32, "
-                                      "FP8 1x128 activation tiles) yet; MXFP4 experts run only on the CPU path")
         from .deepseek_triton import swiglu_expert_outputs_triton
 
+        if any(quantizes_activations(w) for w in (gate, up, down)):
+            return _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, float(swiglu_limit))
         return swiglu_expert_outputs_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, float(swiglu_limit))
     return swiglu_expert_outputs_torch(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, float(swiglu_limit))
+
+
+def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, limit):
+    """GPU W4A8 / W8A8 experts from the model-dtype kernels: every MXFP4 / block-FP8 weight dequantized
+    (exact in bf16), the gate/up activation quantized per token to FP8 1x128 tiles and dequantized
+    into ``x``'s dtype (exact: a 4-bit significand times a power of two), then the same two grouped
+    GEMMs, the down projection's activation (the rounded ``h``) through the same tile rule between
+    them. Row-local, so batch-invariant; it dequantizes the whole stack on every call (correct, not
+    yet fast: an in-kernel tile decode is the fast form)."""
+    from .deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
+
+    dt = x_TD.dtype
+
+    def dense(w):
+        if not quantizes_activations(w):
+            return w
+        return torch.stack([expert_weight(w, e, dt) for e in range(w.shape[0])]) if w.shape[0] else \
+            torch.zeros(w.shape, dtype=dt, device=w.device)
+
+    def qdq(a):
+        return fp8_activation_f64(a).to(dt) if a.shape[0] else a
+
+    g, u, d = (dense(w) for w in (gate, up, down))
+    a = qdq(x_TD) if quantizes_activations(gate) or quantizes_activations(up) else x_TD
+    h, plan = swiglu_hidden_triton(a, topk_ids_TK, topk_weights_TK, g, u, limit)
+    if quantizes_activations(down):
+        h = qdq(h)
+    return swiglu_down_triton(h, plan, d, topk_ids_TK)
 
 
 def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

@@ -9,12 +9,13 @@
   inputs) under autograd, gradients to ``x``, the routing weights, ``shared`` (identity) and
   the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
   the clamps pass no gradient where they clip (torch's ``clamp`` rule);
-* **MXFP4 experts** (W4A8): ``ops.mxfp4.MXFP4Master`` stacks are quantized by ``mxfp4_quantize`` on
-  every forward and the recomputation uses the dequantized weights, handing ``dL/dW_q`` to the
-  masters unchanged (straight-through estimator); the per-token FP8 activation quantization of
-  each MXFP4 GEMM is recomputed with a straight-through gradient (``a + (qdq(a) - a).detach()``),
-  so the weight gradients see the quantized activations, as the forward did. Stored
-  ``MXFP4Weight`` codes take no gradient.
+* **MXFP4 (W4A8) and block-FP8 (W8A8) experts**: ``ops.mxfp4.MXFP4Master`` /
+  ``ops.fp8_block.FP8BlockMaster`` stacks are quantized by their format's rule on every forward and
+  the recomputation uses the dequantized weights, handing ``dL/dW_q`` to the masters unchanged
+  (straight-through estimator); the per-token FP8 activation quantization of each such GEMM is
+  recomputed with a straight-through gradient (``a + (qdq(a) - a).detach()``), so the weight
+  gradients see the quantized activations, as the forward did. Stored codes (``MXFP4Weight``,
+  ``FP8BlockExperts``) take no gradient.
 
 Every backward checks the weight-version stamps (:mod:`unified_models.ops.grad.weights`).
 Backwards are correct, not batch-invariant.
@@ -29,8 +30,7 @@ from ..grad.helpers import acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
 from .backward import RouteFn
-from ..mxfp4 import MXFP4Master, mxfp4_quantize
-from .common import ExpertWeight, expert_rows, expert_weight, is_w4a8, stack_expert
+from .common import MASTERS, ExpertWeight, expert_rows, expert_weight, quantizes_activations, stack_expert
 from .deepseek_cpu import fp8_activation_f64
 from .deepseek_reference import swiglu
 
@@ -46,16 +46,17 @@ def _ste_fp8_activation(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class SwigluExpertsFn(torch.autograd.Function):
     """``out = round(sum_k experts(x, w) + shared)``; ``gate``/``up``/``down`` are ``[E, N, K]`` (or one
-    expert's ``[N, K]``) master tensors (quantized to MXFP4 on every call where ``mxfp4`` says so) or
-    stored ``MXFP4Weight`` codes (no gradient)."""
+    expert's ``[N, K]``) master tensors (wrapped in the master type ``masters`` names, e.g.
+    ``FP8BlockMaster``, and so quantized on every call; None: used as they are) or stored codes
+    (no gradient)."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype, mxfp4):
+    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype, masters):
         ws = (gate, up, down)
         ctx.flat = tuple(isinstance(w, torch.Tensor) and w.dim() == 2 for w in ws)
         ctx.w_dtypes = tuple(w.dtype if isinstance(w, torch.Tensor) else None for w in ws)
-        stacks = tuple(stack_expert(w) for w in ws)
-        stacks = tuple(mxfp4_quantize(s) if q else s for s, q in zip(stacks, mxfp4))
+        stacks = tuple(stack_expert(cls(w)).quantize() if cls is not None else stack_expert(w)
+                       for w, cls in zip(ws, masters))
         out = deepseek.swiglu_experts(x_TD, ids_TK, weights_TK, *stacks, shared_TD, swiglu_limit=limit,
                                       out_dtype=out_dtype)
         ctx.save_for_backward(x_TD, weights_TK, ids_TK)
@@ -69,7 +70,7 @@ class SwigluExpertsFn(torch.autograd.Function):
         check_stamps("swiglu_experts", ctx.stamps)
         x_in, w_in, ids = ctx.saved_tensors
         nx, nw, ns, ng, nu, nd = ctx.needs_input_grad[:6]
-        qg, qu, qd = (is_w4a8(s) for s in ctx.stacks)
+        qg, qu, qd = (quantizes_activations(s) for s in ctx.stacks)
         g = acc(g_TD)
         dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
         g, x, wts = g.to(dt), x_in.to(dt), w_in.to(dt)
@@ -133,11 +134,11 @@ def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`.deepseek.swiglu_experts` (clamped-SwiGLU experts + ordered fp32 combine), differentiable
     w.r.t. ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and the ``[E, N, K]`` weight stacks (tensors,
-    or ``ops.mxfp4.MXFP4Master`` masters: straight-through to their ``weight``; stored
-    ``MXFP4Weight`` codes take no gradient)."""
+    or masters, ``ops.mxfp4.MXFP4Master`` / ``ops.fp8_block.FP8BlockMaster``: straight-through to their
+    ``weight``; stored codes take no gradient)."""
     out_dtype = out_dtype or x_TD.dtype
-    masters = tuple(isinstance(w, MXFP4Master) for w in (gate, up, down))
-    raw = tuple(w.weight if m else w for w, m in zip((gate, up, down), masters))
+    masters = tuple(type(w) if isinstance(w, MASTERS) else None for w in (gate, up, down))
+    raw = tuple(w.weight if m is not None else w for w, m in zip((gate, up, down), masters))
     if needs_grad(x_TD, topk_weights_TK, shared_TD, *(w for w in raw if isinstance(w, torch.Tensor))):
         return SwigluExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, *raw, topk_ids_TK,
                                      float(swiglu_limit), out_dtype, masters)
@@ -145,14 +146,16 @@ def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
                                    swiglu_limit=swiglu_limit, out_dtype=out_dtype)
 
 
-def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: torch.Tensor, up_ID: torch.Tensor, down_DI: torch.Tensor, *,
+def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: ExpertWeight, up_ID: ExpertWeight, down_DI: ExpertWeight, *,
                          swiglu_limit: float) -> torch.Tensor:
     """:func:`.deepseek.swiglu_shared_expert` (fp32 ``[T, D]``), differentiable w.r.t. ``x_TD`` and the
-    three ``[N, K]`` weights."""
-    if needs_grad(x_TD, gate_ID, up_ID, down_DI):
+    three ``[N, K]`` weights (tensors, or block-FP8 / MXFP4 masters: straight-through)."""
+    ws = (gate_ID, up_ID, down_DI)
+    masters = tuple(type(w) if isinstance(w, MASTERS) else None for w in ws)
+    raw = tuple(w.weight if m is not None else w for w, m in zip(ws, masters))
+    if needs_grad(x_TD, *(w for w in raw if isinstance(w, torch.Tensor))):
         T = x_TD.shape[0]
         ids = torch.zeros(T, 1, dtype=torch.int32, device=x_TD.device)
         ones = torch.ones(T, 1, dtype=torch.float32, device=x_TD.device)
-        return SwigluExpertsFn.apply(x_TD, ones, None, gate_ID, up_ID, down_DI, ids, float(swiglu_limit),
-                                     torch.float32, (False, False, False))
+        return SwigluExpertsFn.apply(x_TD, ones, None, *raw, ids, float(swiglu_limit), torch.float32, masters)
     return deepseek.swiglu_shared_expert(x_TD, gate_ID, up_ID, down_DI, swiglu_limit=swiglu_limit)

@@ -15,7 +15,7 @@ from .._dispatch import map_row_tiles
 from ..fp8_block.common import BLOCK as ACT_TILE
 from ..fp8_block.common import fp8_block_quantize_activation
 from ..linear import round_f64
-from .common import ExpertWeight, expert_rows, expert_weight, is_w4a8
+from .common import ExpertWeight, expert_rows, expert_weight, quantizes_activations
 
 SCORE_COLS = 64
 """The router scores run on ``[16, E padded to a multiple of 64]`` tiles: every element goes
@@ -74,7 +74,7 @@ def swiglu_expert_outputs_torch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, t
     if T == 0:
         return y
     w_R = topk_weights_TK.float().reshape(-1, 1)
-    qg, qu, qd = (is_w4a8(w) for w in (gate, up, down))
+    qg, qu, qd = (quantizes_activations(w) for w in (gate, up, down))
     for e, rows in expert_rows(topk_ids_TK, E):
         wg, wu, wd = (expert_weight(w, e, x_TD.dtype).double() for w in (gate, up, down))
 

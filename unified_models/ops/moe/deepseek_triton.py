@@ -339,17 +339,14 @@ def expert_plan(topk_ids_TK: torch.Tensor, num_experts: int):
     return sorted_ids, tile_expert, n_tiles
 
 
-def swiglu_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                                 gate, up, down, swiglu_limit: float) -> torch.Tensor:
-    """fp32 ``[T*K, D]``: row ``t*K + k`` = ``fp32(round_x(swiglu_L(x_t w1_e^T, x_t w3_e^T) * w_tk) w2_e^T)``,
-    ``e = ids[t, k]`` (module doc); batch-invariant per row.
+def swiglu_hidden_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, gate, up,
+                         swiglu_limit: float):
+    """The gate/up half of :func:`swiglu_expert_outputs_triton`: ``h = round_x(swiglu_L(x w1^T, x w3^T) * w)``
+    for every assignment, in the expert-sorted padded row order of :func:`expert_plan`.
 
-    Args:
-        x_TD: ``[T, D]`` bf16 (or fp32) activations.
-        topk_ids_TK: ``[T, K]`` integer expert ids in ``[0, E)`` (range checked by the dispatcher on CPU).
-        topk_weights_TK: ``[T, K]`` routing weights (used in fp32).
-        gate, up: ``[E, I, D]`` in ``x``'s dtype or stacked :class:`NVFP4Weight`; down: ``[E, D, I]``.
-        swiglu_limit: ``L > 0``.
+    Returns:
+        ``(h, plan)``: ``h`` ``[n_tiles * BLOCK_M, I]`` in ``x``'s dtype (padding rows unspecified) and
+        the plan ``(sorted_ids, tile_expert, n_tiles)``; ``h`` None when there is nothing to compute.
 
     Raises:
         ValueError: dtypes, shapes or devices do not match.
@@ -357,21 +354,18 @@ def swiglu_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, 
     if x_TD.dtype not in _DTYPES:
         raise ValueError(f"swiglu_expert_outputs_triton: x must be bf16 or fp32, got {x_TD.dtype}")
     E, I, D = up.shape
-    if tuple(gate.shape) != (E, I, D) or tuple(down.shape) != (E, D, I) or x_TD.shape[1] != D:
+    if tuple(gate.shape) != (E, I, D) or x_TD.shape[1] != D:
         raise ValueError(f"swiglu_expert_outputs_triton: x {tuple(x_TD.shape)}, gate {list(gate.shape)}, up "
-                         f"{list(up.shape)}, down {list(down.shape)} do not match")
-    tensors = [x_TD, topk_ids_TK, topk_weights_TK] + [t for w in (gate, up, down) for t in _nvfp4_tensors(w)]
+                         f"{list(up.shape)} do not match")
+    tensors = [x_TD, topk_ids_TK, topk_weights_TK] + [t for w in (gate, up) for t in _nvfp4_tensors(w)]
     check_device("swiglu_expert_outputs_triton", *tensors)
     T, K = topk_ids_TK.shape
     R = T * K
-    y = torch.empty(R, D, dtype=torch.float32, device=x_TD.device)
-    if R == 0 or D == 0:
-        return y
-    if I == 0:
-        return y.zero_()
+    if R == 0 or D == 0 or I == 0:
+        return None, None
     sorted_ids, tile_expert, n_tiles = expert_plan(topk_ids_TK, E)
     if n_tiles == 0:
-        return y
+        return None, None
     h = torch.empty(n_tiles * BLOCK_M, I, dtype=x_TD.dtype, device=x_TD.device)
     rw = topk_weights_TK.float().contiguous().view(-1)
     g_ptr, gs_ptr, gs2_ptr, g_str, gs_str, g_fp4 = _weight_args(gate, "gate", x_TD.dtype)
@@ -384,5 +378,47 @@ def swiglu_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, 
         TOPK=K, NVFP4_G=g_fp4, NVFP4_U=u_fp4, FP32_DOT=INTERPRET or x_TD.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_N, BLOCK_K=GATE_UP_K,
         num_warps=GATE_UP_WARPS_NVFP4 if g_fp4 or u_fp4 else GATE_UP_WARPS, num_stages=NUM_STAGES)
+    return h, (sorted_ids, tile_expert, n_tiles)
+
+
+def swiglu_down_triton(h, plan, down, topk_ids_TK: torch.Tensor) -> torch.Tensor:
+    """The down half of :func:`swiglu_expert_outputs_triton`: fp32 ``[T*K, D]`` rows ``fp32(h w2_e^T)`` from
+    :func:`swiglu_hidden_triton`'s ``(h, plan)`` (``h`` None: zeros, or empty when there are no rows).
+
+    Raises:
+        ValueError: devices do not match.
+    """
+    T, K = topk_ids_TK.shape
+    R = T * K
+    E, D, I = down.shape
+    y = torch.empty(R, D, dtype=torch.float32, device=topk_ids_TK.device)
+    if h is None:
+        return y.zero_() if R and D else y
+    check_device("swiglu_expert_outputs_triton", h, *_nvfp4_tensors(down))
+    sorted_ids, tile_expert, n_tiles = plan
     _launch(h, down, y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down")
     return y
+
+
+def swiglu_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                                 gate, up, down, swiglu_limit: float) -> torch.Tensor:
+    """fp32 ``[T*K, D]``: row ``t*K + k`` = ``fp32(round_x(swiglu_L(x_t w1_e^T, x_t w3_e^T) * w_tk) w2_e^T)``,
+    ``e = ids[t, k]`` (module doc); batch-invariant per row. :func:`swiglu_hidden_triton` then
+    :func:`swiglu_down_triton`.
+
+    Args:
+        x_TD: ``[T, D]`` bf16 (or fp32) activations.
+        topk_ids_TK: ``[T, K]`` integer expert ids in ``[0, E)`` (range checked by the dispatcher on CPU).
+        topk_weights_TK: ``[T, K]`` routing weights (used in fp32).
+        gate, up: ``[E, I, D]`` in ``x``'s dtype or stacked :class:`NVFP4Weight`; down: ``[E, D, I]``.
+        swiglu_limit: ``L > 0``.
+
+    Raises:
+        ValueError: dtypes, shapes or devices do not match.
+    """
+    E, I, D = up.shape
+    if tuple(down.shape) != (E, D, I):
+        raise ValueError(f"swiglu_expert_outputs_triton: x {tuple(x_TD.shape)}, gate {list(gate.shape)}, up "
+                         f"{list(up.shape)}, down {list(down.shape)} do not match")
+    h, plan = swiglu_hidden_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, swiglu_limit)
+    return swiglu_down_triton(h, plan, down, topk_ids_TK)

@@ -8,7 +8,7 @@ import torch
 
 from .._dispatch import map_row_tiles, use_triton
 from ..linear import linear
-from .common import NORM_EPS, ExpertWeight, check_expert_args, is_w4a8, stack_expert
+from .common import NORM_EPS, ExpertWeight, check_expert_args, quantizes_activations, stack_expert
 from .cpu import moe_combine_torch, moe_expert_outputs_torch
 
 
@@ -139,7 +139,7 @@ def moe_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up: Expert
     """fp32 ``[T*K, D]``: row ``t*K + k`` = expert ``ids[t, k]`` applied to ``x_TD[t]``
     (``fp32(round_x(relu(fp32(x up^T))^2) down^T)``). Raises as :func:`check_expert_args`, and
     ``ValueError`` for MXFP4 weights (W4A8 DeepSeek-V4 SwiGLU experts only: ``swiglu_experts``)."""
-    if is_w4a8(up) or is_w4a8(down):
+    if quantizes_activations(up) or quantizes_activations(down):
         raise ValueError("moe_experts: MXFP4 weights are DeepSeek-V4's W4A8 SwiGLU experts (swiglu_experts); "
                          "the relu2 experts take model-dtype or NVFP4 weights")
     check_expert_args(x_TD, topk_ids_TK, up, down)
