@@ -110,6 +110,12 @@ def test_published_layout_stores_int8_codes_and_e8m0_scales_equal_to_the_mxfp4_r
     assert spec_off == spec_hf and _same(sd_off, sd_hf)
     fmts = dict(spec_hf.weight_formats)
     assert fmts["model.layers.0.ffn.experts.0.w2"].format == "mxfp4"
+    # the tokenizer next to a published config (HCA ratio 16, which transformers' config class cannot
+    # read) loads and gives the transformers-layout directory's ids
+    from unified_models.prompts import tokenize_prompts
+
+    text = ["Natalia sold clips to 48 of her friends in April."]
+    assert tokenize_prompts(text, official, vocab_size=32064) == tokenize_prompts(text, quantized, vocab_size=32064)
     assert fmts["model.layers.0.ffn.shared_experts.w2"].format == "fp8_block"
 
 

@@ -72,6 +72,27 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
     return texts
 
 
+def load_tokenizer(tokenizer_dir: str | os.PathLike):
+    """``AutoTokenizer.from_pretrained(tokenizer_dir)``; when that fails on the directory's model config
+    (a checkpoint's ``config.json`` that transformers' config class cannot read, e.g. DeepSeek's
+    published DeepSeek-V4 layout with an HCA ratio other than 128), loaded again with a blank config,
+    which is enough for a tokenizer whose ``tokenizer_config.json`` names its class.
+
+    Raises:
+        PromptError: neither load works (the first error, named with the directory).
+    """
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError, KeyError, TypeError) as first:
+        try:
+            return AutoTokenizer.from_pretrained(str(tokenizer_dir), config=PretrainedConfig())
+        except (OSError, ValueError, KeyError, TypeError):
+            raise PromptError(f"cannot load a tokenizer from {tokenizer_dir}: {type(first).__name__}: "
+                              f"{first}") from None
+
+
 def tokenize_prompts(texts: list[str], tokenizer_dir: str | os.PathLike, *, vocab_size: int,
                      max_prompt_tokens: int | None = None) -> list[list[int]]:
     """Apply the tokenizer's chat template (if it has one) and encode.
@@ -81,8 +102,6 @@ def tokenize_prompts(texts: list[str], tokenizer_dir: str | os.PathLike, *, voca
             files (:data:`TOKENIZER_FILES`), the tokenizer cannot be loaded, an id is outside the
             model vocabulary, or a prompt is longer than ``max_prompt_tokens``.
     """
-    from transformers import AutoTokenizer
-
     d = Path(tokenizer_dir)
     if not d.exists():
         raise PromptError(f"tokenizer directory {d} does not exist")
@@ -90,10 +109,7 @@ def tokenize_prompts(texts: list[str], tokenizer_dir: str | os.PathLike, *, voca
         raise PromptError(f"tokenizer directory {d} is not a directory")
     if not any((d / f).is_file() for f in TOKENIZER_FILES):
         raise PromptError(f"tokenizer directory {d} holds none of {TOKENIZER_FILES}")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d))
-    except (OSError, ValueError) as e:
-        raise PromptError(f"cannot load a tokenizer from {tokenizer_dir}: {e}") from None
+    tok = load_tokenizer(d)
     out = []
     for i, text in enumerate(texts):
         if tok.chat_template:

@@ -44,6 +44,7 @@ ratio a layer type has two of).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -290,12 +291,49 @@ def _e8m0_from_float32(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float8_e8m0fnu)
 
 
+def official_tensor_to_canonical(name: str, t: torch.Tensor, *, mxfp4_expert: bool = False) -> tuple[str, torch.Tensor]:
+    """One published-layout tensor -> ``(canonical name, tensor)``; a canonical name passes unchanged.
+
+    Args:
+        name, t: the tensor as stored.
+        mxfp4_expert: a ``.scale`` of a routed expert stored in MXFP4 (``expert_dtype: fp4``): renamed
+            ``.weight_scale`` (else a block-FP8 ``.weight_scale_inv``).
+
+    Returns:
+        The canonical name and the tensor: the int32 ``tid2eid`` widened to int64, a float32 scale
+        container cast to float8_e8m0fnu exactly, a routed expert's packed int8 / float4 codes viewed
+        as uint8, anything else the same object.
+
+    Raises:
+        CheckpointError: a ``.scale`` that is not a power-of-two float32 or float8_e8m0fnu tensor.
+    """
+    if name.endswith(PUBLISHED_SCALE):
+        base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
+        return base + (MXFP4_SCALE if mxfp4_expert else CANONICAL_SCALE), _e8m0_from_float32(name, t)
+    new = _canonical_name(name)
+    if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int32:
+        t = t.to(torch.int64)
+    if name.endswith(".weight") and t.dtype in _PACKED_FP4 and _EXPERT_LINEAR.search(name[: -len(".weight")]):
+        t = t.view(torch.uint8)
+    return new, t
+
+
+def official_stream_to_canonical(weights, is_mxfp4_expert) -> Any:
+    """A stream of ``(name, tensor)`` pairs (vLLM's loader) in either layout -> canonical pairs, one at a
+    time (:func:`official_tensor_to_canonical`). ``is_mxfp4_expert(canonical linear name) -> bool`` says
+    which ``.scale`` tensors are MXFP4 experts' (the spec knows: their ``weight_scale`` field)."""
+    for name, t in weights:
+        mx = False
+        if name.endswith(PUBLISHED_SCALE):
+            base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
+            mx = bool(_EXPERT_LINEAR.search(base)) and bool(is_mxfp4_expert(base))
+        yield official_tensor_to_canonical(name, t, mxfp4_expert=mx)
+
+
 def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Published-layout tensors -> canonical names (the int32 ``tid2eid`` widened to int64; a block-FP8
-    ``<linear>.scale`` renamed ``<linear>.weight_scale_inv`` and, from a float32 container, cast to
-    float8_e8m0fnu exactly; an MXFP4 routed expert's (packed int8 / uint8 / float4_e2m1fn_x2 codes)
-    ``.scale`` renamed ``.weight_scale`` and its codes viewed as uint8; every other tensor the same
-    object, bits untouched; ``mtp.*`` keep their names, their scales renamed the same way).
+    """Published-layout tensors -> canonical names (:func:`official_tensor_to_canonical`; an MXFP4 routed
+    expert is told by its packed int8 / uint8 / float4_e2m1fn_x2 codes; ``mtp.*`` keep their names,
+    their scales renamed the same way).
 
     Raises:
         CheckpointError: two tensors that map to one name, or a ``.scale`` that is not a power-of-two
@@ -303,21 +341,10 @@ def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torc
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith(PUBLISHED_SCALE):
-            src_base = name[: -len(PUBLISHED_SCALE)]
-            base = _canonical_name(src_base + ".weight")[: -len(".weight")]
-            new = base + (MXFP4_SCALE if _is_mxfp4_expert(src_base, tensors) else CANONICAL_SCALE)
-            if new in out:
-                raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
-            out[new] = _e8m0_from_float32(name, t)
-            continue
-        new = _canonical_name(name)
+        mx = name.endswith(PUBLISHED_SCALE) and _is_mxfp4_expert(name[: -len(PUBLISHED_SCALE)], tensors)
+        new, t = official_tensor_to_canonical(name, t, mxfp4_expert=mx)
         if new in out:
             raise CheckpointError(f"published DeepSeek-V4 checkpoint: {name} and another tensor both map to {new}")
-        if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int32:
-            t = t.to(torch.int64)
-        if name.endswith(".weight") and t.dtype in _PACKED_FP4 and _EXPERT_LINEAR.search(name[: -len(".weight")]):
-            t = t.view(torch.uint8)
         out[new] = t
     return out
 
@@ -363,6 +390,23 @@ def official_scale_dtype(cfg: Mapping) -> torch.dtype:
     ``expert_dtype`` is ``fp4`` (DeepSeek-V4-Flash), else float32 (``fp8``, Flash-Base: vLLM 0.32's
     ``DeepseekV4FP8Config.is_scale_e8m0``)."""
     return torch.float8_e8m0fnu if cfg.get("expert_dtype") == "fp4" else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_config_class():
+    """transformers' ``DeepseekV4Config`` extended to read DeepSeek's published ``config.json`` too
+    (:func:`official_config_to_hf` first: any HCA ratio, where transformers' own fold knows only 4
+    and 128), so an engine that parses the directory itself (vLLM) reads either layout."""
+    from transformers import DeepseekV4Config
+
+    class PublishedOrTransformersDeepseekV4Config(DeepseekV4Config):
+        @classmethod
+        def from_dict(cls, config_dict, **kwargs):
+            if is_official_config(config_dict):
+                config_dict = official_config_to_hf(config_dict)
+            return super().from_dict(config_dict, **kwargs)
+
+    return PublishedOrTransformersDeepseekV4Config
 
 
 def read_config_dict(model_dir: str | os.PathLike) -> dict:

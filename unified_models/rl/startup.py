@@ -10,7 +10,7 @@ from ..dsl import PromptError, UnifiedModelsError
 from ..run_options import resolve_device, tokenizer_dir_for
 from .data import load_prompt_rows
 from .options import AUTO, RLOptions, run_identity
-from .rewards import build_reward, reward_info
+from .rewards import build_reward, check_references, reward_info
 from .run import RLRun
 
 __all__ = ["load_run", "start_engines", "save_checkpoint"]
@@ -44,6 +44,7 @@ def load_run(opts: RLOptions) -> RLRun:
     info = reward_info(opts.reward)
     prompts_path = opts.prompts or default_prompts_path()
     rows = load_prompt_rows(prompts_path, need_answer=info.needs_reference)
+    check_references(info, rows, prompts_path)  # e.g. a GSM8K answer without '####', named by file:line
     if opts.num_prompts_per_step > len(rows):
         raise UnifiedModelsError(f"--num-prompts-per-step {opts.num_prompts_per_step} exceeds the {len(rows)} "
                                  f"prompts in {prompts_path}")
@@ -56,9 +57,9 @@ def load_run(opts: RLOptions) -> RLRun:
         raise PromptError(f"{e} (tokenizer: {tok_dir}; pass --tokenizer to use another)") from None
     tokenizer = None
     if info.needs_text:
-        from transformers import AutoTokenizer
+        from ..prompts import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        tokenizer = load_tokenizer(tok_dir)
     reward = None if (opts.reward == "target-token" and tid == AUTO) else \
         build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
     return RLRun(opts=opts, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids, rows=rows,

@@ -32,6 +32,20 @@ class WeightLoading:
             return f"tensor {name} has dtype {tensor.dtype}, the spec stores {want}"
         return None
 
+    def _checkpoint_layout(self):
+        """The layout module of the checkpoint directory vLLM loads (:func:`~unified_models.converters.
+        hf_safetensors.checkpoint_layout`), or None for a canonical one (or no directory)."""
+        import json
+        from pathlib import Path
+
+        from ...converters.hf_safetensors import checkpoint_layout
+
+        try:
+            raw = json.loads((Path(self._source) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return checkpoint_layout(raw)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader`` (vLLM's
         loader path: the pairs stream from the checkpoint, each validated as it arrives).
@@ -51,6 +65,9 @@ class WeightLoading:
         params = self.params()
         loaded: set[str] = set()
         unknown: list[str] = []
+        layout = self._checkpoint_layout()
+        if layout is not None:  # e.g. DeepSeek's published layout: canonical names, tensor by tensor
+            weights = layout.official_stream_to_canonical(weights, lambda lin: f"{lin}.weight_scale" in self._shapes)
         try:
             for name, tensor in weights:
                 if name not in self._shapes:
