@@ -10,7 +10,9 @@ Steps (each shown with progress):
    ``--temperature`` with per-request seeds, returning the logprob of every
    sampled token (and, through a tap on our model class, the whole row);
 5. trainer: a :class:`~.backends.megatron.trainer.Trainer` (the Megatron module) recomputes, from the same token ids and
-   weights, packed (THD), the logprob of every sampled token and whole rows;
+   weights, packed (THD), the logprob of every sampled token and whole rows; before it does, the
+   two engines' execution-contract fingerprints (:mod:`.consistency.fingerprint`) must be equal,
+   else the check is refused naming the differing component (exit 2);
 6. report: table + JSON; exit 0 only if every diff field is exactly 0 and the
    peer is within tolerance.
 """
@@ -78,6 +80,8 @@ class CheckReport:
     options: dict = field(default_factory=dict)
     timings_s: dict = field(default_factory=dict)
     engine: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
+    """``{"contract": digest, "rollout": ..., "trainer": ...}`` (:meth:`Fingerprint.as_dict`)."""
 
     @property
     def passed(self) -> bool:
@@ -292,6 +296,7 @@ def run_check(opts: CheckOptions) -> int:
                            max_num_seqs=opts.max_num_seqs or len(prompt_ids),
                            max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
                            cuda_graphs=opts.cuda_graphs) as engine:
+            rollout_fp = engine.contract_fingerprint()
             ro = engine.generate(prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
                                  temperature=opts.temperature, stop_at_eos=opts.stop_at_eos,
                                  full_vocab_rows=opts.full_vocab_rows)
@@ -305,6 +310,10 @@ def run_check(opts: CheckOptions) -> int:
     with step(f"Megatron recompute ({n_gen} tokens)"):
         # the engine is closed first: its memory is free for the trainer (as in a colocated RL step)
         with Trainer(spec, state_dict, device=device) as trainer:
+            from .consistency.fingerprint import compare
+
+            trainer_fp = trainer.contract_fingerprint()
+            compare(rollout_fp, trainer_fp)  # refused before any recompute or diff
             tr = trainer.logprobs(prompt_ids, ro.completions, temperature=opts.temperature,
                                   full_rows_for=ro.full_row_keys)
     timings["trainer"] = time.perf_counter() - t0
@@ -319,6 +328,7 @@ def run_check(opts: CheckOptions) -> int:
         seed=opts.seed, diff=diff, full_vocab_rows=len(keys), full_vocab_max_abs_diff=fv,
         peer=peer, rollout_sha256=rollout_digest(ro.completions, rollout_lp), options={k: v for k, v in vars(opts).items() if k != "json_out"},
         timings_s={k: round(v, 2) for k, v in timings.items()}, engine=ro.engine,
+        fingerprints={"contract": trainer_fp.digest, "rollout": rollout_fp.as_dict(), "trainer": trainer_fp.as_dict()},
     )
     print_report(report, out)
     if opts.json_out:
@@ -362,6 +372,9 @@ def print_report(r: CheckReport, console: Console) -> None:
               f"{r.peer['max_rel_logit_diff']:.3g} (tol {r.peer['tolerance']:g}; scale {r.peer['logit_scale']:.3g}, "
               f"bound {r.peer['bound']:.3g})")
     t.add_row("rollout sha256 (tokens + logprob bits)", r.rollout_sha256[:16])
+    if r.fingerprints:
+        n = sum(1 for k in r.fingerprints["trainer"]["components"] if k.split(".", 1)[0] not in ("vllm", "megatron"))
+        t.add_row("contract fingerprint (vLLM = Megatron)", f"{r.fingerprints['contract'][:16]} ({n} components)")
     if r.engine:
         mode = str(r.engine.get("cudagraph_mode")).rsplit(".", 1)[-1]
         t.add_row("rollout CUDA graphs", f"on ({mode})" if r.engine.get("cuda_graphs") else "off (eager)")

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 
+from . import interrupts
 from .dsl import UnifiedModelsError
-from .paths import check_destination
+from .paths import check_destination, destination_report
+from .serving import serve
+from .report import command as report_command
 
 
 def _positive(kind):
+    """argparse type: an ``int`` > 0, or a finite ``float`` > 0 (the message says which)."""
+    what = "an integer" if kind is int else "a number"
+
     def parse(s: str):
         try:
             v = kind(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {s!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if kind is int and v <= 0:
+            raise argparse.ArgumentTypeError(f"must be an integer > 0, got {s}")
         if not math.isfinite(v) or v <= 0:
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
         return v
@@ -94,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugin_flag(c)
 
     _add_rl_parser(sub)
+    report_command.add_parser(sub)
+    from .porting import bisect, gates  # the porting commands (docs/porting.md)
+    bisect.add_parser(sub), gates.add_parser(sub)
 
     v = sub.add_parser("convert", help="convert between HF safetensors and a Megatron torch_dist checkpoint")
     v.add_argument("--from", dest="src_format", choices=["hf", "megatron"], required=True)
@@ -120,9 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--layout", choices=["official", "hf"], default=None,
                    help="DeepSeek-V4 output layout: DeepSeek's published names and float32 .scale (official, "
                         "default) or transformers' names and e8m0 .weight_scale_inv (hf)")
+    q.add_argument("--expert-dtype", choices=["fp8", "fp4"], default=None,
+                   help="DeepSeek-V4 routed experts: block FP8 (fp8, default; as DeepSeek-V4-Flash-Base) or MXFP4 "
+                        "(fp4; as DeepSeek-V4-Flash)")
     q.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _add_plugin_flag(q)
+
+    serve.add_parser(sub)
 
     i = sub.add_parser("inspect", help="print the spec built from a checkpoint's config")
     i.add_argument("model")
@@ -231,26 +248,118 @@ def _quantize(args) -> int:
         if given:
             raise UnifiedModelsError(f"quantize: {', '.join(given)} apply to Nemotron-H ModelOpt exports; a "
                                      "DeepSeek-V4 checkpoint is written as DeepSeek's block-FP8 checkpoint "
-                                     "(options: --layout)")
-        out = export_deepseek_fp8(args.src, args.dst, layout=args.layout or "official", overwrite=args.overwrite)
+                                     "(options: --layout, --expert-dtype)")
+        out = export_deepseek_fp8(args.src, args.dst, layout=args.layout or "official",
+                                  expert_dtype=args.expert_dtype or "fp8", overwrite=args.overwrite)
         print(f"wrote {out}")
         return 0
-    if args.layout is not None:
-        raise UnifiedModelsError("quantize: --layout applies to DeepSeek-V4 block-FP8 exports only")
-    args.experts = args.experts or "nvfp4"
-    args.mamba_proj = args.mamba_proj or "fp8"
-    args.kv_cache = args.kv_cache or "fp8"
+    if args.layout is not None or args.expert_dtype is not None:
+        raise UnifiedModelsError("quantize: --layout and --expert-dtype apply to DeepSeek-V4 block-FP8 exports only")
+    spec = _nemotron_quantize_options(args)
     args.num_calibration_prompts = args.num_calibration_prompts or 16
     none = lambda v: None if v == "none" else v  # noqa: E731
     ids = None
     if args.mamba_proj != "none" or args.kv_cache != "none":
-        spec = spec_from_hf_config(load_hf_config(args.src))
         texts = load_prompt_texts(args.calibration_prompts or default_prompts_path(), args.num_calibration_prompts)
         ids = tokenize_prompts(texts, tokenizer_dir_for(Path(args.src), args.tokenizer), vocab_size=spec.vocab_size)
     out = export_modelopt(args.src, args.dst, experts=none(args.experts), mamba_proj=none(args.mamba_proj),
                           kv_cache=none(args.kv_cache), calibration_token_ids=ids, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
+
+
+_NEMOTRON_QUANT_FLAGS = {"experts": ("--experts", "nvfp4", "routed experts (MoE layers, 'E')"),
+                         "mamba_proj": ("--mamba-proj", "fp8", "Mamba-2 layers ('M')"),
+                         "kv_cache": ("--kv-cache", "fp8", "attention layers ('*')")}
+"""``QuantizationOptions`` field -> (flag, default, what it needs in the model)."""
+
+
+def _nemotron_quantize_options(args):
+    """Fill the Nemotron-H ``quantize`` flags and refuse what cannot be written; returns the spec.
+
+    A flag given explicitly that matches nothing in the model is refused; a default that
+    matches nothing is dropped (set to ``"none"``) with a note. Exported models must run in
+    both engines, so an attention-free pattern is refused as ``check`` refuses it.
+
+    Raises:
+        UnifiedModelsError: the config does not build a spec (named with its file); no
+            attention layer; a given flag matches nothing (named, with what it needs);
+            nothing would be quantized.
+    """
+    from .backends.vllm.settings import check_spec_supported
+    from .converters.hf_safetensors import load_hf_config
+    from .converters.modelopt import options_without_effect
+    from .dsl import SpecError
+    from .layers.quantization import QuantizationOptions
+    from .models import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config(load_hf_config(args.src))
+    except SpecError as e:
+        raise type(e)(f"{args.src}/config.json: {e}") from None
+    try:
+        check_spec_supported(spec)
+    except SpecError as e:
+        raise SpecError(f"quantize {args.src}: {e}; a quantized copy could not be run by check or rl") from None
+    given = {k for k in _NEMOTRON_QUANT_FLAGS if getattr(args, k) is not None}
+    for k, (_, default, _) in _NEMOTRON_QUANT_FLAGS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
+    chosen = {k: getattr(args, k) for k in _NEMOTRON_QUANT_FLAGS if getattr(args, k) != "none"}
+    idle = options_without_effect(spec, QuantizationOptions(**chosen))
+    pattern = spec.extra.get("pattern", "?")
+    explicit = [k for k in idle if k in given]
+    if explicit:
+        k = explicit[0]
+        flag, _, needs = _NEMOTRON_QUANT_FLAGS[k]
+        raise UnifiedModelsError(f"quantize: {flag} {getattr(args, k)} matches nothing in {args.src} (pattern "
+                                 f"{pattern!r}): it applies to {needs}; pass {flag} none or leave it out")
+    for k in idle:
+        flag, default, needs = _NEMOTRON_QUANT_FLAGS[k]
+        print(f"note: {flag} {default} (default) not applied: {args.src} (pattern {pattern!r}) has no {needs}",
+              file=sys.stderr)
+        setattr(args, k, "none")
+    if all(getattr(args, k) == "none" for k in _NEMOTRON_QUANT_FLAGS):
+        raise UnifiedModelsError(f"quantize: nothing to quantize in {args.src} (pattern {pattern!r}) with "
+                                 + ", ".join(f"{f} {getattr(args, k)}" for k, (f, _, _) in _NEMOTRON_QUANT_FLAGS.items())
+                                 + "; the output would be a copy of the source")
+    return spec
+
+
+def _check_rl_paths(opts) -> None:
+    """``rl --save DIR`` must not be, hold or lie inside ``--model`` (checked before anything is read).
+
+    Raises:
+        UnifiedModelsError: naming both paths (:func:`.paths.check_destination`).
+    """
+    if opts.save and opts.model:
+        check_destination(opts.model, opts.save, src_name="--model", dst_name="--save")
+
+
+def _rl_kept(opts) -> str:
+    """After an interrupted ``rl``: the latest training checkpoint under ``--save`` (read from
+    its tracker file) and how to continue, or that none was written."""
+    from pathlib import Path
+
+    from .backends.megatron.checkpoint import iteration_dir, latest_iteration
+
+    if not opts.save:
+        return "no checkpoint written (run without --save)"
+    step = latest_iteration(Path(opts.save)) if Path(opts.save).is_dir() else None
+    if step is None:
+        return f"no checkpoint written yet under --save {opts.save}"
+    return (f"latest checkpoint: step {step} ({iteration_dir(opts.save, step)}); continue with "
+            f"--resume {opts.save} --save {opts.save}")
+
+
+def _quiet_megatron() -> None:
+    """Silence the import-time notices of Megatron and PyTorch DCP that say nothing about the
+    conversion (no Transformer Engine / Apex; DCP's single-process note)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+    warnings.filterwarnings("ignore", message=".*`load_state_dict` is deprecated.*", category=FutureWarning)
 
 
 def _on_off(text: str) -> bool:
@@ -271,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    interrupts.reset()
+    previous_sigint = _install_sigint_handler()
     try:
         if args.command == "check":
             from .check import CheckOptions, run_check
@@ -280,41 +391,99 @@ def main(argv: list[str] | None = None) -> int:
             # unset flags (None) take CheckOptions' defaults (--peer-tolerance: check.PEER_TOLERANCE)
             opts = CheckOptions(**{k: v for k, v in vars(args).items()
                                    if k not in ("command", "plugin") and v is not None})
+            interrupts.on_interrupt(lambda: "no report written")
             return run_check(opts)
         if args.command == "rl":
             from .rl.loop import run_rl
             from .rl.options import RLOptions
 
             opts = RLOptions(**{k: v for k, v in vars(args).items() if k not in ("command", "plugin")})
+            _check_rl_paths(opts)
+            interrupts.on_interrupt(lambda: _rl_kept(opts))
             return run_rl(opts)
         if args.command == "convert":
-            from .backends.megatron.dist_ckpt import hf_to_megatron, megatron_to_hf
-
             if args.src_format == args.dst_format:
                 raise UnifiedModelsError(f"--from and --to are both {args.src_format!r}")
-            check_destination(args.src, args.dst)
+            check_destination(args.src, args.dst)  # before anything is imported or read
+            interrupts.on_interrupt(destination_report(args.dst))
+            _quiet_megatron()
+            from .backends.megatron.dist_ckpt import hf_to_megatron, megatron_to_hf
+
             fn = hf_to_megatron if args.src_format == "hf" else megatron_to_hf
             out = fn(args.src, args.dst, overwrite=args.overwrite)
             print(f"wrote {out}")
             return 0
         if args.command == "quantize":
             check_destination(args.src, args.dst)
+            interrupts.on_interrupt(destination_report(args.dst))
             return _quantize(args)
+        if args.command in ("bisect", "gates"):
+            from .porting import bisect, gates
+            return (bisect if args.command == "bisect" else gates).run(args)
+        if args.command == "report":
+            return report_command.run(args)
+        if args.command == "serve":
+            return serve.run(args)
         if args.command == "inspect":
             from .converters.hf_safetensors import load_hf_config
+            from .dsl import SpecError
             from .models import spec_from_hf_config
 
-            spec = spec_from_hf_config(load_hf_config(args.model))
+            try:
+                spec = spec_from_hf_config(load_hf_config(args.model))
+            except SpecError as e:
+                raise type(e)(f"{args.model}/config.json: {e}") from None
             print(f"{spec.family} ({spec.architecture}), pattern {spec.extra.get('pattern')}, dtype {spec.dtype}")
             dtypes = spec.parameter_dtypes()
             for name, shape in spec.parameter_shapes().items():
                 extra = "" if dtypes[name] == spec.dtype else f"  {str(dtypes[name]).removeprefix('torch.')}"
                 print(f"  {name:60s} {tuple(shape)}{extra}")
             return 0
+    except KeyboardInterrupt:
+        return _report_interrupt()
     except UnifiedModelsError as e:
+        if interrupts.interrupted():  # e.g. a write that failed because Ctrl-C stopped it
+            return _report_interrupt()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        if interrupts.interrupted():  # a library re-raised the KeyboardInterrupt as its own error
+            return _report_interrupt()
+        raise
+    finally:
+        _restore_sigint_handler(previous_sigint)
     return 1
+
+
+def _install_sigint_handler():
+    """Install :func:`.interrupts.handle_sigint` for SIGINT; returns the previous handler
+    (None where signals cannot be set: not the main thread, or SIGINT is ignored on purpose,
+    as for a command started in the background by a non-interactive shell)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return None
+        return signal.signal(signal.SIGINT, interrupts.handle_sigint)
+    except ValueError:
+        return None
+
+
+def _restore_sigint_handler(previous) -> None:
+    if previous is not None:
+        try:
+            signal.signal(signal.SIGINT, previous)
+        except ValueError:
+            pass
+
+
+def _report_interrupt() -> int:
+    """Print the one interrupt line (:func:`.interrupts.summary`); a further Ctrl-C while it
+    is composed is ignored. Returns :data:`.interrupts.EXIT_STATUS` (130)."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        pass
+    print(interrupts.summary(), file=sys.stderr, flush=True)
+    return interrupts.EXIT_STATUS
 
 
 if __name__ == "__main__":

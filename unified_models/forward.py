@@ -23,6 +23,7 @@ from . import ops
 from .dsl import ModelSpec
 from .layers import LayerContext, family_of, residual_policy
 from .layers.expert_parallel import LOCAL_EXPERTS, ExpertDispatcher, ShardPlan
+from .porting import taps
 from .state import FlatBatch, StateStore
 
 __all__ = ["forward_hidden", "forward_logprobs", "logits_fp32"]
@@ -51,21 +52,34 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
     ctx = LayerContext(model=spec, shard_plan=shard_plan or ShardPlan(), dispatcher=dispatcher or LOCAL_EXPERTS)
     sublayers = [(sub, family_of(sub.mixer, sub.index).forward) for sub in spec.sublayers]  # refuse first
     policy, rspec = residual_policy(spec.residual), spec.residual
-    r = policy.expand(rspec, params, ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"]))
+    if taps.SINK is not None: taps.SINK.begin(batch)
+    h_TD = ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"])
+    if taps.SINK is not None: h_TD = taps.SINK("embedding", h_TD)
+    r = policy.expand(rspec, params, h_TD)
     for sub, forward in sublayers:
         x_TD = ops.rms_norm(policy.sublayer_input(rspec, params, r, sub), params[sub.norm.name + ".weight"],
                             sub.norm.eps, out_dtype=spec.dtype)
-        r = policy.add(rspec, params, r, sub, forward(sub.mixer, sub.index, params, x_TD, batch, store, ctx))
+        if taps.SINK is not None: x_TD = taps.SINK(sub.norm.name, x_TD)
+        y_TD = forward(sub.mixer, sub.index, params, x_TD, batch, store, ctx)
+        if taps.SINK is not None: y_TD = taps.SINK(sub.mixer.name, y_TD)
+        r = policy.add(rspec, params, r, sub, y_TD)
+        if taps.SINK is not None: r = taps.SINK(sub.mixer.name + ".residual", r)
     h_TD = policy.contract(rspec, params, r)
-    return ops.rms_norm(h_TD, params[spec.final_norm.name + ".weight"], spec.final_norm.eps, out_dtype=spec.dtype)
+    h_TD = ops.rms_norm(h_TD, params[spec.final_norm.name + ".weight"], spec.final_norm.eps, out_dtype=spec.dtype)
+    if taps.SINK is not None: h_TD = taps.SINK("final_norm", h_TD)
+    return h_TD
 
 
 def logits_fp32(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden_RD: torch.Tensor) -> torch.Tensor:
     """LM head with fp32 output (no bf16 rounding of logits): ``[R, D] -> [R, V]``."""
-    return ops.linear(hidden_RD, params[spec.lm_head.weight_name], out_dtype=torch.float32)
+    z_RV = ops.linear(hidden_RD, params[spec.lm_head.weight_name], out_dtype=torch.float32)
+    if taps.SINK is not None: z_RV = taps.SINK("logits", z_RV)
+    return z_RV
 
 
 def forward_logprobs(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden_RD: torch.Tensor,
                      temperature: float = 1.0) -> torch.Tensor:
     """Full-vocabulary log-probabilities of the selected rows: fp32 ``[R, V]``."""
-    return ops.logprobs(logits_fp32(spec, params, hidden_RD), temperature)
+    lp_RV = ops.logprobs(logits_fp32(spec, params, hidden_RD), temperature)
+    if taps.SINK is not None: lp_RV = taps.SINK("logprobs", lp_RV)
+    return lp_RV

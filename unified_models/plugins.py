@@ -26,10 +26,33 @@ from collections.abc import Iterable
 
 from .dsl import UnifiedModelsError
 
-__all__ = ["ENTRY_POINT_GROUP", "load_entry_point_plugins", "import_plugin_modules", "load_plugins"]
+__all__ = ["ENTRY_POINT_GROUP", "OVERRIDE_NATIVE_ENV", "load_entry_point_plugins", "import_plugin_modules",
+           "load_plugins", "override_native_enabled"]
 
 ENTRY_POINT_GROUP = "unified_models.plugins"
 """The ``importlib.metadata`` entry-point group read at CLI start."""
+
+OVERRIDE_NATIVE_ENV = "UNIFIED_MODELS_OVERRIDE_NATIVE"
+"""Set to ``1`` and plain vLLM (``python -m vllm.entrypoints.openai.api_server --model DIR``,
+``AsyncLLM``, ``vllm.LLM``) loads checkpoints of our families (``NemotronHForCausalLM``,
+``DeepseekV4ForCausalLM``) with our model class, without ``--hf-overrides``; read by vLLM's
+plugin entry point (:func:`unified_models.backends.vllm.plugin.register`)."""
+
+
+def override_native_enabled() -> bool:
+    """True when :data:`OVERRIDE_NATIVE_ENV` is ``1`` / ``true`` / ``yes`` / ``on``.
+
+    Raises:
+        UnifiedModelsError: any other non-empty value (``0``/``false``/``no``/``off`` mean off).
+    """
+    import os
+
+    v = os.environ.get(OVERRIDE_NATIVE_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise UnifiedModelsError(f"{OVERRIDE_NATIVE_ENV}={os.environ[OVERRIDE_NATIVE_ENV]!r}: expected 1 or 0")
 
 _loaded: set[str] = set()
 """Entry points (``group:name=value``) and modules already loaded in this process."""

@@ -24,6 +24,10 @@ DEFAULT_PRESET = "nemotron_h_tiny"
 _HF_ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
 """transformers' causal-LM class name per preset family (written to ``config.architectures``)."""
 
+TOKENIZER_LAYOUT = "padded-to-vocab-1"
+"""Part of every preset's cache digest: checkpoints built before their tokenizers were padded to the
+model's vocabulary (:func:`unified_models.serving.vocabulary.pad_tokenizer_dir`) are not reused."""
+
 
 def data_path(name: str) -> Path:
     """Path of a bundled data file (prompts, tokenizer) inside the package."""
@@ -63,7 +67,8 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
     """Write (once) the preset's checkpoint with transformers and return its directory.
 
     The directory holds ``config.json``, ``model.safetensors`` and the bundled
-    tokenizer. Built in a temporary directory and renamed, so an interrupted
+    tokenizer, padded with placeholder tokens (``<|pad_32011|>``, ...) to the model's vocabulary so
+    that every id the model can sample detokenizes (:mod:`unified_models.serving.vocabulary`). Built in a temporary directory and renamed, so an interrupted
     build leaves nothing behind. Deterministic: the same preset gives the same bytes.
 
     A preset with a ``quantize`` block (``base``: the bf16 preset it starts
@@ -84,8 +89,13 @@ def build_preset_checkpoint(name: str = DEFAULT_PRESET, *, out_dir: str | os.Pat
 
 
 def _preset_target(name: str, preset: dict, out_dir) -> Path:
-    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+    return Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{_digest(preset)}"
+
+
+def _digest(preset: dict) -> str:
+    """12 hex digits naming a preset's cache directory (its content and :data:`TOKENIZER_LAYOUT`)."""
+    return hashlib.sha256(json.dumps({**preset, "_tokenizer": TOKENIZER_LAYOUT}, sort_keys=True).encode()
+                          ).hexdigest()[:12]
 
 
 def _build_block_fp8(name: str, preset: dict, out_dir) -> Path:
@@ -96,13 +106,15 @@ def _build_block_fp8(name: str, preset: dict, out_dir) -> Path:
     q = dict(preset["quantize"])
     q.pop("format")
     layout = q.pop("layout", "official")
+    expert_dtype = q.pop("expert_dtype", "fp8")
     if q:
-        raise SpecError(f"preset {name!r}: quantize keys {sorted(q)} are not understood (fp8_block takes layout)")
+        raise SpecError(f"preset {name!r}: quantize keys {sorted(q)} are not understood (fp8_block takes layout, "
+                        "expert_dtype)")
     plain = {k: v for k, v in preset.items() if k != "quantize"}
     base = _build_plain(f"{name}-bf16", plain, None)
     from .converters.deepseek_fp8 import export_deepseek_fp8
 
-    return export_deepseek_fp8(base, target, layout=layout, overwrite=True)
+    return export_deepseek_fp8(base, target, layout=layout, expert_dtype=expert_dtype, overwrite=True)
 
 
 def _build_plain(name: str, preset: dict, out_dir) -> Path:
@@ -127,8 +139,11 @@ def _build_plain(name: str, preset: dict, out_dir) -> Path:
         model = model.to(dtype)
         model.save_pretrained(str(tmp), safe_serialization=True)
         if preset.get("tokenizer") == "bundled":
+            from .serving.vocabulary import pad_tokenizer_dir
+
             for f in tokenizer_dir().iterdir():
                 shutil.copy(f, tmp / f.name)
+            pad_tokenizer_dir(tmp, int(config.vocab_size))
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -145,8 +160,7 @@ def _build_quantized(name: str, preset: dict, out_dir) -> Path:
 
     q = dict(preset["quantize"])
     base = build_preset_checkpoint(q.pop("base"))
-    digest = hashlib.sha256(json.dumps(preset, sort_keys=True).encode()).hexdigest()[:12]
-    target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{digest}"
+    target = Path(out_dir) if out_dir is not None else cache_root() / f"{name}-{_digest(preset)}"
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
     from .converters.modelopt import export_modelopt

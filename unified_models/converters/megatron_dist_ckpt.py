@@ -75,7 +75,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "ASSETS_DIR", "HF_ASSET_PATTERNS", "METADATA_JSON", "Writer",
     "IO_ERRORS", "DistCheckpointInfo", "describe_error", "config_text", "spec_from_config_text",
     "atomic_output_dir", "copy_assets", "tensor_digest", "verify_digests", "write_torch_dcp", "common_entry",
-    "parse_common_entry", "check_layout_files",
+    "parse_common_entry", "check_layout_files", "common_state_error",
 ]
 
 
@@ -179,7 +179,10 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool):
             except BaseException:
                 os.replace(old, out)
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # a DST that was a link: the link was replaced, its target is left alone
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
     except OSError as e:
@@ -275,6 +278,25 @@ def parse_common_entry(common: Any, source: str) -> dict:
     if not isinstance(entry.get("sha256") or {}, dict):
         raise CheckpointError(f"{source}: the stored tensor digests are malformed")
     return entry
+
+
+def common_state_error(ckpt_dir: str | os.PathLike, e: BaseException, what: str = "common state") -> CheckpointError:
+    """The error for a checkpoint whose common (non-tensor) state could not be read.
+
+    A missing ``common.pt`` is named as such (megatron-core 0.16 then fails with an
+    unrelated ``AttributeError`` while listing the directory for its log message);
+    otherwise the reader's own error is quoted.
+    """
+    d = Path(ckpt_dir)
+    if not (d / "common.pt").is_file():
+        import megatron.core as mcore  # only called after a Megatron reader failed
+
+        return CheckpointError(
+            f"Megatron checkpoint {d} is incomplete: common.pt (the non-tensor state: format tag and stored "
+            f"config.json) is missing, and megatron-core {getattr(mcore, '__version__', '?')} found no common "
+            "state inside the DCP files either (0.19's own save keeps it there; 0.16 reads only common.pt); "
+            "copy the checkpoint again or convert it again from its source")
+    return CheckpointError(f"{d}: {what} (common.pt) is unreadable: {describe_error(e)}")
 
 
 def check_layout_files(ckpt_dir: str | os.PathLike) -> Path:

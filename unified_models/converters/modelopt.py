@@ -187,6 +187,24 @@ def quantized_spec(spec: ModelSpec, options: QuantizationOptions) -> ModelSpec:
     return qspec
 
 
+def options_without_effect(spec: ModelSpec, options: QuantizationOptions) -> list[str]:
+    """The fields of ``options`` (``experts``, ``mamba_proj``, ``kv_cache``) that are set but
+    change nothing in ``spec`` (e.g. ``experts="nvfp4"`` on a model without routed experts).
+
+    Each set field is tried alone: it has an effect when :func:`quantized_spec` with only
+    that field differs from ``spec``.
+
+    Raises:
+        SpecError: as :func:`quantized_spec`.
+    """
+    idle = []
+    for name in ("experts", "mamba_proj", "kv_cache"):
+        value = getattr(options, name)
+        if value is not None and quantized_spec(spec, QuantizationOptions(**{name: value})) == spec:
+            idle.append(name)
+    return idle
+
+
 def _calibrate(model_dir: Path, spec: ModelSpec, token_ids: list[list[int]], options: QuantizationOptions
                ) -> dict[str, torch.Tensor]:
     """ModelOpt "max" calibration on transformers' model: fp32 ``amax / 448`` of every Mamba

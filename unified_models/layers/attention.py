@@ -16,6 +16,7 @@ from ..caches import PagedKVCache
 from ..dsl import AttentionSpec
 from ..ops.attention import causal_mask, kv_fp8_roundtrip
 from ..ops.rope import apply_rope_reference
+from ..porting import taps
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
@@ -50,10 +51,13 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
     k_TGE = ops.linear(x_TD, params[f"{p}.k_proj.weight"], bias("k_proj")).view(t, spec.num_kv_heads, spec.head_dim)
     if not spec.shared_kv:
         v_TGE = ops.linear(x_TD, params[f"{p}.v_proj.weight"], bias("v_proj")).view(t, spec.num_kv_heads, spec.head_dim)
+        if taps.SINK is not None: v_TGE = taps.SINK(f"{p}.v_proj", v_TGE)
+    if taps.SINK is not None: q_THE, k_TGE = taps.SINK(f"{p}.q_proj", q_THE), taps.SINK(f"{p}.k_proj", k_TGE)
     if spec.rope is not None:
         cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.rope.rotary_dim, spec.rope.theta, x_TD.device)
         q_THE = ops.apply_rope(q_THE, batch.positions, cos, sin)
         k_TGE = ops.apply_rope(k_TGE, batch.positions, cos, sin)
+        if taps.SINK is not None: q_THE, k_TGE = taps.SINK(f"{p}.q_rope", q_THE), taps.SINK(f"{p}.k_rope", k_TGE)
     if spec.shared_kv:  # V = K (after RoPE); the store hands one cache as k_cache and v_cache
         v_TGE = k_TGE
     state = store.state(layer_index, CACHE)
@@ -64,7 +68,10 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
         ops.write_kv_cache(k_TGE, v_TGE, state.k_cache, state.v_cache, state.slot_mapping, k_scale, v_scale)
         o_THE = ops.paged_attention(q_THE, state.k_cache, state.v_cache, state.block_table, batch.seq_idx,
                                     batch.positions, spec.scale, k_scale, v_scale, spec.sliding_window)
-    return ops.linear(o_THE.reshape(t, spec.num_heads * spec.head_dim), params[f"{p}.o_proj.weight"], bias("o_proj"))
+    if taps.SINK is not None: o_THE = taps.SINK(f"{p}.attn", o_THE)
+    o_TD = ops.linear(o_THE.reshape(t, spec.num_heads * spec.head_dim), params[f"{p}.o_proj.weight"], bias("o_proj"))
+    if taps.SINK is not None: o_TD = taps.SINK(f"{p}.o_proj", o_TD)
+    return o_TD
 
 
 def kv_scales(spec: AttentionSpec, params: Mapping[str, torch.Tensor]

@@ -28,6 +28,7 @@ from ..dsl import Mamba2Spec, SpecError
 from ..dsl.mamba2 import QUANTIZABLE_PROJS
 from ..ops.mamba2 import (Mamba2State, causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
                           ssd_reference)
+from ..porting import taps
 from ..state import FlatBatch, SlotState, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
@@ -123,19 +124,26 @@ def mamba2_forward(spec: Mamba2Spec, layer_index: int, params: Mapping[str, torc
     F, C, W = spec.intermediate_size, spec.conv_dim, spec.conv_kernel
     bias = bias_getter(p, params, spec.use_bias)
     zxbcdt = apply_linear(ctx.model, params, f"{p}.in_proj", x_TD, bias("in_proj"))  # [T, F + C + H]
+    if taps.SINK is not None: zxbcdt = taps.SINK(f"{p}.in_proj", zxbcdt)
     z_TF, xBC_TC, dt_TH = zxbcdt.split([F, C, H], dim=-1)
     ms = store.state(layer_index, CACHE)
     meta = mamba2_batch_metadata(spec, batch, ms, ctx)
     state = ms.state if ms is not None else None
     conv_b = params[f"{p}.conv1d.bias"] if spec.use_conv_bias else None
     xBC_TC = ops.causal_conv1d(xBC_TC, params[f"{p}.conv1d.weight"].view(C, W), conv_b, meta, state)
+    if taps.SINK is not None: xBC_TC = taps.SINK(f"{p}.conv1d", xBC_TC)
     x_TF, B_TGN, C_TGN = xBC_TC.split([F, G * N, G * N], dim=-1)
     dt_TH = ops.mamba2_dt(dt_TH, params[f"{p}.dt_bias"], spec.time_step_limit)
+    if taps.SINK is not None: dt_TH = taps.SINK(f"{p}.dt", dt_TH)
     y_THP = ops.ssd_chunk_scan(x_TF.view(t, H, P), dt_TH, params[f"{p}.A_log"], B_TGN.view(t, G, N),
                                C_TGN.view(t, G, N), params[f"{p}.D"], meta, state, out_dtype=torch.float32)
+    if taps.SINK is not None: y_THP = taps.SINK(f"{p}.ssm_scan", y_THP)
     y_TF = ops.gated_rms_norm(y_THP.reshape(t, F), z_TF, params[f"{p}.norm.weight"], spec.group_size, spec.eps,
                               out_dtype=x_TD.dtype)
-    return apply_linear(ctx.model, params, f"{p}.out_proj", y_TF, bias("out_proj"))
+    if taps.SINK is not None: y_TF = taps.SINK(f"{p}.norm", y_TF)
+    o_TD = apply_linear(ctx.model, params, f"{p}.out_proj", y_TF, bias("out_proj"))
+    if taps.SINK is not None: o_TD = taps.SINK(f"{p}.out_proj", o_TD)
+    return o_TD
 
 
 def mamba2_caches(spec: Mamba2Spec, model_dtype: torch.dtype) -> dict[str, SlotStateCache]:

@@ -11,6 +11,7 @@ import torch
 
 from .. import ops
 from ..dsl import MLPSpec
+from ..porting import taps
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
@@ -23,11 +24,17 @@ def mlp_forward(spec: MLPSpec, layer_index: int, params: Mapping[str, torch.Tens
     p = spec.name
     bias = bias_getter(p, params, spec.bias)
     up_TF = ops.linear(x_TD, params[f"{p}.up_proj.weight"], bias("up_proj"))
+    if taps.SINK is not None: up_TF = taps.SINK(f"{p}.up_proj", up_TF)
     if spec.activation == "relu2":
         act_TF = ops.relu2(up_TF)
     else:
-        act_TF = ops.swiglu(ops.linear(x_TD, params[f"{p}.gate_proj.weight"], bias("gate_proj")), up_TF)
-    return ops.linear(act_TF, params[f"{p}.down_proj.weight"], bias("down_proj"))
+        gate_TF = ops.linear(x_TD, params[f"{p}.gate_proj.weight"], bias("gate_proj"))
+        if taps.SINK is not None: gate_TF = taps.SINK(f"{p}.gate_proj", gate_TF)
+        act_TF = ops.swiglu(gate_TF, up_TF)
+    if taps.SINK is not None: act_TF = taps.SINK(f"{p}.act", act_TF)
+    y_TD = ops.linear(act_TF, params[f"{p}.down_proj.weight"], bias("down_proj"))
+    if taps.SINK is not None: y_TD = taps.SINK(f"{p}.down_proj", y_TD)
+    return y_TD
 
 
 def mlp_oracle(m: MLPSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:

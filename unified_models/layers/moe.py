@@ -29,6 +29,7 @@ import torch
 from .. import ops
 from ..dsl import MoESpec, SpecError
 from ..ops.moe import moe_experts_reference, moe_route_reference, moe_shared_expert_reference
+from ..porting import taps
 from ..state import FlatBatch, StateStore
 from .common import LayerContext
 from .family import LayerFamily
@@ -124,14 +125,18 @@ def moe_forward(spec: MoESpec, layer_index: int, params: Mapping[str, torch.Tens
     p = spec.name
     w_TK, ids_TK = ops.moe_route(x_TD, params[f"{p}.gate.weight"], params[f"{p}.gate.e_score_correction_bias"],
                                  **spec.route_kwargs())
+    if taps.SINK is not None: w_TK, ids_TK = taps.SINK(f"{p}.router", w_TK), taps.SINK(f"{p}.router_ids", ids_TK)
     (up, kind), (down, _) = (expert_weights(spec, ctx.model, params, proj) for proj in ("up_proj", "down_proj"))
     nvfp4 = kind == "nvfp4"
     shared_TD = None
     if spec.shared_intermediate_size is not None:
         shared_TD = ops.moe_shared_expert(x_TD, params[f"{p}.shared_experts.up_proj.weight"],
                                           params[f"{p}.shared_experts.down_proj.weight"])
-    return ctx.dispatcher.experts(ctx.shard_plan, x_TD, ids_TK, w_TK, up, down, shared_TD, nvfp4=nvfp4,
+        if taps.SINK is not None: shared_TD = taps.SINK(f"{p}.shared_experts", shared_TD)
+    y_TD = ctx.dispatcher.experts(ctx.shard_plan, x_TD, ids_TK, w_TK, up, down, shared_TD, nvfp4=nvfp4,
                                   out_dtype=x_TD.dtype)
+    if taps.SINK is not None: y_TD = taps.SINK(f"{p}.experts", y_TD)
+    return y_TD
 
 
 def _expert_stack_oracle(m: MoESpec, params: Mapping[str, torch.Tensor], proj: str) -> torch.Tensor:

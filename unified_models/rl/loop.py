@@ -25,7 +25,16 @@ dict read once. Each step k = 1..N (one optimizer update per step, DESIGN.md rul
    rollout's before any backward.
 4. **sync**: every parameter is copied into vLLM's existing buffers by
    Hugging Face name, derived tensors recomputed, prefix cache reset
-   (:mod:`..backends.vllm.weight_sync`). Step k+1's diff = 0 proves the sync.
+   (:mod:`..backends.vllm.weight_sync`). Step k+1's diff = 0 proves the sync; before
+   that, every tensor's weight fingerprint (a checksum of its bits on each side,
+   :mod:`..consistency.fingerprint`) is compared, and a mismatch stops the run (exit 1)
+   naming the tensor and the step.
+
+Before step 1 both engines' execution-contract fingerprints are compared
+(:meth:`.run.RLRun.verify_contract`); a difference is refused (exit 2) naming the
+component. Metrics: ``contract_fingerprint`` (every line), ``contract_fingerprint_components``
+(the first line of each process), ``weight_fingerprint`` / ``weight_fingerprint_tensors`` /
+``weight_fingerprint_seconds`` (every line).
 
 ``--use-rollout-logprobs`` (old logprobs = the rollout's; saves the no-grad
 forward of step 2). Rule: the first step of every process (a fresh run, and
@@ -52,6 +61,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from .. import interrupts
 from .metrics import MetricsWriter
 from .options import RLOptions, resolve_options, validate_options
 from .report import fmt, print_summary, step_line
@@ -94,6 +104,9 @@ def run_rl(opts: RLOptions) -> int:
             start = start_engines(run, console)
         if start:
             console.log(f"resumed from {opts.resume} at step {start}")
+        contract = run.verify_contract()  # refuses (exit 2) engines whose execution contracts differ
+        console.log(f"contract fingerprint {contract.digest[:16]} (vLLM = Megatron, {len(contract.shared_names())} "
+                    "components); weight fingerprint checked after every sync")
         writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None)
         columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
@@ -101,6 +114,7 @@ def run_rl(opts: RLOptions) -> int:
             task = progress.add_task("GRPO", total=opts.steps, completed=start, info="")
             for step in range(start + 1, opts.steps + 1):
                 progress.update(task, description=f"step {step}")
+                interrupts.progress(step)  # named by the one line a Ctrl-C prints (cli.main)
                 timer = {p: 0.0 for p in ("rollout", "recompute", "update", "sync", "save")}
                 t_step = time.perf_counter()
                 res = run.step(step, timer)

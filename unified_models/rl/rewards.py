@@ -35,6 +35,7 @@ from ..dsl import PromptError, UnifiedModelsError
 
 __all__ = [
     "Completion", "Reward", "RewardInfo", "register_reward", "reward_names", "reward_info", "build_reward",
+    "check_references",
     "Gsm8kReward", "TargetTokenReward", "TokenSetReward", "gsm8k_reference_answer", "final_number",
     "numbers_equal",
 ]
@@ -75,6 +76,9 @@ class RewardInfo:
         description: one line for ``--help``.
         defaults: sampling defaults for this reward (``temperature``,
             ``max_new_tokens``, ``lr`` ...), used where the CLI flag is not given.
+        check_reference: ``check_reference(answer) -> None`` raises ``PromptError`` for a
+            reference answer the reward cannot score; :func:`check_references` runs it on
+            every prompt row before any engine starts (None: no check).
     """
 
     name: str
@@ -83,6 +87,7 @@ class RewardInfo:
     needs_reference: bool = False
     description: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    check_reference: Callable[[str], Any] | None = None
 
 
 _REGISTRY: dict[str, RewardInfo] = {}
@@ -90,7 +95,8 @@ _REGISTRY: dict[str, RewardInfo] = {}
 
 def register_reward(name: str, factory: Callable[..., Reward], *, needs_text: bool = False,
                     needs_reference: bool = False, description: str = "",
-                    defaults: dict[str, Any] | None = None, replace: bool = False) -> RewardInfo:
+                    defaults: dict[str, Any] | None = None, replace: bool = False,
+                    check_reference: Callable[[str], Any] | None = None) -> RewardInfo:
     """Register a reward under ``name`` (the ``--reward`` value).
 
     Raises:
@@ -101,7 +107,7 @@ def register_reward(name: str, factory: Callable[..., Reward], *, needs_text: bo
     if name in _REGISTRY and not replace:
         raise ValueError(f"reward {name!r} is already registered")
     info = RewardInfo(name=name, factory=factory, needs_text=needs_text, needs_reference=needs_reference,
-                      description=description, defaults=dict(defaults or {}))
+                      description=description, defaults=dict(defaults or {}), check_reference=check_reference)
     _REGISTRY[name] = info
     return info
 
@@ -120,6 +126,23 @@ def reward_info(name: str) -> RewardInfo:
     if name not in _REGISTRY:
         raise UnifiedModelsError(f"unknown reward {name!r}; known rewards: {reward_names()}")
     return _REGISTRY[name]
+
+
+def check_references(info: RewardInfo, rows: Sequence[Any], path: Any) -> None:
+    """Run ``info.check_reference`` on the ``answer`` of every prompt row (``.answer``, ``.line``).
+
+    Raises:
+        PromptError: ``<path>:<line>: <what is wrong>`` for the first row the reward cannot score.
+    """
+    if info.check_reference is None:
+        return
+    for row in rows:
+        if row.answer is None:
+            continue
+        try:
+            info.check_reference(row.answer)
+        except PromptError as e:
+            raise PromptError(f"{path}:{row.line}: {e} (reward {info.name!r})") from None
 
 
 def build_reward(name: str, **options: Any) -> Reward:
@@ -265,6 +288,7 @@ register_reward(
     "gsm8k", _gsm8k_factory, needs_text=True, needs_reference=True,
     description="1 if the completion's final number equals the answer after '####', else 0",
     defaults={"temperature": 1.0, "max_new_tokens": 64, "lr": 1e-6},
+    check_reference=gsm8k_reference_answer,
 )
 register_reward(
     "target-token", _target_token_factory,

@@ -22,7 +22,8 @@ from .grpo import group_advantages, grpo_loss, token_weights
 from .options import RLOptions
 from .rewards import Completion, build_reward, reward_info
 
-__all__ = ["DiffNotZeroError", "RLRun", "StepResult", "entropy_sum", "first_mismatch", "full_vocab_of_pairs"]
+__all__ = ["DiffNotZeroError", "RLRun", "StepResult", "WeightSyncMismatch", "entropy_sum", "first_mismatch",
+           "full_vocab_of_pairs"]
 
 
 class DiffNotZeroError(RuntimeError):
@@ -32,6 +33,11 @@ class DiffNotZeroError(RuntimeError):
         super().__init__(message)
         self.diff = diff
         self.full_vocab = full_vocab
+
+
+class WeightSyncMismatch(DiffNotZeroError):
+    """The weight fingerprint after a sync differs between the trainer and vLLM's buffers: names the
+    tensor(s) and the step (the run exits 1, as for a diff != 0)."""
 
 
 def entropy_sum(lp_RV: torch.Tensor) -> float:
@@ -89,6 +95,52 @@ class RLRun:
     first_step_of_process: int = 1
     state_dict: dict | None = None
     """The checkpoint's validated tensors until both engines hold them (then None)."""
+    contract: Any = None
+    """The execution-contract :class:`~..consistency.fingerprint.Fingerprint` both engines agreed on
+    (:meth:`verify_contract`)."""
+    _sync_step: int | None = None
+    _sync_fields: dict | None = None
+
+    # ------------------------------------------------------------------ fingerprints
+
+    def verify_contract(self):
+        """Compute both engines' contract fingerprints and refuse a difference (before any rollout).
+
+        Returns:
+            The trainer's :class:`~..consistency.fingerprint.Fingerprint` (its ``digest`` equals the engine's).
+
+        Raises:
+            FingerprintMismatchError: the components differ (names the component and both values).
+        """
+        from ..consistency.fingerprint import compare
+
+        rollout_fp, trainer_fp = self.engine.contract_fingerprint(), self.trainer.contract_fingerprint()
+        compare(rollout_fp, trainer_fp)
+        self.contract = trainer_fp
+        return trainer_fp
+
+    def verify_sync(self, rep, step: int | None) -> dict:
+        """Compare a sync's per-tensor checksums (both sides, :class:`~..backends.vllm.weight_sync.SyncReport`).
+
+        Returns:
+            The metrics fields ``weight_fingerprint`` (digest, None when the sync computed no
+            checksums), ``weight_fingerprint_tensors`` (tensors compared) and
+            ``weight_fingerprint_seconds``.
+
+        Raises:
+            WeightSyncMismatch: a tensor differs; names it and the step.
+        """
+        from ..consistency.fingerprint import WeightFingerprintError, verify_weight_sync
+
+        src, eng = getattr(rep, "source_checksums", None), getattr(rep, "engine_checksums", None)
+        if src is None or eng is None:
+            return {"weight_fingerprint": None, "weight_fingerprint_tensors": 0, "weight_fingerprint_seconds": 0.0}
+        try:
+            wf = verify_weight_sync(src, eng, step=step)
+        except WeightFingerprintError as e:
+            raise WeightSyncMismatch(str(e)) from e
+        return {"weight_fingerprint": wf.digest, "weight_fingerprint_tensors": wf.tensors_checked,
+                "weight_fingerprint_seconds": round(rep.checksum_seconds, 4)}
 
     # ------------------------------------------------------------------ rollout
 
@@ -192,8 +244,11 @@ class RLRun:
                 "trainer_N": trainer_N, "fv_pairs": fv_pairs}
 
     def sync(self):
-        """Copy every changed parameter into vLLM's buffers in place (bf16 bits unchanged); reset the prefix cache."""
-        return self.engine.sync_weights(self.trainer.named_weights())
+        """Copy every changed parameter into vLLM's buffers in place (bf16 bits unchanged); reset the prefix cache;
+        compare both sides' weight fingerprints (:meth:`verify_sync`; raises :class:`WeightSyncMismatch`)."""
+        rep = self.engine.sync_weights(self.trainer.named_weights())
+        self._sync_fields = self.verify_sync(rep, self._sync_step)
+        return rep
 
     # ------------------------------------------------------------------ one step
 
@@ -204,6 +259,8 @@ class RLRun:
         diff fields of the step's row filled, so the caller writes that row first.
         """
         o = self.opts
+        if self.contract is None:
+            self.verify_contract()
         t0 = time.perf_counter()
         prompt_rows = prompts_for_step(len(self.prompt_ids), o.num_prompts_per_step, o.seed, step)
         seq_prompts = [self.prompt_ids[i] for i in prompt_rows for _ in range(o.group_size)]
@@ -233,7 +290,10 @@ class RLRun:
             "reward_max": float(rewards_S.max()), "tokens": int(rollout_N.numel()),
             "sequences": len(completions), "prompt_rows": [self.rows[i].line for i in prompt_rows],
             "rollout_sha256": rollout_digest(completions, rollout_N),
+            "contract_fingerprint": self.contract.digest,
         }
+        if step == self.first_step_of_process:  # the components once per process (the report names them)
+            row["contract_fingerprint_components"] = self.contract.as_dict()["components"]
         if self.target_token_id is not None:
             row["target_token_id"] = self.target_token_id
         owners = [(s, j) for s, c in enumerate(completions) for j in range(len(c))]  # flat token order
@@ -274,8 +334,18 @@ class RLRun:
                    grad_norm=up["grad_norm"], clipped_tokens=up["clipped_tokens"],
                    advantage_abs_mean=float(adv_S.abs().mean()))
         t0 = time.perf_counter()
-        rep = self.sync()
+        self._sync_step, self._sync_fields = step, None
+        try:
+            rep = self.sync()
+        except WeightSyncMismatch as e:
+            timer["sync"] = self._elapsed(t0)
+            row.update(weight_fingerprint=None, weight_fingerprint_mismatch=e.__cause__.tensors
+                       if e.__cause__ is not None else None)
+            return StepResult(row=row, error=e)
+        finally:
+            self._sync_step = None
         timer["sync"] = self._elapsed(t0)
         row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
+        row.update(self._sync_fields or self.verify_sync(rep, step))  # a sync() that did not verify (tests)
         return StepResult(row=row)
 

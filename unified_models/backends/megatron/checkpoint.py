@@ -269,6 +269,9 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
     d = layout.check_layout_files(_resolve(path, iteration))
     try:
         common = compat.load_common_state_dict(d)
+    except layout.IO_ERRORS as e:  # noqa: BLE001
+        raise layout.common_state_error(d, e, "checkpoint metadata") from None
+    try:
         metadata = compat.load_tensors_metadata(d)
     except layout.IO_ERRORS as e:  # noqa: BLE001
         raise CheckpointError(f"{d}: checkpoint metadata is unreadable (corrupt?): {layout.describe_error(e)}") from None

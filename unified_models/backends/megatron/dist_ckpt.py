@@ -46,6 +46,7 @@ from ...converters.megatron_dist_ckpt import (
 )
 from ...dsl import CheckpointError, ModelSpec, SpecError, UnifiedModelsError
 from ...paths import check_destination
+from ...serving.vocabulary import pad_tokenizer_dir
 from . import compat
 from .parallel import ensure_process_group
 
@@ -137,6 +138,7 @@ def save_dist_checkpoint(state_dict: Mapping[str, torch.Tensor], config: Any, ou
                     layout.write_torch_dcp(tmp, tensors, common)
                 if assets_from is not None:
                     layout.copy_assets(Path(assets_from), tmp / ASSETS_DIR)
+                    pad_tokenizer_dir(tmp / ASSETS_DIR, spec.vocab_size)  # every id detokenizes (serving)
             except UnifiedModelsError:
                 raise
             except IO_ERRORS as e:  # noqa: BLE001 - reported as a failed write; the temp dir is removed
@@ -173,7 +175,7 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, *, spec: ModelSpec | None
     try:
         common = compat.load_common_state_dict(d)
     except IO_ERRORS as e:  # noqa: BLE001
-        raise CheckpointError(f"{d}: common state (common.pt / common_state) is unreadable: {describe_error(e)}") from None
+        raise layout.common_state_error(d, e) from None
     entry = layout.parse_common_entry(common, str(d))
     text = entry["hf_config_json"]
     ckpt_spec = layout.spec_from_config_text(text, source=str(d))
@@ -284,6 +286,7 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
                       metadata={"format": "pt"})
             (tmp / "config.json").write_bytes(text.encode("utf-8"))
             layout.copy_assets(Path(ckpt_dir) / ASSETS_DIR, tmp)
+            pad_tokenizer_dir(tmp, layout.spec_from_config_text(text, source=str(ckpt_dir)).vocab_size)
         except IO_ERRORS as e:  # noqa: BLE001
             raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {describe_error(e)}") from e
     return out

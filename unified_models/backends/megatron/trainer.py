@@ -256,6 +256,17 @@ class Trainer:
         out: the engine holds them from the same checkpoint."""
         return ((n, p) for n, p in self.model.named_parameters() if p.is_floating_point())
 
+    def contract_fingerprint(self):
+        """This trainer's execution-contract fingerprint
+        (:func:`unified_models.consistency.fingerprint.contract_fingerprint` over its module's spec,
+        parameters and device, with the Megatron-own component ``megatron.version``)."""
+        from ...consistency.fingerprint import contract_fingerprint, library_version
+
+        params = dict(self.model.named_parameters())
+        device = next(iter(params.values())).device
+        return contract_fingerprint("megatron", self.spec, params, device,
+                                    engine_components={"version": library_version("megatron.core")})
+
     def save(self, root: str | os.PathLike, *, iteration: int | None = None, hf_config: Any = None,
              extra: Mapping[str, Any] | None = None, overwrite: bool = False):
         """Write a Megatron training checkpoint (model, optimizer, RNG, iteration); see

@@ -150,8 +150,10 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
             hidden row is sampling row ``i`` of the last forward, recorded when
             ``logprob_tap`` is set or ``record_sample_positions`` is True.
         row_temperatures: ``None`` or a callable ``f(R) -> list[float]`` giving the
-            sampling temperature of each sampling row (set by ``engine.make_llm``
-            from each request's ``SamplingParams.extra_args``). The rows are then
+            sampling temperature of each sampling row (installed after loading by the
+            worker hook of :func:`.sampling.install_engine_hooks`, and by ``engine.make_llm``;
+            read from each request's ``SamplingParams.extra_args``, where the frontend
+            hook moves the request's own ``temperature``). The rows are then
             ``log_softmax(logits / T)`` from the logprob op, and vLLM, asked to
             sample at temperature 1, samples exactly that distribution and reports
             exactly these values (DESIGN rule 9: temperature applied the same way

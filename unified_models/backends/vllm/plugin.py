@@ -48,15 +48,81 @@ def register() -> None:
     by the next call; ``engine.make_llm`` calls it)."""
     from vllm import ModelRegistry
 
+    from .sampling import install_engine_hooks
+
     use_transformers_configs()
     supported = set(ModelRegistry.get_supported_archs())
     for arch, cls in model_classes().items():
         if arch not in supported:
             ModelRegistry.register_model(arch, cls)
+    install_engine_hooks(lambda arch: arch in model_classes())  # request temperature -> our logprob op
+    from ...plugins import override_native_enabled
+
+    if override_native_enabled():
+        install_native_override()
 
 
-TRANSFORMERS_CONFIG_CLASSES = {"deepseek_v4": ("transformers", "DeepseekV4Config")}
-"""Model types whose config vLLM must parse with transformers' class, not its own."""
+def native_architectures() -> dict[str, str]:
+    """transformers' architecture name -> ours, per family (``NemotronHForCausalLM`` ->
+    ``UnifiedNemotronHForCausalLM``): the names :func:`native_hf_overrides` replaces."""
+    from ...models import architectures as family_archs
+
+    return {a.removeprefix("Unified"): a for a in set(family_archs().values()) if a.startswith("Unified")}
+
+
+def native_hf_overrides(hf_config):
+    """vLLM ``hf_overrides`` callable: a checkpoint of a family we serve loads with our class.
+
+    A config whose ``architectures`` names a family's native class (:func:`native_architectures`)
+    gets :func:`model_architecture` of its spec (hybrid variant iff it has Mamba-2 layers) and a
+    ModelOpt ``quantization_config`` moved out of vLLM's way, exactly what
+    ``engine.make_llm`` passes as ``hf_overrides``. Any other config is returned unchanged.
+    """
+    from ...models import spec_from_hf_config
+    from ...models.modelopt_config import QUANT_CONFIG_ATTR
+
+    native = native_architectures()
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not any(a in native for a in archs):
+        return hf_config
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        import json
+        from pathlib import Path
+
+        f = Path(str(getattr(hf_config, "_name_or_path", "") or "")) / "hf_quant_config.json"
+        qc = json.loads(f.read_text()) if f.is_file() else None
+    if qc is not None:
+        hf_config.quantization_config = None
+        setattr(hf_config, QUANT_CONFIG_ATTR, qc)
+    hf_config.architectures = [model_architecture(spec_from_hf_config(hf_config))]
+    return hf_config
+
+
+def install_native_override() -> None:
+    """``UNIFIED_MODELS_OVERRIDE_NATIVE=1``: engines built from ``EngineArgs`` (``vllm serve``, the OpenAI
+    server, ``AsyncLLM``, ``vllm.LLM``) without ``hf_overrides`` use :func:`native_hf_overrides`, so
+    checkpoints of our families load with our class under their native architecture names.
+    Idempotent."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_model_config
+    if getattr(create, "_unified_models_override", False):
+        return
+
+    def create_model_config(self):
+        if not self.hf_overrides:
+            self.hf_overrides = native_hf_overrides
+        return create(self)
+
+    create_model_config._unified_models_override = True  # type: ignore[attr-defined]
+    EngineArgs.create_model_config = create_model_config
+
+
+TRANSFORMERS_CONFIG_CLASSES = {"deepseek_v4": ("unified_models.converters.deepseek_v4_layout",
+                                               "transformers_config_class")}
+"""Model types whose config vLLM must parse with transformers' class (here: a factory of it that also
+reads DeepSeek's published layout), not its own."""
 
 
 def use_transformers_configs() -> None:
@@ -89,7 +155,7 @@ def use_transformers_configs() -> None:
         vllm_config.ALLOWED_LAYER_TYPES = allowed + ("main", "compress")
     for model_type, (module, name) in TRANSFORMERS_CONFIG_CLASSES.items():
         if model_type in registry:
-            cls = getattr(importlib.import_module(module), name)
+            cls = getattr(importlib.import_module(module), name)()
             registry[model_type] = cls
             from transformers import AutoConfig
 

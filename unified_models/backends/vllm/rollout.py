@@ -269,15 +269,23 @@ class RolloutEngine:
         return RolloutResult(completions=completions, logprobs=logprobs, full_rows={k: full_rows[k] for k in keep},
                              full_row_keys=keep, engine=dict(self.settings))
 
+    def contract_fingerprint(self):
+        """The engine's execution-contract fingerprint (:func:`.fingerprint.engine_fingerprint`)."""
+        from .fingerprint import engine_fingerprint
+
+        return engine_fingerprint(self._live())
+
     # ------------------------------------------------------------------ weights
 
     def sync_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                     strict: bool = True, skip_unchanged: bool = True):
+                     strict: bool = True, skip_unchanged: bool = True, fingerprint: bool = True):
         """Copy the trainer's weights (HF names) into the engine in place; see
-        :func:`.weight_sync.sync_weights` (returns its :class:`~.weight_sync.SyncReport`)."""
+        :func:`.weight_sync.sync_weights` (returns its :class:`~.weight_sync.SyncReport`, with
+        both sides' per-tensor checksums unless ``fingerprint=False``)."""
         from .weight_sync import sync_weights
 
-        return sync_weights(self._live(), named_tensors, strict=strict, skip_unchanged=skip_unchanged)
+        return sync_weights(self._live(), named_tensors, strict=strict, skip_unchanged=skip_unchanged,
+                            fingerprint=fingerprint)
 
 
 def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_new_tokens: int, seed: int,

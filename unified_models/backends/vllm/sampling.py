@@ -7,20 +7,41 @@
   log-probabilities our ``compute_logits`` returned and which request/position it
   belongs to (:func:`external_request_id` maps vLLM's internal request ids back).
 * :func:`generate_token_ids`: ``llm.generate`` on token-id prompts.
+* :func:`adopt_request_temperature` and :func:`install_engine_hooks`: every engine that runs
+  our model class (``vllm.LLM``, ``AsyncLLM``, the OpenAI server) gets the request's own
+  ``temperature`` applied by our logprob op, not by vLLM's sampler (see below).
+
+How a request's temperature reaches the logprob op (DESIGN rule 9). Our ``compute_logits``
+returns ``log_softmax(logits / T)``; vLLM's sampler would divide those rows by T once more.
+So, for a model served by our class, the request-local copy of its ``SamplingParams``
+(``InputProcessor.process_inputs`` clones the caller's) is rewritten before the engine core
+sees it: ``temperature = T`` becomes ``temperature = 1`` plus ``extra_args[TEMPERATURE_ARG] =
+T``. The model runner then samples at 1 from our rows (the same distribution as vLLM's own
+temperature T would give) and, with ``logprobs_mode="raw_logits"``, returns the op's values;
+:class:`RowTemperatures` (installed on the model after loading by the worker hook) tells the
+model each row's T. Greedy requests (``temperature < 1e-5``, vLLM's ``_SAMPLING_EPS``) are left
+greedy; their logprobs are the op's at ``extra_args[TEMPERATURE_ARG]`` if given, else at 1. A
+request that gives both a vLLM temperature other than 0 or 1 and ``extra_args[TEMPERATURE_ARG]``
+is refused (``ValueError``: HTTP 400 from the server).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from .live import get_model, get_runner
+from . import compat
 
 
 TEMPERATURE_ARG = "unified_models_temperature"
 """``SamplingParams.extra_args`` key holding a request's sampling temperature."""
+
+GREEDY_EPS = 1e-5
+"""vLLM's ``_SAMPLING_EPS``: a temperature below it means greedy (argmax) decoding."""
 
 
 def sampling_params(*, temperature: float = 1.0, **kwargs):
@@ -118,8 +139,11 @@ class SampleRecorder:
     """
 
     def __init__(self, llm, *, keep_rows: bool = True, keep_rows_of=None):
-        self.model = get_model(llm)
-        self.runner = get_runner(llm)
+        self.runner = compat.model_runner(llm)
+        self.model = _our_model(self.runner.get_model())
+        if self.model is None:
+            raise RuntimeError(f"the engine runs {type(self.runner.get_model()).__name__}, not unified_models' "
+                               "UnifiedForCausalLM")
         self.keep_rows = keep_rows
         self.keep_rows_of = keep_rows_of
         self.entries: list[tuple[str, int, torch.Tensor | None]] = []
@@ -183,3 +207,126 @@ def generate_token_ids(llm, prompts: Iterable[list[int]], sampling_params, *, us
 
     return llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling_params,
                         use_tqdm=use_tqdm)
+
+
+def _our_model(model) -> Any:
+    """``model`` with vLLM's wrappers stripped if it is our model class (it has ``row_temperatures``), else None.
+
+    Duck-typed so that this module imports neither :mod:`.model` nor :mod:`.live` (the plugin
+    imports it, and the model imports the plugin).
+    """
+    inner = compat.unwrap_model(model)
+    return inner if "row_temperatures" in getattr(inner, "__dict__", {}) and hasattr(inner, "spec") else None
+
+
+def adopt_request_temperature(sp) -> None:
+    """Move a request's own vLLM ``temperature`` into our logprob op's argument, in place.
+
+    ``sp`` must be the request's private copy (``InputProcessor.process_inputs`` makes one).
+    ``temperature = T >= 1e-5`` with no ``extra_args[TEMPERATURE_ARG]`` becomes ``temperature = 1``
+    and ``extra_args[TEMPERATURE_ARG] = T``; greedy requests and requests already built by
+    :func:`sampling_params` are left as they are.
+
+    Raises:
+        ValueError: ``extra_args[TEMPERATURE_ARG]`` is not a finite number > 0, or is given
+            together with a vLLM temperature other than 0 or 1 (two temperatures for one request).
+    """
+    extra = dict(sp.extra_args or {})
+    if TEMPERATURE_ARG in extra:
+        t = extra[TEMPERATURE_ARG]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"extra_args[{TEMPERATURE_ARG!r}] must be a finite number > 0, got {t!r}")
+        if sp.temperature >= GREEDY_EPS and sp.temperature != 1.0:
+            raise ValueError(f"temperature {sp.temperature} and extra_args[{TEMPERATURE_ARG!r}] = {t} both set a "
+                             "sampling temperature; give only `temperature` (unified_models applies it in its "
+                             "logprob op)")
+        extra[TEMPERATURE_ARG] = float(t)
+        sp.extra_args = extra
+        return
+    if sp.temperature < GREEDY_EPS:
+        return
+    extra[TEMPERATURE_ARG] = float(sp.temperature)
+    sp.extra_args = extra
+    sp.temperature = 1.0
+
+
+_HOOKS_INSTALLED = False
+
+
+def install_engine_hooks(serves_ours: Callable[[str], bool]) -> None:
+    """Patch vLLM (once per process) so that every engine running our model class carries temperatures right.
+
+    * ``InputProcessor.process_inputs`` (the frontend of ``vllm.LLM``, ``AsyncLLM`` and the OpenAI
+      server): when ``serves_ours(model_config.architecture)``, :func:`adopt_request_temperature` on
+      the request's private ``SamplingParams`` (its ``ValueError`` is the server's HTTP 400).
+    * ``InputProcessor.__init__``: for our model, refuse a tokenizer shorter than the model's
+      vocabulary (:func:`check_tokenizer_covers_vocab`) before any request can sample an id it
+      cannot detokenize.
+    * ``Worker.load_model`` (GPU and CPU workers): after loading, our model gets
+      ``row_temperatures = RowTemperatures(runner)`` unless it has one.
+
+    vLLM's plugin entry point (``backends/vllm/plugin.register``) calls this in every vLLM
+    process; for any other model class the hooks do nothing.
+    """
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu_worker import Worker
+
+    process_inputs = InputProcessor.process_inputs
+    init = InputProcessor.__init__
+    load_model = Worker.load_model
+
+    def ours(processor) -> bool:
+        try:
+            return bool(serves_ours(processor.model_config.architecture))
+        except Exception:  # noqa: BLE001 - an unresolved architecture is not ours
+            return False
+
+    @functools.wraps(init)
+    def init_hooked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if ours(self) and self.tokenizer is not None:
+            check_tokenizer_covers_vocab(len(self.tokenizer), self.model_config.get_vocab_size(),
+                                         str(self.model_config.tokenizer))
+
+    @functools.wraps(process_inputs)
+    def process_inputs_hooked(self, *args, **kwargs):
+        request = process_inputs(self, *args, **kwargs)
+        if request.sampling_params is not None and ours(self):
+            adopt_request_temperature(request.sampling_params)
+        return request
+
+    @functools.wraps(load_model)
+    def load_model_hooked(self, *args, **kwargs):
+        out = load_model(self, *args, **kwargs)
+        model = _our_model(self.model_runner.get_model())
+        if model is not None and model.row_temperatures is None:
+            model.row_temperatures = RowTemperatures(self.model_runner)
+        return out
+
+    InputProcessor.__init__ = init_hooked
+    InputProcessor.process_inputs = process_inputs_hooked
+    Worker.load_model = load_model_hooked
+    _HOOKS_INSTALLED = True
+
+
+def check_tokenizer_covers_vocab(tokenizer_len: int, vocab_size: int, tokenizer: str) -> None:
+    """Refuse to serve a model whose vocabulary has ids its tokenizer cannot detokenize.
+
+    A random or fine-tuned model can sample any id below ``vocab_size``; vLLM's logprob
+    detokenizer raises on an id past the tokenizer (``convert_ids_to_tokens`` gives ``None``)
+    and the server exits. ``unified-models serve`` pads such a tokenizer with placeholder
+    tokens instead (:func:`unified_models.serving.vocabulary.padded_tokenizer_dir`).
+
+    Raises:
+        ValueError: ``tokenizer_len < vocab_size``.
+    """
+    if tokenizer_len < vocab_size:
+        raise ValueError(
+            f"the tokenizer {tokenizer} has {tokenizer_len} tokens but the model's vocabulary has {vocab_size} ids: "
+            f"ids {tokenizer_len}..{vocab_size - 1} could be sampled and not detokenized (vLLM's logprob "
+            "detokenizer would take the server down). Serve it with `unified-models serve`, which pads the "
+            "tokenizer with placeholder tokens, or pass --tokenizer with a padded copy "
+            "(`python -m unified_models.serving.vocabulary SRC DST VOCAB_SIZE`)")

@@ -25,6 +25,13 @@ the copies with the names that changed; it must recompute quantized weights,
 scales, pre-transposed copies, ... *in place* and return the names of what it
 recomputed. No model defines derived tensors today, so nothing is called.
 
+Weight fingerprint: after the copies, every given tensor's checksum
+(:func:`unified_models.consistency.fingerprint.tensor_checksum`, over the raw bits,
+order-independent) is computed on the trainer's side (its own device, cast to the
+engine dtype) and on the engine's parameter after the copy (the engine's device);
+both tables come back in the :class:`SyncReport` and
+:func:`~unified_models.consistency.fingerprint.verify_weight_sync` compares them.
+
 Only the in-process engine is reachable (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 which :func:`.engine.make_llm` pins).
 """
@@ -55,7 +62,13 @@ class SyncReport:
         derived: derived tensors the model recomputed in place.
         bytes_copied: bytes written into engine parameters.
         prefix_cache_reset: True when the prefix cache was reset (something changed).
-        seconds: wall time of the sync.
+        seconds: wall time of the sync (the checksums included).
+        source_checksums: name -> checksum of every given tensor as sent (after quantization,
+            cast to its engine parameter's dtype, on the tensor's own device); None when the
+            sync ran with ``fingerprint=False``.
+        engine_checksums: name -> checksum of the same engine parameters after the copy (on
+            the engine's device); None likewise.
+        checksum_seconds: wall time of both checksum tables.
     """
 
     copied: tuple[str, ...]
@@ -64,6 +77,9 @@ class SyncReport:
     bytes_copied: int
     prefix_cache_reset: bool
     seconds: float
+    source_checksums: Mapping[str, int] | None = None
+    engine_checksums: Mapping[str, int] | None = None
+    checksum_seconds: float = 0.0
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
@@ -87,7 +103,7 @@ def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                 strict: bool = True, skip_unchanged: bool = True) -> SyncReport:
+                 strict: bool = True, skip_unchanged: bool = True, fingerprint: bool = True) -> SyncReport:
     """Copy the trainer's weights into a live vLLM engine in place.
 
     Args:
@@ -99,6 +115,8 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         strict: every floating-point engine parameter must be given (a full sync; integer
             tables such as ``tid2eid`` are never trained and never synced).
         skip_unchanged: copy only tensors whose bits (after the cast) differ from the engine's.
+        fingerprint: compute the per-tensor checksums of both sides (``SyncReport.source_checksums``,
+            ``engine_checksums``), over every given tensor, copied or unchanged.
 
     Returns:
         :class:`SyncReport`. Afterwards every given tensor equals the engine's
@@ -146,6 +164,16 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         hook = getattr(model, DERIVED_HOOK, None)
         if callable(hook):
             derived = sorted(hook(set(changed)) or ())
+    source_sums = engine_sums = None
+    t_sum = time.perf_counter()
+    if fingerprint:
+        from ...consistency.fingerprint import tensor_checksums
+
+        source_sums = tensor_checksums((n, t.to(dtype=params[n].dtype)) for n, t in pairs)
+        params = model.params()
+        engine_sums = tensor_checksums((n, params[n]) for n, _ in pairs)
+    t_sum = time.perf_counter() - t_sum
     return SyncReport(copied=tuple(changed), unchanged=tuple(unchanged), derived=tuple(derived),
                       bytes_copied=sum(t.numel() * t.element_size() for t in changed.values()),
-                      prefix_cache_reset=bool(changed), seconds=time.perf_counter() - start)
+                      prefix_cache_reset=bool(changed), seconds=time.perf_counter() - start,
+                      source_checksums=source_sums, engine_checksums=engine_sums, checksum_seconds=t_sum)

@@ -1,0 +1,155 @@
+"""`unified-models bisect`: no divergent op on unmodified code; a one-ulp change injected into one
+op on one side (test-only hook) is named exactly, with its element and position; the written
+reproduction fails on its own; --against peer and --against reference compare module by module."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from unified_models.cli import main
+from unified_models.porting import taps
+from unified_models.porting.bisect import PERTURB_ENV, trainer_side
+from unified_models.porting.compare import bits, first_divergence
+from unified_models.porting.repro import recompute, write_repro
+
+ARGS = ["--num-prompts", "2", "--max-new-tokens", "3"]
+
+
+def test_taps_are_off_by_default_and_cost_one_check():
+    assert taps.SINK is None
+    rec = taps.TapRecorder()
+    with taps.recording(rec):
+        assert taps.SINK is rec
+        with pytest.raises(RuntimeError, match="already active"):
+            taps.recording(taps.TapRecorder()).__enter__()
+    assert taps.SINK is None
+    assert taps.tap_name("backbone.layers.3.mixer.in_proj") == "layers.3.mixer.in_proj"
+    assert taps.Perturbation.parse("layers.1.mixer.attn@1:7:3") == taps.Perturbation("layers.1.mixer.attn", 1, 7, 3)
+    with pytest.raises(ValueError, match="NAME"):
+        taps.Perturbation.parse("x@1")
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_checkpoint, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bisect")
+    status = main(["bisect", "--model", str(tiny_checkpoint), *ARGS, "--json", str(d / "b.json"),
+                   "--repro-dir", str(d / "repro")])
+    return status, json.loads((d / "b.json").read_text()), d
+
+
+def test_no_divergent_op_on_unmodified_code(clean):
+    status, r, d = clean
+    assert status == 0 and r["passed"] and r["divergence"] is None
+    names = r["op_names"]
+    for want in ("embedding", "layers.0.norm", "layers.0.mixer.q_proj", "layers.0.mixer.attn",
+                 "layers.0.mixer.o_proj", "layers.1.mixer.up_proj", "layers.1.mixer.act", "layers.5.mixer.residual",
+                 "final_norm", "logits", "logprobs"):
+        assert want in names, want
+    assert names.index("embedding") < names.index("layers.0.norm") < names.index("layers.0.mixer.q_proj")
+    assert r["rows_compared"] > len(names) * r["sequences"]
+    assert not (d / "repro").exists()
+
+
+def test_injected_ulp_on_the_rollout_side_is_named_and_reproduced(tiny_checkpoint, tmp_path, monkeypatch):
+    """End to end through the CLI: vLLM's attention output of layer 2, one element one ulp up."""
+    monkeypatch.setenv(PERTURB_ENV, "rollout=layers.2.mixer.attn@1:9:5")
+    status = main(["bisect", "--model", str(tiny_checkpoint), *ARGS, "--json", str(tmp_path / "b.json"),
+                   "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads((tmp_path / "b.json").read_text())
+    d = r["divergence"]
+    assert status == 1 and not r["passed"] and "never hit" not in r["perturbed"]
+    assert (d["name"], d["layer"], d["op"]) == ("layers.2.mixer.attn", 2, "mixer.attn")
+    assert (d["sequence"], d["position"], d["rows_differing"]) == (1, 9, 1)
+    shape = json.loads(d["shapes"][0])[1:]
+    assert np.ravel_multi_index(d["element"], shape) == 5
+    assert d["max_abs_diff"] > 0 and d["value_a"] != d["value_b"] and d["token_id"] is not None
+    run = subprocess.run([sys.executable, r["repro"]], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "REPRODUCED (rollout)" in run.stdout
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.presets import build_preset_checkpoint
+
+    d = build_preset_checkpoint("nemotron_h_hybrid_tiny")
+    _, spec, sd = spec_and_state_dict(d)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in (19, 34)]
+    clean = taps.TapRecorder()
+    trainer_side(spec, sd, seqs, device="cpu", recorder=clean)
+    return d, spec, sd, seqs, clean
+
+
+@pytest.mark.parametrize("op", ["layers.1.mixer.attn", "layers.0.mixer.ssm_scan", "layers.3.mixer.experts",
+                                "layers.4.mixer.in_proj", "logprobs"])
+def test_injected_ulp_in_each_op_class_is_named_exactly(hybrid, op, tmp_path):
+    """Trainer vs trainer with one side perturbed (no engine start): attention, Mamba-2 scan, MoE combine,
+    a linear and the logprob op, each named with its layer, row and element; the repro fails alone."""
+    d, spec, sd, seqs, clean = hybrid
+    bad = taps.TapRecorder(perturb=taps.Perturbation(op, 1, 21, 3))
+    trainer_side(spec, sd, seqs, device="cpu", recorder=bad)
+    assert bad.perturbed
+    cmp = first_divergence(bad.records, clean.records, sides=("trainer", "rollout"), tokens=dict(enumerate(seqs)))
+    div = cmp.divergence
+    assert div is not None and div.name == op and (div.sequence, div.position) == (1, 21)
+    assert div.layer == (None if op == "logprobs" else int(op.split(".")[1]))
+    assert np.ravel_multi_index(div.element, json.loads(div.shapes[0])[1:]) == 3 and div.token_id == seqs[1][21]
+    assert div.rows_differing == 1
+    path = write_repro(tmp_path / "repro", spec, d, sd, div, bad.records, clean.records, seqs, mode="trainer")
+    got = recompute(path.parent)  # the op recomputed alone from the saved inputs: the clean side's bits
+    assert torch.equal(bits(got), bits(clean.records.rows(op)[(1, 21)]))
+    assert not torch.equal(bits(got), bits(bad.records.rows(op)[(1, 21)]))
+    if op == "layers.0.mixer.ssm_scan":  # one subprocess run (the CLI test runs another): the script alone exits 1
+        run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and "REPRODUCED (trainer)" in run.stdout, run.stdout + run.stderr
+
+
+def test_against_peer_runs_module_by_module(tiny_checkpoint, tmp_path):
+    status = main(["bisect", "--model", str(tiny_checkpoint), "--against", "peer", "--num-prompts", "1",
+                   "--json", str(tmp_path / "p.json")])
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert status == 0 and r["passed"], r["divergence"]
+    assert r["sides"] == ["reference", "transformers"]
+    for want in ("embedding", "layers.0.norm", "layers.0.mixer", "layers.5.mixer.residual", "final_norm", "logits"):
+        assert want in r["op_names"], want
+
+
+def test_against_peer_finds_a_perturbed_module(tiny_checkpoint, tmp_path, monkeypatch):
+    """A 1e-2 relative change would be a real bug: one ulp of fp32 is below the tolerance, so perturb more."""
+    from unified_models.porting import reference_taps
+
+    real = reference_taps._reference_forward
+
+    def broken(ref, ids, rec):
+        w = ref.p("backbone.layers.2.mixer.o_proj.weight")
+        with torch.no_grad():
+            w[0, 0] += 0.5
+        real(ref, ids, rec)
+
+    monkeypatch.setattr(reference_taps, "_reference_forward", broken)
+    status = main(["bisect", "--model", str(tiny_checkpoint), "--against", "peer", "--num-prompts", "1",
+                   "--json", str(tmp_path / "p.json"), "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert status == 1 and r["divergence"]["name"] == "layers.2.mixer"
+
+
+def test_against_reference_within_tolerance(tiny_checkpoint, tmp_path):
+    status = main(["bisect", "--model", str(tiny_checkpoint), "--against", "reference", "--num-prompts", "2",
+                   "--json", str(tmp_path / "r.json")])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert status == 0 and r["passed"], r["divergence"]
+    assert "layers.0.mixer" in r["op_names"] and "logits" in r["op_names"]
+
+
+def test_bad_flags_fail_cleanly(tiny_checkpoint, capsys, monkeypatch):
+    assert main(["bisect", "--model", str(tiny_checkpoint), "--tolerance", "0.1"]) == 2
+    assert "bitwise" in capsys.readouterr().err
+    monkeypatch.setenv(PERTURB_ENV, "nonsense")
+    assert main(["bisect", "--model", str(tiny_checkpoint)]) == 2
+    assert PERTURB_ENV in capsys.readouterr().err

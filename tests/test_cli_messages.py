@@ -1,0 +1,133 @@
+"""Issue 21: command-line messages that named the wrong thing, and inputs refused late.
+
+Each case is one ``error:`` line (exit 2) naming the file, field or flag and the value,
+given before any engine starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from unified_models.cli import main
+
+
+def _error_lines(err: str) -> list[str]:
+    return [x for x in err.splitlines() if x.startswith("error:")]
+
+
+@pytest.mark.parametrize("argv, flag", [(["check", "--num-prompts", "0"], "--num-prompts"),
+                                        (["check", "--max-new-tokens", "-3"], "--max-new-tokens"),
+                                        (["rl", "--steps", "0"], "--steps"),
+                                        (["rl", "--save-every", "1.5"], "--save-every")])
+def test_integer_options_say_integer(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "integer" in err and "finite number" not in err
+
+
+def _nemotron(tmp_path, name, pattern, **overrides):
+    """A small transformers-written Nemotron-H checkpoint; ``overrides`` are then written into
+    its config.json (values transformers itself would not have to accept)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(hybrid_override_pattern=pattern, hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=1000,
+                          mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                          chunk_size=16)
+    d = tmp_path / name
+    NemotronHForCausalLM(cfg).save_pretrained(d)
+    if overrides:
+        c = json.loads((d / "config.json").read_text())
+        c.update(overrides)
+        (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+@pytest.fixture(scope="module")
+def chunk1(tmp_path_factory):
+    return _nemotron(tmp_path_factory.mktemp("chunk1"), "m", "M*", chunk_size=1)
+
+
+@pytest.mark.parametrize("command", ["check", "inspect", "convert", "rl", "quantize"])
+def test_chunk_size_1_is_refused_before_any_engine(chunk1, command, tmp_path, capsys):
+    """The Mamba-2 decode state holds ``chunk_size - 1`` pending rows: 1 used to crash inside vLLM."""
+    argv = {"check": ["check", "--model", str(chunk1)], "inspect": ["inspect", str(chunk1)],
+            "convert": ["convert", "--from", "hf", "--to", "megatron", str(chunk1), str(tmp_path / "mg")],
+            "rl": ["rl", "--model", str(chunk1), "--metrics", str(tmp_path / "m.jsonl")],
+            "quantize": ["quantize", str(chunk1), str(tmp_path / "q")]}[command]
+    assert main(argv) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{chunk1}/config.json" in line and "chunk_size=1 must be >= 2" in line
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_quantize_attention_free_is_one_line(tmp_path, capsys):
+    """``MMM``: calibration used to print a transformers traceback (``get_seq_length``)."""
+    d = _nemotron(tmp_path, "mmm", "MMM")
+    for extra in ([], ["--kv-cache", "none", "--experts", "none"]):
+        assert main(["quantize", str(d), str(tmp_path / "q"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: quantize ")
+        assert "'MMM' has no attention layer" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantize_options_that_match_nothing(tiny_checkpoint, tmp_path, capsys):
+    """The tiny preset (``*-*-*-``) has no experts and no Mamba layers."""
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "q"), "--experts", "nvfp4"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "--experts nvfp4 matches nothing" in line and "routed experts" in line and "'*-*-*-'" in line
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "q"), "--mamba-proj", "fp8"]) == 2
+    assert "--mamba-proj fp8 matches nothing" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "q"), "--experts", "none", "--mamba-proj",
+                 "none", "--kv-cache", "none"]) == 2
+    assert "nothing to quantize" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "q"), "--kv-cache", "none"]) == 2
+    assert "nothing to quantize" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+    # defaults: what matches (the FP8 KV cache) is written, the rest is noted
+    assert main(["quantize", str(tiny_checkpoint), str(tmp_path / "q"), "--num-calibration-prompts", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --experts nvfp4 (default) not applied" in err and "note: --mamba-proj fp8 (default)" in err
+    qc = json.loads((tmp_path / "q" / "hf_quant_config.json").read_text())["quantization"]
+    assert qc["kv_cache_quant_algo"] == "FP8" and qc["quantized_layers"] == {}
+
+
+def test_megatron_checkpoint_without_common_pt_is_named(tiny_checkpoint, tmp_path, capsys):
+    """megatron-core 0.16 used to fail with ``AttributeError: 'str' object has no attribute 'iterdir'``."""
+    mg = tmp_path / "mg"
+    assert main(["convert", "--from", "hf", "--to", "megatron", str(tiny_checkpoint), str(mg)]) == 0
+    (mg / "common.pt").unlink()
+    capsys.readouterr()
+    assert main(["convert", "--from", "megatron", "--to", "hf", str(mg), str(tmp_path / "hf")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"Megatron checkpoint {mg} is incomplete: common.pt" in line and "is missing" in line
+    assert "iterdir" not in line and not (tmp_path / "hf").exists()
+
+
+def test_gsm8k_answer_without_marker_names_file_and_line(tiny_checkpoint, tmp_path, capsys):
+    """Refused while the prompts are read (before any engine), naming ``file:line``."""
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(json.dumps({"question": "2+2?", "answer": "4 #### 4"}) + "\n\n"
+                 + json.dumps({"question": "3+3?", "answer": "it is six"}) + "\n")
+    assert main(["rl", "--model", str(tiny_checkpoint), "--reward", "gsm8k", "--prompts", str(p),
+                 "--num-prompts-per-step", "1", "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{p}:3: GSM8K answer has no '####' marker: 'it is six'" in line
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_gsm8k_check_references_unit(tmp_path):
+    from unified_models.dsl import PromptError
+    from unified_models.rl.data import PromptRow
+    from unified_models.rl.rewards import check_references, reward_info
+
+    rows = [PromptRow(text="a", answer="x #### 7", line=1), PromptRow(text="b", answer="#### seven", line=4)]
+    with pytest.raises(PromptError, match=r"^f.jsonl:4: GSM8K answer has no number after '####'"):
+        check_references(reward_info("gsm8k"), rows, "f.jsonl")
+    check_references(reward_info("target-token"), rows, "f.jsonl")  # no reference check: accepted
+    shutil.rmtree(tmp_path)

@@ -1,0 +1,291 @@
+"""``unified-models serve``: vLLM's OpenAI server with our model class, driven by the official client.
+
+One server (CPU, the tiny preset's weights) is started as a subprocess on 127.0.0.1 and stopped by
+its PID. Its checkpoint directory holds the bundled Phi-3 tokenizer as it is (32,011 tokens) while
+the model has 32,064 ids, so the same server also shows that a vocabulary larger than the
+tokenizer is served safely (``serve`` pads the tokenizer with placeholder tokens).
+
+Every sampled token's logprob is compared bitwise with the Megatron module's recompute at the
+request's own temperature, the way ``check`` recomputes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 4
+"""Sampled tokens per request in the concurrency test (kept small: 2 busy CPU cores)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def short_tokenizer_checkpoint(tmp_path_factory) -> Path:
+    """The tiny preset's weights and config with the *unpadded* bundled tokenizer (32,011 < 32,064)."""
+    from unified_models.presets import build_preset_checkpoint, tokenizer_dir
+    from unified_models.serving.vocabulary import tokenizer_length
+
+    src = build_preset_checkpoint("nemotron_h_tiny")
+    d = tmp_path_factory.mktemp("short_tok") / "ckpt"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (src / name).is_file():
+            os.symlink(src / name, d / name)
+    for f in tokenizer_dir().iterdir():
+        shutil.copy(f, d / f.name)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    assert tokenizer_length(d) == 32011 < vocab == 32064
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(short_tokenizer_checkpoint, tmp_path_factory):
+    """``unified-models serve --model DIR`` on a free port; yields (base URL, Popen); stopped by PID."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # conftest's in-process pin
+    cmd = [sys.executable, "-m", "unified_models.cli", "serve", "--model", str(short_tokenizer_checkpoint),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+           "--max-model-len", "512", "--max-num-seqs", "32"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    try:
+        while not _alive(base):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() - t0 > 420:
+                pytest.fail(f"server not up after 420 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base, proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the API server and vLLM's engine-core child
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(spec, state_dict, prompt token ids of 8 GSM8K questions) of the tiny preset."""
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.presets import build_preset_checkpoint, default_prompts_path
+    from unified_models.prompts import load_prompt_texts, tokenize_prompts
+
+    d = build_preset_checkpoint("nemotron_h_tiny")
+    _, spec, sd = spec_and_state_dict(d)
+    ids = tokenize_prompts(load_prompt_texts(default_prompts_path(), 8), d, vocab_size=spec.vocab_size)
+    return spec, sd, [p[:48] for p in ids]
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    """``return_tokens_as_token_ids`` tokens (``token_id:123``) -> ids."""
+    return [int(t.rsplit(":", 1)[1]) for t in tokens]
+
+
+def _completion(client, prompt_ids, *, temperature, seed, logprobs, max_tokens=NEW_TOKENS):
+    r = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed, logprobs=logprobs,
+                                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    c = r.choices[0]
+    return {"prompt": list(prompt_ids), "tokens": _ids(c.logprobs.tokens),
+            "logprobs": list(c.logprobs.token_logprobs), "top": c.logprobs.top_logprobs, "temperature": temperature}
+
+
+def _chat(client, text, *, temperature, seed, logprobs, max_tokens=NEW_TOKENS):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature,
+        seed=seed, logprobs=True, top_logprobs=logprobs,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True})
+    c = r.choices[0]
+    toks = _ids([x.token for x in c.logprobs.content])
+    assert toks == list(c.token_ids)
+    return {"prompt": list(r.prompt_token_ids), "tokens": toks, "logprobs": [x.logprob for x in c.logprobs.content],
+            "top": [{t.token: t.logprob for t in x.top_logprobs} for x in c.logprobs.content],
+            "temperature": temperature}
+
+
+def _recompute(spec, sd, results: list[dict]) -> None:
+    """Assert every returned sampled-token logprob is bitwise the trainer's at its request's temperature."""
+    from unified_models.backends.megatron.trainer import Trainer
+
+    with Trainer(spec, sd, device="cpu") as trainer:
+        for t in sorted({r["temperature"] for r in results}):
+            group = [r for r in results if r["temperature"] == t]
+            tr = trainer.logprobs([r["prompt"] for r in group], [r["tokens"] for r in group],
+                                  temperature=t if t > 0 else 1.0)
+            for r, lp in zip(group, tr.logprobs):
+                got = torch.tensor(r["logprobs"], dtype=torch.float64)
+                want = lp.double().cpu()
+                assert got.shape == want.shape and torch.equal(got, want), (t, r["tokens"], got, want)
+                # the JSON value is the fp32 op output exactly (no rounding on the way)
+                assert torch.equal(got.float().double(), got)
+
+
+def test_concurrent_requests_match_trainer_bitwise(server, model):
+    """8 threads, completions + chat, temperatures 0.7 / 1.0, seeds, logprobs 0 / 5, 64 requests:
+    none fails, the server stays up, every logprob is the trainer's at the request's temperature,
+    and a request alone gives the same bits as under load. Bad requests get 4xx and change nothing."""
+    import openai
+
+    base, proc, log = server
+    spec, sd, prompts = model
+    from unified_models.presets import default_prompts_path
+    from unified_models.prompts import load_prompt_texts
+
+    texts = load_prompt_texts(default_prompts_path(), 8)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    jobs = []
+    for i in range(64):
+        kind = "chat" if i % 2 else "completion"
+        jobs.append(dict(kind=kind, idx=i % 8, temperature=(0.7, 1.0)[(i // 2) % 2], seed=1000 + i,
+                         logprobs=(0, 5)[(i // 4) % 2]))
+
+    def run(job):
+        kw = dict(temperature=job["temperature"], seed=job["seed"], logprobs=job["logprobs"])
+        if job["kind"] == "chat":
+            return _chat(client, texts[job["idx"]], **kw)
+        return _completion(client, prompts[job["idx"]], **kw)
+
+    t0 = time.monotonic()
+    alone = [run(j) for j in jobs[:6]]  # one at a time
+    with ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(run, jobs))
+    took = time.monotonic() - t0
+    assert proc.poll() is None and _alive(base), log.read_text()[-3000:]
+    for a, b in zip(alone, loaded[:6]):
+        assert a == b  # tokens, logprobs and top-5 bit for bit
+    for job, r in zip(jobs, loaded):
+        assert len(r["tokens"]) == NEW_TOKENS
+        if job["logprobs"] == 5:
+            assert all(len(t) >= 5 for t in r["top"])
+
+    # greedy: temperature 0 -> argmax, logprobs at temperature 1
+    greedy = _completion(client, prompts[0], temperature=0.0, seed=None, logprobs=1)
+    greedy["temperature"] = 0.0
+    _recompute(spec, sd, loaded + [greedy])
+
+    bad = [
+        dict(prompt=prompts[0], max_tokens=2, temperature=-1.0),  # negative temperature
+        dict(prompt=prompts[0], max_tokens=2, logprobs=50),  # above --max-logprobs (20)
+        dict(prompt=prompts[0], max_tokens=100000),  # beyond max_model_len
+        dict(prompt=[10**6], max_tokens=2),  # token id outside the vocabulary
+        dict(prompt=prompts[0], max_tokens=2, temperature=0.7,  # two temperatures
+             extra_body={"vllm_xargs": {"unified_models_temperature": 0.5}}),
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", **kw)
+        assert 400 <= e.value.status_code < 500
+    assert proc.poll() is None and _alive(base)
+    again = _completion(client, prompts[jobs[0]["idx"]], temperature=jobs[0]["temperature"], seed=jobs[0]["seed"],
+                        logprobs=jobs[0]["logprobs"])
+    assert again == alone[0]
+    print(f"64 concurrent + 6 single requests in {took:.1f} s")
+
+
+def test_ids_past_the_tokenizer_never_take_the_server_down(server):
+    """Thousands of sampled tokens with top-5 logprobs on a model with 53 more ids than its checkpoint's
+    tokenizer: the ids past the tokenizer come back as placeholders and the server stays up."""
+    import openai
+
+    base, proc, log = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+
+    def run(i):
+        r = client.completions.create(model="tiny", prompt=[1, 450 + i], max_tokens=64, temperature=1.0,
+                                      seed=7000 + i, logprobs=5, extra_body={"ignore_eos": True})
+        lp = r.choices[0].logprobs
+        return lp.tokens, lp.top_logprobs
+
+    with ThreadPoolExecutor(32) as pool:
+        out = list(pool.map(run, range(32)))
+    sampled = sum(len(t) for t, _ in out)
+    assert sampled == 32 * 64
+    names = {name for _, tops in out for top in tops for name in top}
+    pads = {n for n in names if n.startswith("<|pad_")}
+    assert pads, "no id past the tokenizer came up; the test shows nothing"
+    assert all(32011 <= int(n[len("<|pad_"):-2]) < 32064 for n in pads)
+    assert proc.poll() is None and _alive(base), log.read_text()[-3000:]
+
+
+def test_plain_vllm_refuses_a_short_tokenizer_at_start():
+    """Our hook refuses, before any request, a tokenizer shorter than the model's vocabulary."""
+    from unified_models.backends.vllm.sampling import check_tokenizer_covers_vocab
+
+    check_tokenizer_covers_vocab(32064, 32064, "t")
+    with pytest.raises(ValueError, match=r"32011 tokens but the model's vocabulary has 32064 ids"):
+        check_tokenizer_covers_vocab(32011, 32064, "t")
+
+
+def test_presets_write_tokenizers_that_cover_the_vocabulary(model):
+    """The preset's tokenizer has one id per vocabulary row; the prompts' ids are the bundled tokenizer's."""
+    from unified_models.presets import build_preset_checkpoint, default_prompts_path, tokenizer_dir
+    from unified_models.prompts import load_prompt_texts, tokenize_prompts
+    from unified_models.serving.vocabulary import placeholder, tokenizer_length
+
+    spec = model[0]
+    d = build_preset_checkpoint("nemotron_h_tiny")
+    assert tokenizer_length(d) == spec.vocab_size == 32064
+    assert tokenizer_length(tokenizer_dir()) == 32011
+    texts = load_prompt_texts(default_prompts_path(), 200)
+    assert tokenize_prompts(texts, d, vocab_size=spec.vocab_size) == tokenize_prompts(
+        texts, tokenizer_dir(), vocab_size=spec.vocab_size)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert tok.convert_ids_to_tokens([32011, 32063]) == [placeholder(32011), placeholder(32063)]
+    assert tok.decode([450, 32011, 32063], skip_special_tokens=True) == tok.decode([450])
+
+
+def test_override_setting_loads_native_names_with_our_class(monkeypatch):
+    """``UNIFIED_MODELS_OVERRIDE_NATIVE=1``: plain vLLM engine args resolve a ``NemotronHForCausalLM``
+    checkpoint to our class (hybrid variant for a Mamba pattern) without ``hf_overrides``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from unified_models.backends.vllm import plugin
+    from unified_models.presets import build_preset_checkpoint
+
+    original = EngineArgs.create_model_config
+    monkeypatch.setenv("UNIFIED_MODELS_OVERRIDE_NATIVE", "1")
+    try:
+        plugin.register()
+        for preset, want in (("nemotron_h_tiny", "UnifiedNemotronHForCausalLM"),
+                             ("nemotron_h_hybrid_tiny", "UnifiedNemotronHHybridForCausalLM")):
+            d = build_preset_checkpoint(preset)
+            assert json.loads((d / "config.json").read_text())["architectures"] == ["NemotronHForCausalLM"]
+            cfg = EngineArgs(model=str(d), tokenizer=str(d), model_impl="vllm").create_model_config()
+            assert cfg.architecture == want
+    finally:
+        EngineArgs.create_model_config = original

@@ -1,0 +1,40 @@
+"""The vLLM engine's execution-contract fingerprint, from what the engine really loaded.
+
+:func:`engine_fingerprint` reads the live :class:`~.model.UnifiedForCausalLM` inside an
+in-process ``vllm.LLM`` (its spec, its parameters, their device) and the settings vLLM
+resolved, and builds :func:`unified_models.consistency.fingerprint.contract_fingerprint`
+with the vLLM-own components ``vllm.version`` and ``vllm.settings``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...consistency.fingerprint import Fingerprint, contract_fingerprint, library_version
+from . import live
+
+__all__ = ["engine_fingerprint"]
+
+NUMERIC_SETTINGS = ("model_class", "dtype", "logprobs_mode", "mamba_ssm_cache_dtype")
+"""``live.engine_settings`` fields that change what the rollout computes or reports."""
+
+
+def engine_fingerprint(llm) -> Fingerprint:
+    """The contract fingerprint of the vLLM engine ``llm`` (in process; see :func:`.live.get_model`).
+
+    ``vllm.settings`` holds :data:`NUMERIC_SETTINGS` and the pinned model-runner variables
+    (``VLLM_USE_V2_MODEL_RUNNER``, ``VLLM_USE_FLASHINFER_SAMPLER``) as the process has them.
+
+    Raises:
+        RuntimeError: the engine runs out of process or not our model class.
+    """
+    from .engine import PINNED_ENV
+
+    model = live.get_model(llm)
+    params = model.params()
+    device = next(iter(params.values())).device
+    st = live.engine_settings(llm)
+    settings = {k: str(st.get(k)) for k in NUMERIC_SETTINGS}
+    settings.update({k: os.environ.get(k, "<unset>") for k in PINNED_ENV if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
+    return contract_fingerprint("vllm", model.spec, params, device,
+                                engine_components={"version": library_version("vllm"), "settings": settings})

