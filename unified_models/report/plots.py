@@ -116,7 +116,7 @@ def _diff_plot(steps, rows) -> Plot:
         top = max([top] + [abs(finite(v)) for v in vals if finite(v) is not None])
         ax.plot(steps, [_nan(v) for v in vals], style, marker="o", ms=3, label=key)
     ax.set_yscale("symlog", linthresh=1e-7)
-    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]), top=max(1e-1, 2 * top))
+    ax.set_ylim(bottom=0.0, top=max(1e-1, 2 * top))  # |Δ| >= 0: the line at exactly 0 sits on the axis
     _style(ax, "|Δ logprob| (nats)")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
     verdict = "diff != 0 at some step" if nonzero else "diff = 0 at every step"
