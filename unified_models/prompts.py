@@ -75,20 +75,23 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
 def load_tokenizer(tokenizer_dir: str | os.PathLike):
     """``AutoTokenizer.from_pretrained(tokenizer_dir)``; when that fails on the directory's model config
     (a checkpoint's ``config.json`` that transformers' config class cannot read, e.g. DeepSeek's
-    published DeepSeek-V4 layout with an HCA ratio other than 128), loaded again with a blank config,
-    which is enough for a tokenizer whose ``tokenizer_config.json`` names its class.
+    published DeepSeek-V4 layout with an HCA ratio other than 128), loaded again with the config
+    our loader reads from it (:func:`unified_models.converters.hf_safetensors.load_hf_config`), so the
+    tokenizer is configured exactly as next to the transformers-layout config.
 
     Raises:
         PromptError: neither load works (the first error, named with the directory).
     """
-    from transformers import AutoTokenizer, PretrainedConfig
+    from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError, KeyError, TypeError) as first:
         try:
-            return AutoTokenizer.from_pretrained(str(tokenizer_dir), config=PretrainedConfig())
-        except (OSError, ValueError, KeyError, TypeError):
+            from .converters.hf_safetensors import load_hf_config
+
+            return AutoTokenizer.from_pretrained(str(tokenizer_dir), config=load_hf_config(tokenizer_dir))
+        except Exception:  # noqa: BLE001 - the first error is the one to report
             raise PromptError(f"cannot load a tokenizer from {tokenizer_dir}: {type(first).__name__}: "
                               f"{first}") from None
 
