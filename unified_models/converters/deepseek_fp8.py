@@ -62,11 +62,11 @@ def _compact_skip(names: list[str], spec) -> list[str]:
 
 
 def _group(name: str) -> str:
-    """The linears that take one format together: a layer's routed experts of one projection, a
-    layer's shared expert, else the linear itself."""
-    m = re.match(r"^(.*\.experts)\.\d+\.(w[123])$", name)
+    """The linears that take one format together: a layer's routed experts (every expert and projection:
+    the grouped kernel takes one format per layer), a layer's shared expert, else the linear itself."""
+    m = re.match(r"^(.*\.experts)\.\d+\.w[123]$", name)
     if m:
-        return f"{m.group(1)}.*.{m.group(2)}"
+        return m.group(1)
     m = re.match(r"^(.*\.shared_experts)\.w[123]$", name)
     return m.group(1) if m else name
 
