@@ -38,7 +38,7 @@ from rich.table import Table
 
 from ..dsl import UnifiedModelsError
 from .compare import Comparison, first_divergence
-from .cli_args import add_plugin_flag, positive, seed
+from ..arg_types import add_plugin_flag, positive, seed
 from .taps import Perturbation, TapRecorder, recording
 
 __all__ = ["BisectOptions", "BisectReport", "add_parser", "run", "run_bisect", "PERTURB_ENV"]

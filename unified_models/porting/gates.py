@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..dsl import UnifiedModelsError
-from .cli_args import add_plugin_flag, positive
+from ..arg_types import add_plugin_flag, positive
 
 __all__ = ["GateRecord", "GATES", "run_gates", "cut_model", "add_parser", "run"]
 
