@@ -57,10 +57,15 @@ def test_temperature_is_applied_by_the_logprob_op_on_both_sides(fp32_checkpoint)
         params = [sampling_params(temperature=t, seed=11 + i, max_tokens=10, ignore_eos=True, logprobs=0,
                                   detokenize=False) for i, t in enumerate(temps)]
         outs = generate_token_ids(llm, prompts, params)
-        with pytest.raises(Exception, match="temperature"):
-            from vllm import SamplingParams
+        # vLLM's own `temperature` is the request's temperature too: moved into the logprob op
+        # (sampling.adopt_request_temperature), the same tokens and bits as the extra_args form
+        from vllm import SamplingParams
 
-            generate_token_ids(llm, [prompts[0]], SamplingParams(temperature=0.5, max_tokens=2, detokenize=False))
+        (plain,) = generate_token_ids(llm, [prompts[0]], SamplingParams(
+            temperature=temps[0], seed=11, max_tokens=10, ignore_eos=True, logprobs=0, detokenize=False))
+        assert list(plain.outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
+        assert [s[t].logprob for t, s in zip(plain.outputs[0].token_ids, plain.outputs[0].logprobs)] == \
+            [s[t].logprob for t, s in zip(outs[0].outputs[0].token_ids, outs[0].outputs[0].logprobs)]
     finally:
         shutdown_llm(llm)
     ref = ReferenceModel(spec, dtype=torch.float64)

@@ -394,19 +394,23 @@ def official_scale_dtype(cfg: Mapping) -> torch.dtype:
 
 @functools.lru_cache(maxsize=None)
 def transformers_config_class():
-    """transformers' ``DeepseekV4Config`` extended to read DeepSeek's published ``config.json`` too
-    (:func:`official_config_to_hf` first: any HCA ratio, where transformers' own fold knows only 4
-    and 128), so an engine that parses the directory itself (vLLM) reads either layout."""
+    """transformers' ``DeepseekV4Config``, made to read DeepSeek's published ``config.json`` too: its
+    ``from_dict`` runs :func:`official_config_to_hf` on a published dict first (the same fold as
+    transformers' own for ratios 4 and 128, and any other HCA ratio, which transformers' own refuses),
+    so an engine that parses the directory itself (vLLM) reads either layout. The class itself is
+    kept (not a subclass): transformers' model classes and ``AutoModelForCausalLM`` look it up exactly.
+    Patched once per process."""
     from transformers import DeepseekV4Config
 
-    class PublishedOrTransformersDeepseekV4Config(DeepseekV4Config):
-        @classmethod
-        def from_dict(cls, config_dict, **kwargs):
-            if is_official_config(config_dict):
-                config_dict = official_config_to_hf(config_dict)
-            return super().from_dict(config_dict, **kwargs)
+    original = DeepseekV4Config.from_dict.__func__
 
-    return PublishedOrTransformersDeepseekV4Config
+    def from_dict(cls, config_dict, **kwargs):
+        if is_official_config(config_dict):
+            config_dict = official_config_to_hf(config_dict)
+        return original(cls, config_dict, **kwargs)
+
+    DeepseekV4Config.from_dict = classmethod(from_dict)
+    return DeepseekV4Config
 
 
 def read_config_dict(model_dir: str | os.PathLike) -> dict:
