@@ -40,6 +40,23 @@ from . import compat
 TEMPERATURE_ARG = "unified_models_temperature"
 """``SamplingParams.extra_args`` key holding a request's sampling temperature."""
 
+try:
+    from vllm.exceptions import VLLMValidationError as _ClientError
+except ImportError:  # pragma: no cover - a vLLM without the client-error hierarchy maps ValueError itself
+    _ClientError = ValueError
+
+
+class RequestTemperatureError(ValueError, _ClientError):
+    """A request's temperatures cannot be served (a ``ValueError``, and vLLM's client error where vLLM
+    has one, so its OpenAI server answers HTTP 400 rather than 500)."""
+
+    def __init__(self, message: str) -> None:
+        if _ClientError is ValueError:  # pragma: no cover - see the import above
+            super().__init__(message)
+        else:
+            _ClientError.__init__(self, message, parameter="temperature")
+
+
 GREEDY_EPS = 1e-5
 """vLLM's ``_SAMPLING_EPS``: a temperature below it means greedy (argmax) decoding."""
 
@@ -235,9 +252,9 @@ def adopt_request_temperature(sp) -> None:
     if TEMPERATURE_ARG in extra:
         t = extra[TEMPERATURE_ARG]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"extra_args[{TEMPERATURE_ARG!r}] must be a finite number > 0, got {t!r}")
+            raise RequestTemperatureError(f"extra_args[{TEMPERATURE_ARG!r}] must be a finite number > 0, got {t!r}")
         if sp.temperature >= GREEDY_EPS and sp.temperature != 1.0:
-            raise ValueError(f"temperature {sp.temperature} and extra_args[{TEMPERATURE_ARG!r}] = {t} both set a "
+            raise RequestTemperatureError(f"temperature {sp.temperature} and extra_args[{TEMPERATURE_ARG!r}] = {t} both set a "
                              "sampling temperature; give only `temperature` (unified_models applies it in its "
                              "logprob op)")
         extra[TEMPERATURE_ARG] = float(t)
