@@ -21,8 +21,6 @@ from .dsl import SpecError
 
 DEFAULT_PRESET = "nemotron_h_tiny"
 
-_HF_ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
-"""transformers' causal-LM class name per preset family (written to ``config.architectures``)."""
 
 TOKENIZER_LAYOUT = "padded-to-vocab-1"
 """Part of every preset's cache digest: checkpoints built before their tokenizers were padded to the
@@ -128,7 +126,10 @@ def _build_plain(name: str, preset: dict, out_dir) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         config = AutoConfig.for_model(preset["family"], **preset["hf_config"])
-        config.architectures = [_HF_ARCHITECTURES.get(preset["family"], "NemotronHForCausalLM")]
+        # transformers' causal-LM class of the family, as its declaration names it (ModelSpec.hf_architecture)
+        from .models import spec_from_hf_config
+
+        config.architectures = [spec_from_hf_config(config).hf_architecture]
         dtype = getattr(torch, preset.get("dtype", "bfloat16"))
         torch.manual_seed(int(preset.get("seed", 0)))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -36,6 +36,7 @@ from .mamba2 import Mamba2Spec
 from .mlp import MLPSpec
 from .moe import MoESpec
 from .deepseek_moe import DeepseekV4MoESpec
+from .qwen3_moe import Qwen3MoESpec
 from .model import BlockSpec, Mixer, ModelSpec, SublayerSpec
 from .residual import PLAIN_RESIDUAL, HyperConnectionSpec, PlainResidualSpec
 from .norm import RMSNormSpec
@@ -46,6 +47,6 @@ __all__ = [
     "BlockSpec", "SublayerSpec", "PlainResidualSpec", "HyperConnectionSpec", "PLAIN_RESIDUAL", "RMSNormSpec", "RopeSpec", "CheckpointError",
     "ParallelismError", "PromptError", "SpecError", "UnifiedModelsError",
     "UnsupportedLayerError", "Mixer", "Mamba2Spec", "MoESpec", "LinearFormat", "DeepseekV4MoESpec",
-    "DeepseekV4AttentionSpec",
+    "DeepseekV4AttentionSpec", "Qwen3MoESpec",
     "YarnRope",
 ]

@@ -57,6 +57,11 @@ class AttentionSpec:
     value of each position is its key (after RoPE), and the cache holds one
     tensor (vLLM ``MLAAttentionSpec``/``SlidingWindowMLASpec``). Not combined
     with an FP8 cache yet.
+
+    ``qk_norm_eps``: ``None`` = no q/k norm; a float = per-head RMSNorm of q and
+    of k over the head dim (before RoPE), with gains ``<name>.q_norm.weight [E]``
+    and ``<name>.k_norm.weight [E]`` and this epsilon (Qwen3's ``q_norm`` /
+    ``k_norm``, transformers ``Qwen3Attention``).
     """
 
     name: str
@@ -70,8 +75,12 @@ class AttentionSpec:
     kv_cache_dtype: KVCacheDType = "auto"
     sliding_window: int | None = None
     shared_kv: bool = False
+    qk_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
+        eps = self.qk_norm_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
+            raise SpecError(f"{self.name}: qk_norm_eps={eps!r} must be None (no q/k norm) or a float >= 0")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise SpecError(f"{self.name}: sliding_window={w!r} must be None (full attention) or an int >= 1 "
@@ -123,6 +132,8 @@ class AttentionSpec:
                 f"{self.name}.v_proj.bias": (g * e,),
                 f"{self.name}.o_proj.bias": (d,),
             })
+        if self.qk_norm_eps is not None:
+            shapes.update({f"{self.name}.q_norm.weight": (e,), f"{self.name}.k_norm.weight": (e,)})
         if self.shared_kv:  # V = K: no value projection
             shapes = {n: s for n, s in shapes.items() if not n.startswith(f"{self.name}.v_proj.")}
         if self.kv_fp8:

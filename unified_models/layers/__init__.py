@@ -17,13 +17,13 @@ Shapes: T tokens, D hidden.
 
 from __future__ import annotations
 
-from . import attention, deepseek_attention, deepseek_moe, mamba2, mlp, moe
+from . import attention, deepseek_attention, deepseek_moe, mamba2, mlp, moe, qwen3_moe
 from .common import LayerContext, LayerFn, bias_getter
 from .family import (FAMILIES, LayerFamily, OracleFn, declares_slot_state, families_in_order, family_of, megatron_fields, model_caches,
                      register_family)
 from .residual import PlainResidual, ResidualPolicy, register_residual, residual_policy
 
-for _module in (attention, mlp, mamba2, moe, deepseek_moe, deepseek_attention):
+for _module in (attention, mlp, mamba2, moe, deepseek_moe, deepseek_attention, qwen3_moe):
     register_family(_module.FAMILY)
 
 __all__ = ["FAMILIES", "LayerContext", "LayerFamily", "LayerFn", "OracleFn", "PlainResidual", "ResidualPolicy",

@@ -20,7 +20,7 @@ from ..porting import taps
 from ..state import FlatBatch, StateStore
 from .common import LayerContext, bias_getter
 from .family import LayerFamily
-from .oracle import linear_oracle
+from .oracle import linear_oracle, rms_norm_oracle
 from .quantization import QuantizationOptions, QuantizationRules, Track, scalar_problems
 
 CACHE = "attn"
@@ -29,7 +29,7 @@ CACHE = "attn"
 
 def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
                       batch: FlatBatch, store: StateStore, ctx: LayerContext) -> torch.Tensor:
-    """q/k/v projections, RoPE (if any), K/V written into the layer's cache
+    """q/k/v projections, per-head q/k RMSNorm (``spec.qk_norm_eps``, if any), RoPE (if any), K/V written into the layer's cache
     group at ``slot_mapping``, paged attention read through the group's
     ``block_table``, o projection: ``[T, D] -> [T, D]``.
 
@@ -53,6 +53,12 @@ def attention_forward(spec: AttentionSpec, layer_index: int, params: Mapping[str
         v_TGE = ops.linear(x_TD, params[f"{p}.v_proj.weight"], bias("v_proj")).view(t, spec.num_kv_heads, spec.head_dim)
         if taps.SINK is not None: v_TGE = taps.SINK(f"{p}.v_proj", v_TGE)
     if taps.SINK is not None: q_THE, k_TGE = taps.SINK(f"{p}.q_proj", q_THE), taps.SINK(f"{p}.k_proj", k_TGE)
+    if spec.qk_norm_eps is not None:  # per-head RMSNorm over E (rows of [T*H, E]), before RoPE
+        q_THE = ops.rms_norm(q_THE.reshape(-1, spec.head_dim), params[f"{p}.q_norm.weight"], spec.qk_norm_eps,
+                             out_dtype=q_THE.dtype).view(t, spec.num_heads, spec.head_dim)
+        k_TGE = ops.rms_norm(k_TGE.reshape(-1, spec.head_dim), params[f"{p}.k_norm.weight"], spec.qk_norm_eps,
+                             out_dtype=k_TGE.dtype).view(t, spec.num_kv_heads, spec.head_dim)
+        if taps.SINK is not None: q_THE, k_TGE = taps.SINK(f"{p}.q_norm", q_THE), taps.SINK(f"{p}.k_norm", k_TGE)
     if spec.rope is not None:
         cos, sin = ops.rope_cos_sin(ctx.max_positions, spec.rope.rotary_dim, spec.rope.theta, x_TD.device)
         q_THE = ops.apply_rope(q_THE, batch.positions, cos, sin)
@@ -100,7 +106,8 @@ def attention_caches(spec: AttentionSpec, model_dtype: torch.dtype) -> dict[str,
 
 def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
     """Dense causal softmax attention of one sequence from position 0 in ``x_TD.dtype``
-    (over the spec's sliding window if any; V = K for shared-KV).
+    (over the spec's sliding window if any; V = K for shared-KV; per-head q/k RMSNorm
+    before RoPE when ``qk_norm_eps`` is set).
 
     FP8 KV cache: K and V pass through the cache's write-then-read rule
     (``ops.attention.kv_fp8_roundtrip`` with the layer's scales), gradients straight through.
@@ -110,6 +117,9 @@ def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD:
     k = linear_oracle(x_TD, params, a.name + ".k_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
     if not a.shared_kv:
         v = linear_oracle(x_TD, params, a.name + ".v_proj", a.bias).view(t, a.num_kv_heads, a.head_dim)
+    if a.qk_norm_eps is not None:
+        q = rms_norm_oracle(q, params[a.name + ".q_norm.weight"], a.qk_norm_eps)
+        k = rms_norm_oracle(k, params[a.name + ".k_norm.weight"], a.qk_norm_eps)
     if a.rope is not None:
         pos = torch.arange(t, device=x_TD.device)
         q = apply_rope_reference(q, pos, a.rope.rotary_dim, a.rope.theta).to(x_TD.dtype)
@@ -128,10 +138,20 @@ def attention_oracle(a: AttentionSpec, params: Mapping[str, torch.Tensor], x_TD:
     return linear_oracle(o, params, a.name + ".o_proj", a.bias)
 
 
+def attention_init_rules(a: AttentionSpec) -> dict:
+    """The q/k norm gains start at 1 (transformers' ``Qwen3RMSNorm``)."""
+    if a.qk_norm_eps is None:
+        return {}
+    return {f"{a.name}.{n}.weight": lambda p: p.fill_(1.0) for n in ("q_norm", "k_norm")}
+
+
 def attention_megatron_fields(a: AttentionSpec) -> dict:
     """Megatron's attention sizes: heads, query groups, head dim (``kv_channels``), bias."""
-    return dict(num_attention_heads=a.num_heads, num_query_groups=a.num_kv_heads, kv_channels=a.head_dim,
-                add_bias_linear=a.bias)
+    out = dict(num_attention_heads=a.num_heads, num_query_groups=a.num_kv_heads, kv_channels=a.head_dim,
+               add_bias_linear=a.bias)
+    if a.qk_norm_eps is not None:
+        out["qk_layernorm"] = True
+    return out
 
 
 # ----------------------------------------------------------------------------- ModelOpt quantization (FP8 KV cache)
@@ -172,4 +192,5 @@ QUANTIZATION = QuantizationRules(dequantized=attention_dequantized, quantized=at
                                  calibration_hooks=attention_calibration_hooks, validate=attention_validate_quantized)
 
 FAMILY = LayerFamily(spec_type=AttentionSpec, forward=attention_forward, oracle=attention_oracle,
-                     caches=attention_caches, megatron_fields=attention_megatron_fields, quantization=QUANTIZATION)
+                     caches=attention_caches, init_rules=attention_init_rules,
+                     megatron_fields=attention_megatron_fields, quantization=QUANTIZATION)

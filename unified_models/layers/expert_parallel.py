@@ -89,12 +89,15 @@ class ExpertDispatcher(Protocol):
 
     def swiglu_experts(self, plan: ShardPlan, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                        gate: Any, up: Any, down: Any, shared_TD: torch.Tensor | None, *, swiglu_limit: float,
-                       out_dtype: torch.dtype) -> torch.Tensor:
+                       out_dtype: torch.dtype, weight_before_down: bool = True) -> torch.Tensor:
         """DeepSeek-V4's clamped-SwiGLU experts (:mod:`.deepseek_moe`): the same contract with three
         stacks (``w1``/``w3`` ``[E_local, I, D]``, ``w2`` ``[E_local, D, I]``). The routing weight is
         applied before the down projection, so it travels with the token: an EP dispatcher sends
         ``(x_t, w_tk)`` to the owner, which computes ``ops.moe.swiglu_expert_outputs`` of that row,
-        and combines at the token's owner with ``ops.moe.moe_combine`` over unit weights."""
+        and combines at the token's owner with ``ops.moe.moe_combine`` over unit weights.
+        ``weight_before_down=False`` (Qwen3-MoE, :mod:`.qwen3_moe`; ``swiglu_limit=inf``): the owner
+        computes the rows with weight 1 and the token's owner combines with the routing weights,
+        as :meth:`experts`."""
         ...
 
 
@@ -114,7 +117,7 @@ class LocalExperts:
         return ops.moe_experts(x_TD, ids_TK, w_TK, up, down, shared_TD, nvfp4=nvfp4, out_dtype=out_dtype)
 
     def swiglu_experts(self, plan: ShardPlan, x_TD, ids_TK, w_TK, gate, up, down, shared_TD, *,
-                       swiglu_limit: float, out_dtype: torch.dtype) -> torch.Tensor:
+                       swiglu_limit: float, out_dtype: torch.dtype, weight_before_down: bool = True) -> torch.Tensor:
         """See :meth:`ExpertDispatcher.swiglu_experts` (``ops.swiglu_experts``, differentiable).
 
         Raises:
@@ -124,7 +127,7 @@ class LocalExperts:
             raise ParallelismError(f"LocalExperts runs every expert on one process; ep_size={plan.ep_size} "
                                    "needs an expert-parallel dispatcher")
         return ops.swiglu_experts(x_TD, ids_TK, w_TK, gate, up, down, shared_TD, swiglu_limit=swiglu_limit,
-                                  out_dtype=out_dtype)
+                                  out_dtype=out_dtype, weight_before_down=weight_before_down)
 
 
 LOCAL_EXPERTS = LocalExperts()

@@ -70,8 +70,14 @@ def moe_frozen_views(spec: MoESpec, model, params: Mapping[str, torch.Tensor]) -
     view of one buffer (:func:`_as_stack`; vLLM allocates them so), for an engine to build
     once instead of per forward. Projections whose tensors are not views are left out (a
     copied stack would go stale after an in-place weight update)."""
+    return expert_frozen_views(spec, model, params, ("up_proj", "down_proj"))
+
+
+def expert_frozen_views(spec: Any, model, params: Mapping[str, torch.Tensor], projs: tuple[str, ...]) -> dict[str, Any]:
+    """:func:`moe_frozen_views` for any MoE spec with ``n_routed_experts`` and ``expert_linear(e, proj)``,
+    over the projections ``projs``."""
     out: dict[str, Any] = {}
-    for proj in ("up_proj", "down_proj"):
+    for proj in projs:
         linears = [spec.expert_linear(e, proj) for e in range(spec.n_routed_experts)]
         stacks = {f: _as_stack([params[f"{n}.{f}"] for n in linears])
                   for f in linear_fields(model.weight_format(linears[0]))}

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..dsl import CheckpointError, ModelSpec, SpecError
-from . import deepseek_v4, nemotron_h
+from . import deepseek_v4, nemotron_h, qwen3
 
 _FAMILIES: dict[str, Any] = {}
 _ARCHITECTURES: dict[str, str] = {}
@@ -29,6 +29,8 @@ def register_model(model_type: str, spec_from_config: Any, architecture: str) ->
 
 register_model("nemotron_h", nemotron_h.spec_from_hf_config, nemotron_h.ARCHITECTURE)
 register_model("deepseek_v4", deepseek_v4.spec_from_hf_config, deepseek_v4.ARCHITECTURE)
+register_model("qwen3", qwen3.spec_from_hf_config, qwen3.ARCHITECTURE)
+register_model("qwen3_moe", qwen3.spec_from_hf_config, qwen3.MOE_ARCHITECTURE)
 
 
 def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwargs: Any) -> ModelSpec:

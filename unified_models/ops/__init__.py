@@ -79,6 +79,9 @@ __all__ += ["FP8BlockWeight", "fp8_block_linear", "ds_kv_fp8_roundtrip"]
 from .moe.deepseek_backward import hash_route, sqrtsoftplus_route, swiglu_experts, swiglu_shared_expert
 
 __all__ += ["sqrtsoftplus_route", "hash_route", "swiglu_experts", "swiglu_shared_expert"]
+from .moe.softmax_backward import softmax_route
+
+__all__ += ["softmax_route"]
 from .compressor.backward import compress_pool
 
 __all__ += ["compress_pool"]

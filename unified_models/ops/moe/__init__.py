@@ -93,3 +93,10 @@ __all__ += ["sqrtsoftplus_scores", "topk_slot_weights", "sqrtsoftplus_select", "
             "hash_route", "swiglu_expert_outputs", "swiglu_experts", "swiglu_shared_expert",
             "swiglu_expert_outputs_torch", "sqrtsoftplus_route_reference", "hash_route_reference",
             "swiglu_experts_reference", "swiglu_shared_expert_reference"]
+# Qwen3-MoE (softmax.py, softmax_cpu.py, softmax_triton.py, softmax_reference.py, softmax_backward.py): the
+# softmax top-k router; its experts are the SwiGLU experts above with weight_before_down=False, swiglu_limit=inf
+from .softmax import softmax_route, softmax_scores, softmax_select
+from .softmax_cpu import softmax_scores_torch
+from .softmax_reference import softmax_route_reference
+
+__all__ += ["softmax_scores", "softmax_select", "softmax_route", "softmax_scores_torch", "softmax_route_reference"]

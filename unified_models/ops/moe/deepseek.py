@@ -266,16 +266,26 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
 
 def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight, shared_TD: torch.Tensor | None = None,
-                   *, swiglu_limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   *, swiglu_limit: float, out_dtype: torch.dtype | None = None,
+                   weight_before_down: bool = True) -> torch.Tensor:
     """Routed clamped-SwiGLU experts and the ordered combine (package doc): ``[T, D]`` in ``out_dtype``
     (default ``x_TD.dtype``), ``round(sum_k y_tk + shared_t)`` in fp32 slot order.
+
+    ``weight_before_down=False`` (Qwen3-MoE, transformers ``Qwen3MoeExperts``, vLLM's fused MoE): the
+    routing weight multiplies the down projection's fp32 output in the combine instead,
+    ``round(sum_k w_tk y_tk + shared_t)`` (the experts run with weight 1: ``h * 1`` is exact), as the
+    relu2 experts' :func:`.dispatch.moe_experts`. ``swiglu_limit=math.inf`` is plain SwiGLU
+    (``silu(g) * u``: the clamps are the identity).
 
     Raises:
         As :func:`swiglu_expert_outputs` and :func:`.dispatch.moe_combine`.
     """
-    y = swiglu_expert_outputs(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, swiglu_limit=swiglu_limit)
     ones = torch.ones(topk_ids_TK.shape, dtype=torch.float32, device=x_TD.device)
-    return moe_combine(y, ones, shared_TD, out_dtype or x_TD.dtype)
+    if weight_before_down:
+        y = swiglu_expert_outputs(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, swiglu_limit=swiglu_limit)
+        return moe_combine(y, ones, shared_TD, out_dtype or x_TD.dtype)
+    y = swiglu_expert_outputs(x_TD, topk_ids_TK, ones, gate, up, down, swiglu_limit=swiglu_limit)
+    return moe_combine(y, topk_weights_TK.float(), shared_TD, out_dtype or x_TD.dtype)
 
 
 def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: ExpertWeight, up_ID: ExpertWeight, down_DI: ExpertWeight, *,

@@ -51,14 +51,15 @@ class SwigluExpertsFn(torch.autograd.Function):
     (no gradient)."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype, masters):
+    def forward(ctx, x_TD, weights_TK, shared_TD, gate, up, down, ids_TK, limit, out_dtype, masters,
+                weight_before_down=True):
         ws = (gate, up, down)
         ctx.flat = tuple(isinstance(w, torch.Tensor) and w.dim() == 2 for w in ws)
         ctx.w_dtypes = tuple(w.dtype if isinstance(w, torch.Tensor) else None for w in ws)
         stacks = tuple(stack_expert(cls(w)).quantize() if cls is not None else stack_expert(w)
                        for w, cls in zip(ws, masters))
         out = deepseek.swiglu_experts(x_TD, ids_TK, weights_TK, *stacks, shared_TD, swiglu_limit=limit,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, weight_before_down=weight_before_down)
         ctx.save_for_backward(x_TD, weights_TK, ids_TK)
         ctx.stacks, ctx.limit = stacks, limit
         ctx.shared_dtype = shared_TD.dtype if shared_TD is not None else None
@@ -104,7 +105,7 @@ class SwigluExpertsFn(torch.autograd.Function):
                         dstacks[j][e] = grads.pop(0).to(dstacks[j].dtype)
         outs = [(d[0] if flat else d) if d is not None else None for d, flat in zip(dstacks, ctx.flat)]
         return (dx.to(x_in.dtype) if nx else None, dw.to(w_in.dtype) if nw else None,
-                g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None, None)
+                g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None, None, None)
 
 
 def sqrtsoftplus_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, bias_E: torch.Tensor | None = None, *,
@@ -131,19 +132,21 @@ def hash_route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, tid2eid_VK: tor
 
 def swiglu_experts(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, gate: ExpertWeight,
                    up: ExpertWeight, down: ExpertWeight, shared_TD: torch.Tensor | None = None, *, swiglu_limit: float,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, weight_before_down: bool = True) -> torch.Tensor:
     """:func:`.deepseek.swiglu_experts` (clamped-SwiGLU experts + ordered fp32 combine), differentiable
     w.r.t. ``x_TD``, ``topk_weights_TK``, ``shared_TD`` and the ``[E, N, K]`` weight stacks (tensors,
     or masters, ``ops.mxfp4.MXFP4Master`` / ``ops.fp8_block.FP8BlockMaster``: straight-through to their
-    ``weight``; stored codes take no gradient)."""
+    ``weight``; stored codes take no gradient). ``weight_before_down``: where the routing weight
+    multiplies (the backward's recomputation is the same for both: the expert is linear in it)."""
     out_dtype = out_dtype or x_TD.dtype
     masters = tuple(type(w) if isinstance(w, MASTERS) else None for w in (gate, up, down))
     raw = tuple(w.weight if m is not None else w for w, m in zip((gate, up, down), masters))
     if needs_grad(x_TD, topk_weights_TK, shared_TD, *(w for w in raw if isinstance(w, torch.Tensor))):
         return SwigluExpertsFn.apply(x_TD, topk_weights_TK, shared_TD, *raw, topk_ids_TK,
-                                     float(swiglu_limit), out_dtype, masters)
+                                     float(swiglu_limit), out_dtype, masters, bool(weight_before_down))
     return deepseek.swiglu_experts(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, shared_TD,
-                                   swiglu_limit=swiglu_limit, out_dtype=out_dtype)
+                                   swiglu_limit=swiglu_limit, out_dtype=out_dtype,
+                                   weight_before_down=weight_before_down)
 
 
 def swiglu_shared_expert(x_TD: torch.Tensor, gate_ID: ExpertWeight, up_ID: ExpertWeight, down_DI: ExpertWeight, *,
