@@ -240,6 +240,28 @@ def test_ids_past_the_tokenizer_never_take_the_server_down(server):
     assert proc.poll() is None and _alive(base), log.read_text()[-3000:]
 
 
+def test_server_fingerprint_equals_the_trainers_and_a_different_one_is_refused(server, model, monkeypatch):
+    """``GET /unified_models/fingerprint`` (computed in vLLM's worker process) equals the trainer's
+    contract; a trainer reading another torch version is refused naming the component."""
+    from unified_models.backends.megatron.trainer import Trainer
+    from unified_models.consistency import fingerprint as F
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.client import check_server_contract, server_fingerprint
+
+    base, proc, log = server
+    spec, sd, _ = model
+    with Trainer(spec, sd, device="cpu") as trainer:
+        ours = trainer.contract_fingerprint()
+    fp = check_server_contract(base, ours)
+    assert fp.engine == "vllm" and fp.digest == ours.digest
+    assert fp.components["vllm.settings"]["logprobs_mode"].endswith("raw_logits")
+    with pytest.raises(F.FingerprintMismatchError, match="library.torch"):
+        check_server_contract(base, ours.with_component("library.torch", "2.0.0+other"))
+    with pytest.raises(UnifiedModelsError, match="HTTP 404"):
+        server_fingerprint(base + "/v1")  # a route the server does not have
+    assert proc.poll() is None and _alive(base)
+
+
 def test_plain_vllm_refuses_a_short_tokenizer_at_start():
     """Our hook refuses, before any request, a tokenizer shorter than the model's vocabulary."""
     from unified_models.backends.vllm.sampling import check_tokenizer_covers_vocab

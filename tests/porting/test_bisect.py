@@ -52,6 +52,27 @@ def test_no_divergent_op_on_unmodified_code(clean):
     assert names.index("embedding") < names.index("layers.0.norm") < names.index("layers.0.mixer.q_proj")
     assert r["rows_compared"] > len(names) * r["sequences"]
     assert not (d / "repro").exists()
+    fps = r["fingerprints"]  # both live engines' contracts, equal
+    assert fps["rollout"]["engine"] == "vllm" and fps["trainer"]["engine"] == "megatron"
+    assert fps["contract"] == fps["rollout"]["digest"] == fps["trainer"]["digest"]
+
+
+def test_a_different_trainer_contract_is_refused_before_recompute(tiny_model, monkeypatch):
+    """The trainer side compares its fingerprint with the rollout's first: a trainer reading another
+    torch version is refused naming the component, and nothing is recorded."""
+    from unified_models.backends.megatron.trainer import Trainer
+    from unified_models.consistency import fingerprint as F
+    from unified_models.consistency.fingerprint import FingerprintMismatchError
+
+    _, spec, sd = tiny_model
+    with Trainer(spec, sd, device="cpu") as t:
+        ours = t.contract_fingerprint()
+    real = F.library_version
+    monkeypatch.setattr(F, "library_version", lambda mod: "2.0.0+other" if mod == "torch" else real(mod))
+    rec = taps.TapRecorder()
+    with pytest.raises(FingerprintMismatchError, match="library.torch"):
+        trainer_side(spec, sd, [[1, 2, 3]], device="cpu", recorder=rec, fingerprints={"rollout": ours})
+    assert not rec.records.order
 
 
 def test_injected_ulp_on_the_rollout_side_is_named_and_reproduced(tiny_checkpoint, tmp_path, monkeypatch):

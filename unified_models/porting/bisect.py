@@ -6,6 +6,9 @@ Megatron module (trainer recompute), bitwise. Each prompt is sampled alone with 
 (:mod:`.taps`); the trainer then recomputes all sequences packed (THD) with taps on.
 Rows are matched by (sequence, position), ops visited in forward order: the
 first op with a differing bit is the divergence (later ops only inherit it).
+Before the trainer recomputes, both engines' execution-contract fingerprints
+(:mod:`unified_models.consistency.fingerprint`) are compared; a difference is
+refused naming the component (exit 2), and the report carries both.
 
 ``--against reference``: the Megatron module (model dtype) vs our fp32/fp64
 reference (:class:`~unified_models.backends.reference.ReferenceModel`), sublayer by
@@ -87,6 +90,9 @@ class BisectReport:
     repro: str | None = None
     perturbed: str | None = None
     timings_s: dict = field(default_factory=dict)
+    fingerprints: dict = field(default_factory=dict)
+    """``--against trainer``: ``contract`` (the digest both engines agreed on), ``rollout`` and
+    ``trainer`` (each engine's components); empty for the other modes (no second engine)."""
 
     @property
     def found(self) -> bool:
@@ -96,7 +102,7 @@ class BisectReport:
         """JSON-ready fields; ``passed`` is True when no op diverges."""
         return {"model": self.model, "against": self.against, "device": self.device, "sequences": self.sequences,
                 "tokens": self.tokens, "passed": not self.found, **self.comparison.as_dict(), "repro": self.repro,
-                "perturbed": self.perturbed, "timings_s": self.timings_s}
+                "perturbed": self.perturbed, "timings_s": self.timings_s, "fingerprints": self.fingerprints}
 
 
 # ----------------------------------------------------------------------------- sides
@@ -128,15 +134,19 @@ def _recorder(opts: BisectOptions, side: str, names=None) -> TapRecorder:
 
 
 def rollout_side(spec, model_dir, state_dict, prompt_ids, *, max_new_tokens: int, seed: int, device: str,
-                 recorder: TapRecorder) -> list[list[int]]:
+                 recorder: TapRecorder, fingerprints: dict | None = None) -> list[list[int]]:
     """Sample each prompt alone with the vLLM model class, every op tapped into ``recorder``
-    (sequence ``i`` = prompt ``i``). Returns the completions (token ids per prompt)."""
+    (sequence ``i`` = prompt ``i``). Returns the completions (token ids per prompt).
+
+    ``fingerprints``, when given, receives the engine's contract fingerprint under ``"rollout"``."""
     from ..backends.vllm.rollout import RolloutEngine, token_budget
 
     completions = []
     with RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=seed,
                        max_model_len=max(map(len, prompt_ids)) + max_new_tokens, max_num_seqs=1,
                        max_num_batched_tokens=token_budget(prompt_ids, max_new_tokens, device)) as engine:
+        if fingerprints is not None:
+            fingerprints["rollout"] = engine.contract_fingerprint()
         for i, ids in enumerate(prompt_ids):
             recorder.seq_offset = i
             seeds = None if engine.chunked_prefill and device != "cuda" else [seed + i]
@@ -146,31 +156,48 @@ def rollout_side(spec, model_dir, state_dict, prompt_ids, *, max_new_tokens: int
     return completions
 
 
-def trainer_side(spec, state_dict, sequences: list[list[int]], *, device: str, recorder: TapRecorder) -> None:
+def trainer_side(spec, state_dict, sequences: list[list[int]], *, device: str, recorder: TapRecorder,
+                 fingerprints: dict | None = None) -> None:
     """Recompute every sequence packed (THD) with the Megatron module, every op tapped into
-    ``recorder``; logprob rows for every position (the last one scores token 0)."""
+    ``recorder``; logprob rows for every position (the last one scores token 0).
+
+    ``fingerprints``, when given, receives the trainer's contract fingerprint under ``"trainer"``;
+    when it already holds the rollout's, the two are compared first.
+
+    Raises:
+        FingerprintMismatchError: the trainer's execution contract differs from the rollout's
+            (names the component); nothing is recomputed then.
+    """
     from ..backends.megatron.trainer import Trainer
 
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
     cu = torch.tensor([0, *map(len, sequences)]).cumsum(0)
     targets = torch.cat([torch.tensor(s[1:] + [0], dtype=torch.long) for s in sequences])
-    with Trainer(spec, state_dict, device=device) as trainer, torch.no_grad(), recording(recorder):
-        trainer.model.token_logprobs(ids, cu, rows=torch.arange(ids.shape[0]), target_ids=targets)
+    with Trainer(spec, state_dict, device=device) as trainer:
+        if fingerprints is not None:
+            from ..consistency.fingerprint import compare
+
+            fingerprints["trainer"] = trainer.contract_fingerprint()
+            if "rollout" in fingerprints:
+                compare(fingerprints["rollout"], fingerprints["trainer"])  # refused before any recompute
+        with torch.no_grad(), recording(recorder):
+            trainer.model.token_logprobs(ids, cu, rows=torch.arange(ids.shape[0]), target_ids=targets)
 
 
 # ----------------------------------------------------------------------------- modes
 
 def _against_trainer(opts, spec, model_dir, state_dict, prompt_ids, device):
     a, b = _recorder(opts, "rollout"), _recorder(opts, "trainer")
+    fingerprints: dict = {}
     t0 = time.perf_counter()
     completions = rollout_side(spec, model_dir, state_dict, prompt_ids, max_new_tokens=opts.max_new_tokens,
-                               seed=opts.seed, device=device, recorder=a)
+                               seed=opts.seed, device=device, recorder=a, fingerprints=fingerprints)
     t1 = time.perf_counter()
     sequences = [p + c for p, c in zip(prompt_ids, completions)]
-    trainer_side(spec, state_dict, sequences, device=device, recorder=b)
+    trainer_side(spec, state_dict, sequences, device=device, recorder=b, fingerprints=fingerprints)
     timings = {"rollout": t1 - t0, "trainer": time.perf_counter() - t1}
     cmp = first_divergence(a.records, b.records, sides=SIDES["trainer"], tokens=dict(enumerate(sequences)))
-    return cmp, sequences, (a, b), timings
+    return cmp, sequences, (a, b), timings, fingerprints
 
 
 def _against_reference(opts, spec, model_dir, state_dict, prompt_ids, device):
@@ -190,7 +217,7 @@ def _against_reference(opts, spec, model_dir, state_dict, prompt_ids, device):
     tol = REFERENCE_TOLERANCE if opts.tolerance is None else opts.tolerance
     cmp = first_divergence(a.records, b.records, sides=SIDES["reference"], tolerance=tol,
                            tokens=dict(enumerate(prompt_ids)))
-    return cmp, prompt_ids, (a, b), {"trainer": t1 - t0, "reference": time.perf_counter() - t1}
+    return cmp, prompt_ids, (a, b), {"trainer": t1 - t0, "reference": time.perf_counter() - t1}, {}
 
 
 def _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_config):
@@ -206,7 +233,7 @@ def _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_conf
     tol = PEER_TOLERANCE if opts.tolerance is None else opts.tolerance
     cmp = first_divergence(a.records, b.records, sides=SIDES["peer"], tolerance=tol,
                            tokens=dict(enumerate(prompt_ids)))
-    return cmp, prompt_ids, (a, b), {"peer": time.perf_counter() - t0}
+    return cmp, prompt_ids, (a, b), {"peer": time.perf_counter() - t0}, {}
 
 
 def run_bisect(opts: BisectOptions, console: Console | None = None) -> BisectReport:
@@ -231,14 +258,16 @@ def run_bisect(opts: BisectOptions, console: Console | None = None) -> BisectRep
                                  f"is {spec.max_position_embeddings}")
     prompt_ids = _prompts(opts, spec, model_dir)
     if opts.against == "trainer":
-        cmp, seqs, recs, timings = _against_trainer(opts, spec, model_dir, state_dict, prompt_ids, device)
+        cmp, seqs, recs, timings, fps = _against_trainer(opts, spec, model_dir, state_dict, prompt_ids, device)
     elif opts.against == "reference":
-        cmp, seqs, recs, timings = _against_reference(opts, spec, model_dir, state_dict, prompt_ids, device)
+        cmp, seqs, recs, timings, fps = _against_reference(opts, spec, model_dir, state_dict, prompt_ids, device)
     else:
-        cmp, seqs, recs, timings = _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_config)
+        cmp, seqs, recs, timings, fps = _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_config)
     report = BisectReport(model=str(model_dir), against=opts.against, device=device, comparison=cmp,
                           sequences=len(seqs), tokens=sum(map(len, seqs)),
-                          timings_s={k: round(v, 2) for k, v in timings.items()})
+                          timings_s={k: round(v, 2) for k, v in timings.items()},
+                          fingerprints={"contract": fps["trainer"].digest,
+                                        **{side: fp.as_dict() for side, fp in fps.items()}} if fps else {})
     if opts.perturb is not None:
         side, pt = opts.perturb
         hit = any(r.perturbed for r in recs)
@@ -262,6 +291,8 @@ def print_report(r: BisectReport, console: Console) -> None:
     t.add_row("sequences / tokens", f"{r.sequences} / {r.tokens}")
     t.add_row("ops compared", str(len(c.ops_compared)))
     t.add_row("rows compared", str(c.rows_compared))
+    if r.fingerprints:
+        t.add_row("contract fingerprint (vLLM = Megatron)", r.fingerprints["contract"][:16])
     d = c.divergence
     if d is None:
         t.add_row("result", "[green]no divergent op[/green]")

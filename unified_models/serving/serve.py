@@ -18,7 +18,11 @@ core runs in vLLM's own child process) on the checkpoint, with what
 * V1 model runner, no FlashInfer sampler, block size 64;
 * a tokenizer shorter than the model's vocabulary is served through a padded copy
   (:func:`unified_models.serving.vocabulary.padded_tokenizer_dir`), so every id the model can
-  sample detokenizes (as a placeholder ``<|pad_N|>``).
+  sample detokenizes (as a placeholder ``<|pad_N|>``);
+* ``GET /unified_models/fingerprint`` answers the engine's execution-contract fingerprint
+  (computed inside vLLM's worker, :mod:`unified_models.backends.vllm.worker_extension`); a
+  trainer compares its own with :func:`unified_models.serving.client.check_server_contract`
+  before it trusts the server's logprobs.
 
 Every other vLLM server flag (``--host``, ``--port``, ``--max-model-len``, ``--max-num-seqs``,
 ``--served-model-name``, ...) is passed through; a flag that would undo a pin is refused (exit 2)
@@ -41,7 +45,7 @@ PINNED_FLAGS = {
     "dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "--pipeline-parallel-size", "enforce_eager": "--enforce-eager",
     "compilation_config": "--compilation-config", "speculative_config": "--speculative-config",
-    "model": "--model",
+    "model": "--model", "worker_extension_cls": "--worker-extension-cls",
 }
 """vLLM server options (Namespace field -> flag) that ``serve`` sets itself and refuses from the user."""
 
@@ -111,6 +115,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     from ..backends.vllm.engine import DEFAULT_BLOCK_SIZE, _spec, quantization_overrides, validate_checkpoint
     from ..backends.vllm.settings import (check_spec_supported, cuda_graph_settings, hybrid_engine_settings,
                                           kv_cache_dtype_setting)
+    from ..backends.vllm.worker_extension import QUALNAME as WORKER_EXTENSION
     from ..presets import cache_root
     from .vocabulary import padded_tokenizer_dir
 
@@ -132,7 +137,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     ours = ["--model", str(model_dir), "--hf-overrides", json.dumps(overrides), "--model-impl", "vllm",
             "--dtype", str(spec.dtype).removeprefix("torch."), "--logprobs-mode", "raw_logits",
             "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--seed", "0",
-            "--block-size", str(DEFAULT_BLOCK_SIZE)]
+            "--block-size", str(DEFAULT_BLOCK_SIZE), "--worker-extension-cls", WORKER_EXTENSION]
     if graphs["enforce_eager"]:
         ours.append("--enforce-eager")
     else:
@@ -188,6 +193,34 @@ def pin_environment(gpu: bool) -> None:
     compat.reset_envs_cache()
 
 
+FINGERPRINT_ROUTE = "/unified_models/fingerprint"
+"""The server's route answering the engine's contract fingerprint (JSON)."""
+
+
+def add_fingerprint_route(app) -> None:
+    """Add ``GET`` :data:`FINGERPRINT_ROUTE` to vLLM's FastAPI ``app``: the worker's
+    ``unified_models_fingerprint()`` through ``engine_client.collective_rpc`` (HTTP 500 with the
+    worker's error text if it fails; the server keeps serving)."""
+    from fastapi.responses import JSONResponse
+
+    @app.get(FINGERPRINT_ROUTE)
+    async def unified_models_fingerprint():  # noqa: ANN202 - FastAPI route
+        try:
+            results = await app.state.engine_client.collective_rpc("unified_models_fingerprint")
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
+            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+        return JSONResponse(results[0])
+
+
+def _with_fingerprint_route(build_app):
+    def build(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+        add_fingerprint_route(app)
+        return app
+
+    return build
+
+
 def run(args: Any) -> int:
     """Run the server until it is stopped (SIGINT / SIGTERM); returns its exit status.
 
@@ -209,6 +242,7 @@ def run(args: Any) -> int:
     ns = server_namespace(model_dir, list(args.vllm_args), gpu=gpu)
 
     import uvloop
+    from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
@@ -218,6 +252,7 @@ def run(args: Any) -> int:
     plugin.register()  # vLLM loads it in its processes too; here before the engine args are built
     configure_logging_from_args(ns)
     validate_parsed_serve_args(ns)
+    entry.build_app = _with_fingerprint_route(entry.build_app)
     try:
         uvloop.run(run_server(ns))
     except KeyboardInterrupt:

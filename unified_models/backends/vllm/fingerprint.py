@@ -13,7 +13,7 @@ import os
 from ...consistency.fingerprint import Fingerprint, contract_fingerprint, library_version
 from . import live
 
-__all__ = ["engine_fingerprint"]
+__all__ = ["engine_fingerprint", "model_fingerprint"]
 
 NUMERIC_SETTINGS = ("model_class", "dtype", "logprobs_mode", "mamba_ssm_cache_dtype")
 """``live.engine_settings`` fields that change what the rollout computes or reports."""
@@ -30,10 +30,16 @@ def engine_fingerprint(llm) -> Fingerprint:
     """
     from .engine import PINNED_ENV
 
-    model = live.get_model(llm)
+    return model_fingerprint(live.get_model(llm), live.engine_settings(llm))
+
+
+def model_fingerprint(model, st: dict) -> Fingerprint:
+    """The contract fingerprint of our live model ``model`` in an engine whose resolved settings
+    are ``st`` (:func:`.live.config_settings`); in process or inside a worker."""
+    from .engine import PINNED_ENV
+
     params = model.params()
     device = next(iter(params.values())).device
-    st = live.engine_settings(llm)
     settings = {k: str(st.get(k)) for k in NUMERIC_SETTINGS}
     settings.update({k: os.environ.get(k, "<unset>") for k in PINNED_ENV if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
     return contract_fingerprint("vllm", model.spec, params, device,

@@ -41,7 +41,12 @@ def cuda_graphs_ran(llm) -> bool:
 
 def engine_model_class(llm) -> str:
     """``module.Class`` of the model an engine really runs (CUDA-graph / compile wrappers stripped)."""
-    m = compat.model_runner(llm).get_model()
+    return runner_model_class(compat.model_runner(llm))
+
+
+def runner_model_class(runner) -> str:
+    """``module.Class`` of the model a V1 model runner holds (wrappers stripped)."""
+    m = runner.get_model()
     for _ in range(4):
         if type(m).__name__.endswith("ForCausalLM"):
             break
@@ -58,7 +63,12 @@ def engine_model_class(llm) -> str:
 def engine_settings(llm) -> dict:
     """The model class and the settings vLLM resolved for ``llm`` (for reports; each field best
     effort across vLLM versions, None where a version lacks it)."""
-    cfg = llm.llm_engine.vllm_config
+    return config_settings(llm.llm_engine.vllm_config, lambda: engine_model_class(llm))
+
+
+def config_settings(cfg, model_class) -> dict:
+    """:func:`engine_settings` from a ``VllmConfig`` and a callable returning the model class
+    (inside a worker process, where there is no ``LLM``: see :mod:`.worker_extension`)."""
 
     def get(obj, *names):
         for n in names:
@@ -85,7 +95,7 @@ def engine_settings(llm) -> dict:
         "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
     }
     try:
-        out["model_class"] = engine_model_class(llm)
+        out["model_class"] = model_class()
     except Exception as e:  # noqa: BLE001 - informative field; callers that need the class check it
         out["model_class"] = f"unknown ({type(e).__name__}: {e})"
     return out
