@@ -40,7 +40,8 @@ def _softmax_select_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, stride_l
     m = tl.where(mask_t, m, 0.0)  # padding rows: no -inf - -inf
     ex = tl.exp(lg - m[:, None])
     ex = tl.where(mask_e[None, :], ex, 0.0)
-    s = tl.math.div_rn(ex, tl.sum(ex, axis=1)[:, None])
+    total = tl.where(mask_t, tl.sum(ex, axis=1), 1.0)  # padding rows: no 0 / 0
+    s = tl.math.div_rn(ex, total[:, None])
     c = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0
     bits = c.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
