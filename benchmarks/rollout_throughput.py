@@ -74,6 +74,8 @@ NAMED_WORKLOADS = ("256x128/512", "128x2048/128", "64x256/2048")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "rollout_throughput.json"
 ENGINES = ("native", "ours")
 NATIVE_ARCH = "NemotronHForCausalLM"
+NATIVE_ARCHS = (NATIVE_ARCH, "DeepseekV4ForCausalLM")
+"""vLLM classes a checkpoint's ``config.json`` may name for the native side (its first architecture)."""
 PROMPT_ID_RANGE = (10, 32000)
 """Random prompt ids are drawn from here (ids of the bundled tokenizer, below any preset's vocab)."""
 
@@ -423,8 +425,9 @@ def worker(which: str, plan_path: str, result_path: str, reply_fd: int | None = 
     res["start_s"] = round(time.perf_counter() - t0, 2)
     res["settings"] = _engine_settings(llm)
     cls = res["settings"]["model_class"] or ""
-    if which == "native" and (not cls.endswith("." + NATIVE_ARCH) or "unified_models" in cls):
-        res["error"] = f"native engine runs {cls}, not vLLM's {NATIVE_ARCH}"
+    native_arch = plan.get("native_arch") or NATIVE_ARCH
+    if which == "native" and (not cls.endswith("." + native_arch) or "unified_models" in cls):
+        res["error"] = f"native engine runs {cls}, not vLLM's {native_arch}"
     if which == "ours" and "unified_models" not in cls:
         res["error"] = f"our engine runs {cls}, not unified_models' class"
     save()
@@ -771,8 +774,10 @@ def main(argv=None) -> int:
     checkpoint_s = time.perf_counter() - t0
     hf = load_hf_config(model_dir)
     spec = spec_from_hf_config(hf)
-    if NATIVE_ARCH not in (getattr(hf, "architectures", None) or []):
-        print(f"warning: {model_dir}/config.json names {getattr(hf, 'architectures', None)}, not {NATIVE_ARCH}; "
+    archs = list(getattr(hf, "architectures", None) or [])
+    native_arch = archs[0] if archs and archs[0] in NATIVE_ARCHS else NATIVE_ARCH
+    if native_arch not in archs:
+        print(f"warning: {model_dir}/config.json names {archs}, not {native_arch}; "
               "vLLM's native engine loads whatever class it names", file=sys.stderr)
     longest = max(w["input_len"] + w["output_len"] for w in args.workloads)
     if longest > spec.max_position_embeddings:
@@ -796,7 +801,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
         "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
         "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
-        "ours_block_size": args.ours_block_size, "interleave": args.interleave,
+        "ours_block_size": args.ours_block_size, "interleave": args.interleave, "native_arch": native_arch,
         "workloads": args.workloads,
     }
     json_out = Path(args.json_out)

@@ -3,6 +3,13 @@
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
 #   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|dense-bench-interleave|sync-audit|host-diag   (issue 8; not part of `all`)
+#   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
+# deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
+#   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
+#   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
+#   `check` on deepseek_v4_flash_reduced (bf16) and deepseek_v4_flash_reduced_fp8, then with prefix caching + forced
+#   chunked prefill; UM_DSV4_PROMPTS x UM_DSV4_NEW_TOKENS (default 64 x 256), UM_DSV4_K (pytest -k) narrows it.
+#   deepseek-v4-bench: benchmarks/rollout_throughput.py on deepseek_v4_flash_reduced, ours vs vLLM's native DeepSeek-V4.
 # perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
 #   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
@@ -107,6 +114,27 @@ if [ "$stage" = host-diag ]; then  # 256x128/512, step timing: both engines, the
     bench ours_block1024 --engines ours --ours-block-size 1024 --step-timing
   fi
   tar -czf "$OUT/host_diag.tgz" -C "$d" . && rm -rf "$d"  # one file: the device returns only a few
+fi
+if [ "$stage" = deepseek-v4 ] || [ "$stage" = deepseek-v4-ops ]; then
+  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_deepseek_gpu.py -k wide -s -p no:cacheprovider 2>&1 \
+    | tee "$OUT/dsv4_wide_attention.log" | grep -vE "DEBUG" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/ops/test_compressor.py tests/ops/test_indexer.py \
+    tests/ops/test_attention_compressed.py tests/ops/test_attention_sink.py tests/ops/test_mhc.py \
+    tests/ops/test_deepseek_moe.py tests/ops/test_fp8_block.py tests/ops/test_fp8_block_kv.py \
+    tests/ops/test_fp8_block_experts.py 2>&1 | tee "$OUT/dsv4_ops.log" | grep -vE "DEBUG" | tail -15
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_deepseek_compressed_attention.py -k "engines or prefix" \
+    2>&1 | tee "$OUT/dsv4_toy_engines.log" | grep -vE "INFO|WARNING|DEBUG" | tail -15; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = deepseek-v4 ] || [ "$stage" = deepseek-v4-check ]; then
+  python3 -m pytest -q -m gpu tests/gpu/test_deepseek_gpu.py -k "${UM_DSV4_K:-check}" -s -p no:cacheprovider 2>&1 \
+    | tee "$OUT/dsv4_check.log" | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = deepseek-v4-bench ]; then
+  python3 -c "from unified_models.presets import build_preset_checkpoint as b; print(b('deepseek_v4_flash_reduced'))"
+  python3 benchmarks/rollout_throughput.py --preset deepseek_v4_flash_reduced --workloads ${UM_DSV4_WORKLOADS:-64x128/256} \
+    --engine-timeout-s 400 --json "$OUT/dsv4_rollout_throughput.json" > "$OUT/dsv4_bench.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/dsv4_bench.log" | tail -40
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \

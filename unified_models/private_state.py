@@ -101,7 +101,8 @@ class PrivateStateStore:
     Args:
         spec: the model.
         seq_lens: length of each packed sequence (row ``b`` of every block table).
-        block_size: S of every group not in ``group_block_sizes``.
+        block_size: S of every group not in ``group_block_sizes`` (a compressed cache whose ratio r
+            does not divide it gets ``lcm(S, r)``: its pages hold whole entries; no bit depends on S).
         group_block_sizes: group key -> S of that group.
         device, dtype: of the caches (``dtype`` defaults to ``spec.dtype``; FP8-KV
             layers always get float8_e4m3fn caches, written and read with their scales, and
@@ -138,6 +139,9 @@ class PrivateStateStore:
             gkey = decl.group_key()
             self._group_of[key] = gkey
             s = sizes.get(gkey, block_size)
+            ratio = getattr(decl, "ratio", 1)
+            if gkey not in sizes and s % ratio:  # a compressed cache's page holds whole entries
+                s = math.lcm(s, ratio)
             nblocks = [max(1, math.ceil(n / s)) for n in seq_lens]
             if gkey not in self._groups:
                 table = _consecutive_table(nblocks, max(nblocks) if nblocks else 1)

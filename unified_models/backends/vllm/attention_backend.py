@@ -192,8 +192,9 @@ class UnifiedAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        # 0.32 passes the spec, 0.26 calls it without arguments.
-        return [MultipleOf(KV_BLOCK_MULTIPLE)]
+        # 0.32 passes the spec, 0.26 calls it without arguments (and takes any size where its
+        # DeepSeek-V4 grouping gives caches their own block sizes: compat.kernel_block_multiple).
+        return [MultipleOf(compat.kernel_block_multiple(KV_BLOCK_MULTIPLE))]
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,

@@ -107,9 +107,22 @@ class UnifiedAttentionCache(nn.Module, AttentionLayerBase):
     def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
         return UnifiedSharedKVBackend if self.decl.shared_kv else UnifiedAttentionBackend
 
+    block_size: int | None = None
+    """This cache's own block size (vLLM 0.26's DeepSeek-V4 grouping, :func:`plan_block_sizes`);
+    ``None``: the engine's ``cache_config.block_size``."""
+
+    def plan_info(self) -> dict:
+        """What :func:`.compat.plan_kv_block_sizes` needs to know of this cache."""
+        d = self.decl
+        row = d.num_kv_heads * d.head_dim * (1 if d.fp8 else d.element_dtype(self.dtype).itemsize)
+        kind = "sliding_mla" if d.shared_kv and d.sliding_window is not None else "other"
+        return {"kind": kind, "bytes_per_row": row, "window": d.sliding_window}
+
     def get_kv_cache_spec(self, vllm_config) -> AttentionSpec:
         block_size = int(vllm_config.cache_config.block_size)
-        if block_size % KV_BLOCK_MULTIPLE:
+        if self.block_size is not None:
+            block_size = self.block_size  # planned (0.26, GPU): any size, the Triton kernels take it
+        elif block_size % KV_BLOCK_MULTIPLE:
             raise ValueError(
                 f"unified_models: KV-cache block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE} "
                 "(the attention op's KV tile)"
@@ -172,6 +185,11 @@ class UnifiedCompressedCache(UnifiedAttentionCache):
     def get_attn_backend(self) -> type[UnifiedAttentionBackend]:
         return UnifiedSharedKVBackend
 
+    def plan_info(self) -> dict:
+        d = self.decl
+        return {"kind": "compressed", "ratio": d.ratio,
+                "bytes_per_row": d.num_kv_heads * d.head_dim * d.element_dtype(self.dtype).itemsize}
+
     def get_kv_cache_spec(self, vllm_config) -> AttentionSpec:
         block_size = int(vllm_config.cache_config.block_size)
         if block_size % KV_BLOCK_MULTIPLE or block_size % self.decl.ratio:
@@ -191,6 +209,23 @@ CACHE_MODULES: dict[type, type[nn.Module]] = {PagedKVCache: UnifiedAttentionCach
                                               CompressedKVCache: UnifiedCompressedCache,
                                               IndexerKeyCache: UnifiedCompressedCache}
 """Cache declaration kind -> the vLLM cache module class that holds it."""
+
+
+def plan_block_sizes(modules: list[nn.Module], vllm_config) -> dict[str, int]:
+    """Give the caches their own block sizes where this vLLM's grouping needs them
+    (:func:`.compat.plan_kv_block_sizes`: vLLM 0.26 with one-vector sliding and compressed caches,
+    i.e. DeepSeek-V4's compressed layers); sets ``module.block_size`` and returns
+    ``layer name -> block size`` (empty elsewhere: every cache keeps ``cache_config.block_size``).
+
+    Raises:
+        ValueError: no block size satisfies the grouping (names the cache).
+    """
+    infos = [(m.layer_name, m.plan_info() if hasattr(m, "plan_info") else {"kind": "other"}) for m in modules]
+    plan = compat.plan_kv_block_sizes(infos, int(vllm_config.cache_config.block_size))
+    for m in modules:
+        if m.layer_name in plan:
+            m.block_size = plan[m.layer_name]
+    return plan
 
 
 def cache_module(decl: Any, layer_name: str, vllm_config) -> nn.Module:

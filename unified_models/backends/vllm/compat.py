@@ -72,6 +72,23 @@ Differences handled (file references are inside the ``vllm`` package):
   view. :func:`shared_kv_cache_view` turns either into ``[N, S, G, E]``. The
   0.26 side is read from its source (and the integration manual), to be
   confirmed on the H200.
+* **DeepSeek-V4's KV-cache groups in 0.26** (:func:`plan_kv_block_sizes`). 0.26 groups a
+  model that mixes one-vector sliding caches (``SlidingWindowMLASpec``) with compressed caches
+  (``MLAAttentionSpec`` with a ratio) and pages of several sizes by its own rule
+  (``v1/core/kv_cache_utils.py`` ``group_and_unify_kv_cache_specs`` /
+  ``_get_kv_cache_groups_uniform_groups``, written for its DeepSeek-V4): every compressed
+  cache is in one group at the engine's block size S; the sliding caches are grouped by
+  ``(block_size, sliding_window)``; every sliding page must be at most the largest compressed
+  page (``assert max(sm_page_sizes) <= max(all_page_sizes)``), is padded to the nearest
+  compressed page size, and each sliding group must hold as many layers of each padded size.
+  vLLM's own DeepSeek-V4 meets it with a block size per cache (SWA 64, compressor state 4 / 8
+  tokens, compressed caches 256). We do the same: each sliding one-vector cache kind gets the
+  largest power-of-two block size (at most S) whose page fits the largest compressed page, and
+  kinds that would share a ``(block_size, window)`` group with unequal padded pages get a
+  smaller one. The block size decides addressing only (our kernels take any block size and
+  walk KV at absolute positions), never a bit. 0.32 unifies page sizes itself (no such rule):
+  there every cache keeps S. 0.26 also takes kernel block sizes below 16 for these caches
+  (:func:`kernel_block_multiple`; the 16 is the CPU op's tile, and 0.26 runs on the GPU only).
 * ``vllm.envs`` caches environment variables after the first engine starts
   (``enable_envs_cache``, both versions); :func:`reset_envs_cache` undoes it so
   that the pins of :func:`~unified_models.backends.vllm.engine.make_llm` apply
@@ -379,3 +396,88 @@ def mamba_copy_spec(start_addr: int, num_elements: int) -> Any:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 
     return MambaCopySpec(start_addr=start_addr, num_elements=num_elements)
+
+
+def groups_deepseek_v4_style() -> bool:
+    """Whether this vLLM groups mixed one-vector sliding + compressed caches by 0.26's
+    DeepSeek-V4 rule (``kv_cache_utils.group_and_unify_kv_cache_specs`` exists: 0.26; 0.32 has no
+    such function and unifies page sizes by scaling block sizes)."""
+    from vllm.v1.core import kv_cache_utils
+
+    return hasattr(kv_cache_utils, "group_and_unify_kv_cache_specs")
+
+
+def kernel_block_multiple(default: int) -> int:
+    """Kernel block sizes our attention backend declares to vLLM: ``MultipleOf(default)`` (the CPU
+    op's 16-position KV tile) except under 0.26's DeepSeek-V4 grouping (GPU only, where the Triton
+    kernels look up each position's block and take any block size): 1, so the per-cache block
+    sizes of :func:`plan_kv_block_sizes` (e.g. 4 rows per compressor page) need no kernel split."""
+    return 1 if groups_deepseek_v4_style() else default
+
+
+def plan_kv_block_sizes(caches: list[tuple[str, Any]], block_size: int) -> dict[str, int]:
+    """Block sizes of one-vector sliding caches that make vLLM 0.26's DeepSeek-V4 grouping hold
+    (module docstring); ``{}`` where nothing needs one (0.32, or no mix of one-vector sliding and
+    compressed caches).
+
+    Args:
+        caches: ``(layer name, info)`` of every paged cache of the model; ``info`` a dict with
+            ``kind`` (``"sliding_mla"``: a one-vector sliding cache, ``"compressed"``: one entry per
+            ``ratio`` tokens, ``"other"``), ``bytes_per_row`` (one token's / entry's bytes),
+            ``window`` (sliding) and ``ratio`` (compressed).
+        block_size: the engine's S (the compressed caches' block size).
+
+    Returns:
+        layer name -> its block size, for the sliding one-vector caches.
+
+    Raises:
+        ValueError: a sliding row larger than the largest compressed page (no block size fits),
+            or other cache kinds beside the mix (0.26 groups only these two kinds then).
+    """
+    if not groups_deepseek_v4_style():
+        return {}
+    return plan_block_sizes_uniform_groups(caches, block_size)
+
+
+def plan_block_sizes_uniform_groups(caches: list[tuple[str, Any]], block_size: int) -> dict[str, int]:
+    """:func:`plan_kv_block_sizes` without the version test (pure arithmetic; CPU-tested)."""
+    from collections import Counter
+
+    sliding = [(n, i) for n, i in caches if i["kind"] == "sliding_mla"]
+    comp = [(n, i) for n, i in caches if i["kind"] == "compressed"]
+    if not sliding or not comp:
+        return {}
+    other = [n for n, i in caches if i["kind"] == "other"]
+    if other:
+        raise ValueError(f"vLLM {'.'.join(map(str, vllm_version()))} groups one-vector sliding caches with compressed "
+                         f"caches by DeepSeek-V4's rule only; these caches of another kind cannot join it: {other[:4]}")
+    pages = sorted({(block_size // i["ratio"]) * i["bytes_per_row"] for _, i in comp})
+    p_max = pages[-1]
+    # one kind per (row bytes, window): its layers, in order
+    kinds: dict[tuple[int, int], list[str]] = {}
+    for n, i in sliding:
+        kinds.setdefault((i["bytes_per_row"], i["window"]), []).append(n)
+    taken: dict[tuple[int, int], Counter] = {}  # (block size, window) -> padded page -> layers
+    out: dict[str, int] = {}
+    for (row, window), names in sorted(kinds.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        if row > p_max:
+            raise ValueError(f"{names[0]}: one row of {row} bytes exceeds the largest compressed page ({p_max} bytes "
+                             f"at block size {block_size}); vLLM 0.26's DeepSeek-V4 grouping needs every sliding page "
+                             "to be at most that page (raise the block size)")
+        b = 1
+        while b * 2 <= block_size and b * 2 * row <= p_max:
+            b *= 2
+        while True:
+            padded = min(p for p in pages if p >= b * row)
+            cnt = taken.get((b, window), Counter()).copy()
+            cnt[padded] += len(names)
+            if len(set(cnt.values())) == 1 or b == 1:
+                break
+            b //= 2
+        if len(set(cnt.values())) != 1:
+            raise ValueError(f"{names[0]}: no block size gives vLLM 0.26's DeepSeek-V4 grouping equal layer counts "
+                             f"per page size in its (block size, window {window}) group")
+        taken[(b, window)] = cnt
+        for n in names:
+            out[n] = b
+    return out

@@ -43,6 +43,7 @@ Why each pin (integration manual sections in brackets):
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -125,9 +126,21 @@ def quantization_overrides(model_dir: str | os.PathLike) -> dict[str, Any]:
     return {} if qc is None else {"quantization_config": None, QUANT_CONFIG_ATTR: qc}
 
 
+def default_block_size(spec) -> int:
+    """The engine's KV-cache block size for ``spec``: :data:`DEFAULT_BLOCK_SIZE`, raised to the
+    least common multiple with every compression ratio of its compressed caches (a page holds whole
+    entries: DeepSeek-V4's HCA ratio 128 gives 128). Addressing only: no bit depends on it."""
+    from ...layers import model_caches
+
+    s = DEFAULT_BLOCK_SIZE
+    for decl in model_caches(spec, spec.dtype).values():
+        s = math.lcm(s, int(getattr(decl, "ratio", 1)))
+    return s
+
+
 def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
              max_num_seqs: int = 16, gpu: bool = False, cuda_graphs: bool | None = None,
-             block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int | None = None,
+             block_size: int | None = None, max_num_batched_tokens: int | None = None,
              enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
              max_logprobs: int = 20, gpu_memory_utilization: float = 0.5,
              kv_cache_space_gib: int = 1, skip_tokenizer_init: bool = False,
@@ -142,7 +155,8 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         gpu: False = CPU build of vLLM (sets ``VLLM_CPU_KVCACHE_SPACE``).
         cuda_graphs: capture decode steps in CUDA graphs (:func:`.settings.cuda_graph_settings`);
             ``None`` = on where supported (GPU, no Mamba-2 layers).
-        block_size: KV-cache block size, a multiple of 16.
+        block_size: KV-cache block size, a multiple of 16 (and of every compression ratio of the
+            spec's compressed caches); ``None``: :func:`default_block_size`.
         max_num_batched_tokens: default ``max(max_model_len, max_num_seqs * 128)``.
         enable_chunked_prefill: default False on CPU (see module doc), vLLM's
             default on GPU.
@@ -170,7 +184,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     """
     from .attention_backend import KV_BLOCK_MULTIPLE
 
-    if block_size % KV_BLOCK_MULTIPLE:
+    if block_size is not None and block_size % KV_BLOCK_MULTIPLE:
         raise ValueError(f"block_size={block_size} must be a multiple of {KV_BLOCK_MULTIPLE}")
     pinned_args = {"logprobs_mode", "hf_overrides", "dtype", "model_impl", "tensor_parallel_size",
                    "pipeline_parallel_size", "enforce_eager", "compilation_config"}
@@ -187,6 +201,8 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     if validate:
         validate_checkpoint(model_dir, spec)
     check_spec_supported(spec)
+    if block_size is None:
+        block_size = default_block_size(spec)
     graph_kwargs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=cuda_graphs)
     kv_cache_dtype = kv_cache_dtype_setting(spec, engine_kwargs.pop("kv_cache_dtype", None))
     enable_prefix_caching, enable_chunked_prefill = hybrid_engine_settings(

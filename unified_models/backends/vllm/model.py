@@ -83,7 +83,7 @@ from ...parameters import allocate_parameters
 from ...state import FlatBatch
 from . import compat
 from .attention_backend import register_step_listener
-from .caches import VllmStateStore, cache_layer_name, cache_module
+from .caches import VllmStateStore, cache_layer_name, cache_module, plan_block_sizes
 from .mamba_state import model_state_layout, state_copy_funcs
 from .param_table import ParamTable, submodule
 from .weight_loading import WeightLoading
@@ -217,6 +217,7 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
                 owner.add_module(leaf, layer)
                 self._caches[(sub.index, cname)] = layer
         model_caches(self.spec, dtype)  # refuses two sublayers of one layer declaring the same cache name
+        plan_block_sizes(list(self._caches.values()), vllm_config)  # vLLM 0.26's DeepSeek-V4 grouping (compat)
 
         self.logprob_tap: Callable[[torch.Tensor], None] | None = None
         self.record_sample_positions = False

@@ -119,6 +119,27 @@ chunked to stay under it; never changes a bit)."""
 
 assert SPLIT_KV % BLOCK_KV == 0
 
+WIDE_HEAD_DIM = 512
+"""Head dims (``BLOCK_E``) from here up take :data:`WIDE_LAUNCH` on the GPU: DeepSeek-V4's 512
+(64 q heads over one shared K = V head). With the default launch the partial kernel would
+stage a 64 x 512 query tile and two K/V stages of 64 x 512 each in shared memory (328,704 bytes
+asked, 232,448 on an H200) and hold a 64 x 512 fp32 accumulator in 128 threads."""
+
+WIDE_LAUNCH = (8, 1)
+"""``(num_warps, num_stages)`` of the partial and compressed-entry kernels at head dims >=
+:data:`WIDE_HEAD_DIM` on the GPU: one K/V stage (q + K + V = 192 KiB of shared memory) and 8 warps
+(128 accumulator registers per thread). The tiles (``ROWS``, ``BLOCK_KV``, splits) and the order
+of every reduction are those of the other widths; the launch is a constant of the head dim, never
+of the batch (rule 1). The interpreter keeps its launch (the CPU bits do not move)."""
+
+
+def launch_warps_stages(block_e: int) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the partial kernel for a padded head dim ``block_e``."""
+    if not INTERPRET and block_e >= WIDE_HEAD_DIM:
+        return WIDE_LAUNCH
+    return NUM_WARPS, NUM_STAGES
+
+
 MIN_BLOCK_H = 16
 """The rows of a program are at least 16 (tensor-core ``tl.dot`` minimum)."""
 
@@ -641,6 +662,11 @@ class AttentionLaunch(NamedTuple):
     kv_tma: bool | None = None
 
 
+TMA_MAX_BOX = 256
+"""A TMA copy's box is at most 256 elements per dimension: wider heads (DeepSeek-V4's 512) take
+the pointer gathers (the same values, so the same bits)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     """Whether ``device`` has the Tensor Memory Accelerator (CUDA compute capability >= 9.0)."""
@@ -651,7 +677,7 @@ def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e:
                     fp8: bool):
     """TMA descriptors of the K and V caches for the partial kernel, or ``None`` where TMA
     does not apply (interpreter, a device before Hopper, fp32 queries, an FP8 cache, ``S`` not a multiple of
-    ``BLOCK_KV``, ``E`` not a power of two, a layout that is not rows of ``G*E`` contiguous
+    ``BLOCK_KV``, ``E`` not a power of two or above :data:`TMA_MAX_BOX`, a layout that is not rows of ``G*E`` contiguous
     elements, or more than ``2**31 - 1`` slot rows).
 
     Each cache ``[num_blocks, S, G, E]`` is seen as a 2-D ``[rows, G*E]`` tensor of slot
@@ -660,7 +686,7 @@ def _kv_descriptors(kc: torch.Tensor, vc: torch.Tensor, S: int, E: int, block_e:
     K and V blocks, so there it is ``2*S``); ``rows`` ends at the last block's last slot, so
     nothing outside the cache is addressed. Returns ``(k_desc, v_desc, rows_per_block)``.
     """
-    if INTERPRET or fp32_dot or fp8 or S % BLOCK_KV or E != block_e or not _has_tma(kc.device):
+    if INTERPRET or fp32_dot or fp8 or S % BLOCK_KV or E != block_e or block_e > TMA_MAX_BOX or not _has_tma(kc.device):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -847,14 +873,16 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     S = k_cache.shape[1]
     q_per_kv = H // G
     qp, rows, block_t = tile_shape(H, G)
-    num_warps, num_stages = NUM_WARPS, NUM_STAGES
+    block_e = max(16, next_pow2(E))
+    num_warps, num_stages = launch_warps_stages(block_e)
+    # the compressed-entry kernel: Triton's default stages except at the wide head dims
+    c_launch = dict(num_stages=WIDE_LAUNCH[1]) if (not INTERPRET and block_e >= WIDE_HEAD_DIM) else {}
     if launch is not None:
         if launch.rows is not None:
             rows = max(launch.rows, MIN_BLOCK_H, qp)
             block_t = max(1, rows // qp)
         num_warps = launch.num_warps or num_warps
         num_stages = launch.num_stages or num_stages
-    block_e = max(16, next_pow2(E))
     n_split = num_splits(block_table_BN, S)
     fp32_dot = INTERPRET or q_THE.dtype == torch.float32
     kc, vc, ks, vs, fp8 = _kernel_views(k_cache, v_cache, scales)
@@ -903,7 +931,7 @@ def paged_attention_triton(q_THE: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                 q_c, cc, ent, cbt, s_c, p_c, m_ws, l_ws, acc_ws, float(scale) * _LOG2E, ent.shape[1], E, cc.shape[1],
                 compressed.ratio, n_split, *q_c.stride(), *cc.stride(), *ent.stride(), *cbt.stride(),
                 *w_strides, *a_strides, Q_PER_KV=q_per_kv, CROWS=max(MIN_BLOCK_H, qp), BLOCK_E=block_e,
-                BLOCK_C=BLOCK_KV, FP32_DOT=fp32_dot, num_warps=num_warps)
+                BLOCK_C=BLOCK_KV, FP32_DOT=fp32_dot, num_warps=num_warps, **c_launch)
             _attention_merge_kernel[(n, G)](
                 p_c, o_c, m_ws, l_ws, acc_ws, sink_arg, E, window, *o_c.stride(), *w_strides, *a_strides,
                 Q_PER_KV=q_per_kv, QP=qp, BLOCK_E=block_e, SPLIT_KV=SPLIT_KV, SINK=sink is not None,
