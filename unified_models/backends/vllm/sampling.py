@@ -46,7 +46,11 @@ except ImportError:  # pragma: no cover - a vLLM without the client-error hierar
     _ClientError = ValueError
 
 
-class RequestTemperatureError(ValueError, _ClientError):
+# vLLM 0.26's VLLMValidationError is already a ValueError (listing both bases has no consistent MRO there)
+_ERROR_BASES = (_ClientError,) if issubclass(_ClientError, ValueError) else (ValueError, _ClientError)
+
+
+class RequestTemperatureError(*_ERROR_BASES):
     """A request's temperatures cannot be served (a ``ValueError``, and vLLM's client error where vLLM
     has one, so its OpenAI server answers HTTP 400 rather than 500)."""
 
