@@ -143,8 +143,11 @@ def peer_prompts(model_dir: Path, spec, hf_config, num_gsm8k: int = PEER_GSM8K_P
 
 def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NEW_TOKENS, k: int = TOPK,
                    native_eager: bool = True, gpu_memory_utilization: float = 0.3,
-                   num_gsm8k: int = PEER_GSM8K_PROMPTS) -> dict:
+                   num_gsm8k: int = PEER_GSM8K_PROMPTS, native_arch: str = NATIVE_ARCH) -> dict:
     """Ours vs vLLM's native class vs transformers fp32 on one checkpoint (see the module doc).
+
+    ``native_arch``: the vLLM class the plain ``vllm.LLM(model=dir)`` must have run (the checkpoint's
+    ``architectures``; ``tests/backends/test_qwen3_native_peer.py`` passes ``Qwen3ForCausalLM``).
 
     Returns the report (stats of |logprob differences|); asserts ours' bitwise invariances.
     """
@@ -186,7 +189,7 @@ def peer_vs_native(model_dir, *, device: str = DEVICE, new_tokens: int = PEER_NE
         del native
         gc.collect()
     cls = report["native_engine"]["model_class"]
-    assert cls.endswith("." + NATIVE_ARCH) and "unified_models" not in cls, f"native engine ran {cls}"
+    assert cls.endswith("." + native_arch) and "unified_models" not in cls, f"native engine ran {cls}"
     seqs, nat_maps, kinds = [], [], []
     for p, o in zip(prompts, nat_out):
         comp = list(o.outputs[0].token_ids)
