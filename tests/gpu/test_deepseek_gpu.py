@@ -122,7 +122,7 @@ class _EngineSpy:
 
         def spy_flat(model, input_ids, positions, mds):
             batch, store = flat(model, input_ids, positions, mds)
-            if mds is not None:
+            if mds is not None and not torch.cuda.is_current_stream_capturing():
                 md = next(iter(mds.values()))
                 qsl = md.query_start_loc[: md.num_reqs + 1].tolist()
                 sl = md.seq_lens[: md.num_reqs].tolist()
