@@ -3,11 +3,11 @@
 The MoE forward (:mod:`.moe`) is route -> experts -> combine. The middle step is
 one call, ``ctx.dispatcher.experts(ctx.shard_plan, ...)``: at EP = 1 the
 :class:`LocalExperts` dispatcher runs every expert on this process
-(``ops.moe_experts``). An expert-parallel dispatcher (issue 19: tokens sent to
-their experts' owners by an all-to-all that moves data only, expert outputs
-returned to the token's owner and combined there in fp32 in top-k slot order)
-is another :class:`ExpertDispatcher` handed to the engines; the layers do not
-change. The contract that keeps such a dispatcher bitwise equal to EP = 1:
+(``ops.moe_experts``). The expert-parallel dispatcher
+(:class:`~.expert_all_to_all.AllToAllExperts`: tokens sent to their experts'
+owners by an all-to-all that moves data only, expert outputs returned to the
+token's owner and combined there in fp32 in top-k slot order) is another
+:class:`ExpertDispatcher` handed to the engines; the layers do not change. The contract that keeps such a dispatcher bitwise equal to EP = 1:
 
 * the expert outputs of an assignment ``(t, k)`` are ``ops.moe_expert_outputs`` of
   that row alone (batch-invariant: whatever other rows an owner computes with it);

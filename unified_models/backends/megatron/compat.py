@@ -119,6 +119,22 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
+def expert_parallel_state() -> dict[str, Any]:
+    """This rank's expert-parallel place from Megatron's parallel state: ``ep_size``, ``ep_rank``,
+    ``ep_group`` (``get_expert_model_parallel_group``), ``expert_dp_group``
+    (``get_expert_data_parallel_group``), ``expert_tp_group`` (``get_expert_tensor_parallel_group``)
+    and ``expert_mp_group`` (``get_expert_tensor_model_pipeline_parallel_group``: where the experts'
+    grad-norm squares are summed)."""
+    return {
+        "ep_size": parallel_state.get_expert_model_parallel_world_size(),
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+        "ep_group": parallel_state.get_expert_model_parallel_group(),
+        "expert_dp_group": parallel_state.get_expert_data_parallel_group(),
+        "expert_tp_group": parallel_state.get_expert_tensor_parallel_group(),
+        "expert_mp_group": parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+    }
+
+
 def tensor_parallel_group():
     return parallel_state.get_tensor_model_parallel_group()
 

@@ -45,13 +45,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ...dsl import CheckpointError, ModelSpec, SpecError
 from ...layers import family_of, megatron_fields, residual_policy
+from ...layers.expert_parallel import ShardPlan
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch
 from ...private_state import PrivateStateStore, StateBuffers
 from ...parameters import allocate_parameters
 from . import compat
-from .parallel import check_current_parallel_state, check_parallel_sizes
+from .parallel import check_current_parallel_state, check_expert_layout, check_parallel_sizes, expert_groups
 
 __all__ = ["UnifiedMegatronModel", "transformer_config_from_spec"]
 
@@ -107,6 +108,7 @@ def transformer_config_from_spec(spec: ModelSpec, **overrides: Any) -> Transform
         context_parallel_size=defaults.get("context_parallel_size", 1),
         expert_model_parallel_size=defaults.get("expert_model_parallel_size", 1),
         where="transformer_config_from_spec")
+    check_expert_layout(spec, defaults.get("expert_model_parallel_size", 1), where="transformer_config_from_spec")
     return TransformerConfig(**defaults)
 
 
@@ -117,12 +119,101 @@ def _check_config(spec: ModelSpec, config: TransformerConfig) -> None:
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
         where="UnifiedMegatronModel config")
+    check_expert_layout(spec, config.expert_model_parallel_size, where="UnifiedMegatronModel config")
     if config.num_layers != len(spec.blocks) or config.hidden_size != spec.hidden_size:
         raise SpecError(
             f"TransformerConfig(num_layers={config.num_layers}, hidden_size={config.hidden_size}) does not "
             f"describe the {spec.family} spec ({len(spec.blocks)} layers, hidden {spec.hidden_size})")
     if config.params_dtype != spec.dtype:
         raise SpecError(f"TransformerConfig.params_dtype={config.params_dtype} differs from spec.dtype={spec.dtype}")
+
+
+def _expert_parallel(spec: ModelSpec, ep: int):
+    """``(ShardPlan, dispatcher)`` of this rank: EP = 1 -> every expert here (the layers' default
+    dispatcher); EP > 1 -> its place in Megatron's EP group and the all-to-all dispatcher over it.
+
+    Raises:
+        ParallelismError: EP does not divide an expert count, or Megatron's parallel state is not
+            initialized with this EP.
+    """
+    check_expert_layout(spec, ep, where="UnifiedMegatronModel")
+    if ep == 1:
+        return ShardPlan(), None
+    from ...dsl import ParallelismError
+    from ...layers.expert_all_to_all import AllToAllExperts
+
+    if not compat.model_parallel_is_initialized() or compat.parallel_sizes()["expert_model_parallel_size"] != ep:
+        raise ParallelismError(
+            f"UnifiedMegatronModel: expert_model_parallel_size={ep} needs Megatron's parallel state initialized "
+            f"with the same EP (unified_models.backends.megatron.init_parallel_state(ep={ep}) under torchrun)")
+    state = compat.expert_parallel_state()
+    return ShardPlan(ep_size=state["ep_size"], ep_rank=state["ep_rank"]), AllToAllExperts(state["ep_group"])
+
+
+def _allocate(spec: ModelSpec, device: torch.device, plan: ShardPlan):
+    """``(HF name, uninitialised tensor, is routed expert)`` in model order: every parameter of
+    ``spec`` except the routed experts other EP ranks hold. EP = 1: exactly
+    :func:`unified_models.parameters.allocate_parameters`. EP > 1: this rank's experts of each
+    stacked group are views of one ``[E / EP, ...]`` buffer (as the whole group is at EP = 1)."""
+    from ...layers.weight_formats import linear_fields
+
+    experts: dict[str, bool] = {}  # expert tensor name -> held here
+    local_views: dict[str, torch.Tensor] = {}
+    dtypes, shapes = spec.parameter_dtypes(), spec.parameter_shapes()
+    for _, linears in expert_groups(spec):
+        mine = plan.local_experts(len(linears))
+        for field in linear_fields(spec.weight_format(linears[0])):
+            names = [f"{n}.{field}" for n in linears]
+            experts.update({n: j in mine for j, n in enumerate(names)})
+            if plan.ep_size > 1:
+                buf = torch.empty((len(mine), *shapes[names[0]]), dtype=dtypes[names[0]], device=device)
+                local_views.update({names[j]: buf[i] for i, j in enumerate(mine)})
+    tensors = allocate_parameters(spec, device) if plan.ep_size == 1 else None
+    for name, shape in shapes.items():
+        if not experts.get(name, True):
+            continue
+        t = tensors[name] if tensors is not None else local_views.get(name)
+        if t is None:
+            t = torch.empty(shape, dtype=dtypes[name], device=device)
+        yield name, t, name in experts
+
+
+def _local_expert_stacks(spec: ModelSpec, params: dict[str, torch.Tensor], plan: ShardPlan) -> dict[str, Any]:
+    """The MoE layers' ready-made expert weights over this rank's experts only
+    (``layers.moe.expert_stack_key`` -> ``(weight, kind)``, which :func:`layers.moe.expert_weights`
+    takes instead of stacking all ``E``): ``[E / EP, ...]`` views of the local buffer, or with
+    gradients a ``torch.stack`` guarded by the experts' weight-version stamps (as
+    ``expert_weights`` does at EP = 1)."""
+    from ...layers.moe import _as_stack, expert_stack_key
+    from ...layers.weight_formats import grouped_weight, linear_fields
+
+    out: dict[str, Any] = {}
+    for mixer, linears in expert_groups(spec):
+        mine = [linears[j] for j in plan.local_experts(len(linears))]
+        proj = linears[0].rsplit(".", 1)[1]
+        if mixer.expert_linear(0, proj) != linears[0]:
+            raise SpecError(f"{linears[0]}: expert parallelism needs expert linears named "
+                            f"<mixer>.experts.<e>.<proj> (expert_linear(0, {proj!r}) = {mixer.expert_linear(0, proj)})")
+        stacks: dict[str, torch.Tensor] = {}
+        for field in linear_fields(spec.weight_format(linears[0])):
+            ts = [params[f"{n}.{field}"] for n in mine]
+            if field == "weight" and torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+                from ...ops.grad.weights import check_stamps, stamp
+
+                stamps = stamp(**{f"expert {n} weight": t for n, t in zip(mine, ts)})
+                stack = torch.stack(ts)
+
+                def guard(g, stamps=stamps):
+                    check_stamps("moe_experts", stamps)
+                    return g
+
+                stack.register_hook(guard)
+            else:
+                stack = _as_stack(ts)
+                stack = stack if stack is not None else torch.stack(ts)
+            stacks[field] = stack
+        out[expert_stack_key(mixer, proj)] = grouped_weight(spec, stacks, mine)
+    return out
 
 
 def _default_device(config: TransformerConfig) -> torch.device:
@@ -141,9 +232,20 @@ class UnifiedMegatronModel(MegatronModule):
         block_size: page size of the private KV cache (does not change any
             result bit: attention tiles are aligned at absolute positions).
 
+    Expert parallelism (``config.expert_model_parallel_size`` = EP > 1, Megatron's parallel
+    state initialized with the same EP): this rank holds only its contiguous block of
+    ``E / EP`` routed experts of every MoE layer (:class:`ShardPlan`, Megatron's layout),
+    registered under their global Hugging Face names (``...experts.<global e>...``) and
+    marked as Megatron marks expert-parallel parameters (``allreduce = False``: DDP reduces
+    them over the expert-data-parallel group, the optimizer groups them as
+    ``is_expert_parallel``). The forward sends each token-expert assignment to the expert's
+    owner over Megatron's EP group and combines at the token's rank
+    (:class:`unified_models.layers.expert_all_to_all.AllToAllExperts`): bitwise EP = 1's logprobs.
+
     Raises:
-        ParallelismError: TP, PP, CP or EP > 1 in ``config`` or in Megatron's
-            initialized parallel state.
+        ParallelismError: TP, PP or CP > 1 in ``config`` or in Megatron's
+            initialized parallel state; EP not dividing a MoE layer's expert count;
+            EP > 1 without Megatron's parallel state at that EP.
         SpecError: ``config`` does not describe ``spec``.
     """
 
@@ -158,14 +260,20 @@ class UnifiedMegatronModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.block_size = int(block_size)
         device = torch.device(device) if device is not None else _default_device(config)
+        ep = int(config.expert_model_parallel_size)
+        self.shard_plan, self._dispatcher = _expert_parallel(spec, ep)
         embed_names = {f"{spec.embedding.name}.weight"}
         if spec.lm_head.tied_to is None:
             embed_names.add(f"{spec.lm_head.name}.weight")
         frozen = spec.untrained_parameter_names()
-        for name, tensor in allocate_parameters(spec, device).items():
+        self._expert_names: set[str] = set()  # routed-expert tensors this rank holds (global HF names)
+        for name, tensor, is_expert in _allocate(spec, device, self.shard_plan):
             # quantization scales / codes and the router's correction bias are never trained
             param = torch.nn.Parameter(tensor, requires_grad=name not in frozen)
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)  # TP=1: not TP-parallel
+            if is_expert:
+                param.allreduce = ep == 1  # Megatron's expert-parallel marker (transformer/moe/experts.py)
+                self._expert_names.add(name)
             if name in embed_names:
                 param.is_embedding_or_output_parameter = True
             self._register_nested(name, param)
@@ -298,6 +406,13 @@ class UnifiedMegatronModel(MegatronModule):
         is matched by ``id``); replica id ``(0, tp_rank, dp_rank)`` so only DP
         rank 0 writes. Needs Megatron's parallel state (:func:`init_parallel_state`).
 
+        Expert parallelism: each routed expert's tensor is one ShardedTensor under its
+        global HF name (``...experts.<global e>...``, the global expert offset is the index
+        in the key: Megatron's ``singleton_local_shards`` expert layout), held by its owner
+        only, with replica id ``(0, expert_tp_rank, expert_dp_rank)``. The checkpoint is
+        therefore the same at every EP: saved at EP = 2 it reloads at EP = 1 (and back)
+        bit for bit, and converts to Hugging Face unchanged.
+
         Raises:
             ParallelismError: the parallel state holds a refused layout.
             RuntimeError: the parallel state is not initialized.
@@ -308,17 +423,24 @@ class UnifiedMegatronModel(MegatronModule):
                                "unified_models.backends.megatron.init_parallel_state() first")
         tp_group = getattr(self, "tp_group", None) or compat.tensor_parallel_group()
         dp_cp_group = (metadata or {}).get("dp_cp_group") or compat.data_context_parallel_group()
-        return {
-            f"{prefix}{name}": compat.replicated_sharded_tensor(
-                param, f"{prefix}{name}", prepend_offsets=sharded_offsets, tp_group=tp_group,
-                dp_cp_group=dp_cp_group)
-            for name, param in self.named_parameters()
-        }
+        groups = {False: (tp_group, dp_cp_group)}
+        if self.shard_plan.ep_size > 1:  # experts: replicas over expert-TP x expert-DP (Megatron's)
+            state = compat.expert_parallel_state()
+            groups[True] = (state["expert_tp_group"], state["expert_dp_group"])
+        out = {}
+        for name, param in self.named_parameters():
+            tp, dp = groups[self.shard_plan.ep_size > 1 and name in self._expert_names]
+            out[f"{prefix}{name}"] = compat.replicated_sharded_tensor(
+                param, f"{prefix}{name}", prepend_offsets=sharded_offsets, tp_group=tp, dp_cp_group=dp)
+        return out
 
     # ------------------------------------------------------------------ forward
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_parameters())
+        params = dict(self.named_parameters())
+        if self.shard_plan.ep_size > 1:
+            params.update(_local_expert_stacks(self.spec, params, self.shard_plan))
+        return params
 
     def _device(self) -> torch.device:
         return next(self.parameters()).device
@@ -369,7 +491,8 @@ class UnifiedMegatronModel(MegatronModule):
         store = PrivateStateStore(self.spec, seq_lens, block_size=self.block_size, device=ids_T.device,
                                   buffers=buffers)
         store.bind(batch)
-        return forward_hidden(self.spec, self._params(), batch, store), batch
+        return forward_hidden(self.spec, self._params(), batch, store, shard_plan=self.shard_plan,
+                              dispatcher=self._dispatcher), batch
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 packed_seq_params: Any = None) -> torch.Tensor:

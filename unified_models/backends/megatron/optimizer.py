@@ -282,6 +282,12 @@ class MegatronOptimizer(TrainOptimizer):
 # --------------------------------------------------------------------------- CPU: AdamW behind the same interface
 
 
+LOCAL_GROUPS_KEY = "local_param_groups"
+"""Where a loading template (:meth:`CpuAdamWOptimizer.sharded_state_dict` with ``is_loading``) keeps
+this optimizer's own param groups; the stored ``param_groups`` may come from another expert-parallel
+layout (another number of groups) and are not used: hyperparameters come from the config."""
+
+
 def _accumulate_main_grad(param: torch.Tensor) -> None:
     """Megatron DDP's backward hook: add ``param.grad`` into fp32 ``param.main_grad`` and drop it."""
     if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
@@ -316,6 +322,13 @@ class CpuAdamWOptimizer(TrainOptimizer):
             self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
         dp = compat.data_context_parallel_group()
         self._dp_group, self._dp_size = dp, dist.get_world_size(dp)
+        # expert-parallel parameters (Megatron's marker allreduce=False): grads summed over the
+        # expert-data-parallel group, norm squares over expert TP x EP x PP (Megatron's DDP / optimizer)
+        self._expert_groups = None
+        if any(not getattr(p, "allreduce", True) for p in self._model_params()):
+            state = compat.expert_parallel_state()
+            self._expert_groups = (state["expert_dp_group"], dist.get_world_size(state["expert_dp_group"]),
+                                   state["expert_mp_group"])
 
     def _model_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.model_groups for p in g]
@@ -344,15 +357,28 @@ class CpuAdamWOptimizer(TrainOptimizer):
         for p, main in pairs:
             if p.grad is not None:  # a gradient assigned without autograd (the hook never ran)
                 _accumulate_main_grad(p)
-            if self._dp_size > 1:  # DDP semantics: pre-scale by 1/DP, then sum
+            expert = not getattr(p, "allreduce", True)
+            if self._dp_size > 1:  # DDP semantics: pre-scale by 1/DP, then sum (experts: over expert-DP)
                 p.main_grad.mul_(1.0 / self._dp_size)
-                dist.all_reduce(p.main_grad, group=self._dp_group)
+            group, size = (self._expert_groups[:2] if expert else (self._dp_group, self._dp_size))
+            if size > 1:
+                dist.all_reduce(p.main_grad, group=group)
             main.grad = p.main_grad  # Megatron: main_param.grad = model_param.main_grad.float()
         grads = [main.grad for p, main in pairs if not getattr(p, "shared", False)]
-        if grads:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]), 2))
-        else:
-            grad_norm = 0.0
+        if self._expert_groups is None:
+            if grads:
+                grad_norm = float(torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]), 2))
+            else:
+                grad_norm = 0.0
+        else:  # Megatron: sqrt(dense^2 + expert^2), the expert squares summed over expert TP x EP x PP
+            sq = torch.zeros(2, dtype=torch.float64)
+            for p, main in pairs:
+                if not getattr(p, "shared", False):
+                    sq[0 if getattr(p, "allreduce", True) else 1] += float(torch.linalg.vector_norm(main.grad, 2)) ** 2
+            expert_sq = sq[1:].clone()
+            dist.all_reduce(expert_sq, group=self._expert_groups[2])
+            grad_norm = math.sqrt(float(sq[0] + expert_sq[0]))
         if not math.isfinite(grad_norm):
             bad = [self._names[id(p)] for p, main in pairs if not bool(torch.isfinite(main.grad).all())]
             raise FloatingPointError(f"optimizer step refused: the gradient of {len(bad)} parameter(s) holds "
@@ -383,6 +409,8 @@ class CpuAdamWOptimizer(TrainOptimizer):
         """
         state_dict = copy.copy(state_dict)
         opt = copy.copy(state_dict["optimizer"] if self.mixed else state_dict)
+        if LOCAL_GROUPS_KEY in opt:  # loaded through sharded_state_dict(is_loading=True): this model's groups
+            opt["param_groups"] = opt.pop(LOCAL_GROUPS_KEY)
         opt["state"] = dict(opt["state"])
         step = opt["state"].pop("common_step", None)
         if step is not None:
@@ -421,6 +449,18 @@ class CpuAdamWOptimizer(TrainOptimizer):
         optim_state_to_sharding_state(opt, id_map, exclude_keys="step")
         if steps:
             opt["state"]["common_step"] = steps[0].clone()
+        if is_loading:
+            # The groups (their members and multipliers) are this model's, whatever the layout that
+            # saved them: at EP > 1 the expert-parallel parameters form groups of their own
+            # (Megatron's _get_param_groups), so a checkpoint saved at another EP stores another
+            # number of groups. Their hyperparameters come from the config (_apply_constant_schedule);
+            # the per-parameter state is matched by ShardedTensor key.
+            # The stored list is left to the common state (dist_checkpointing's merge refuses two
+            # lists of different lengths); this template's own groups travel beside it.
+            from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+            groups = [{**g, "params": g["params"].unwrap()} for g in opt.pop("param_groups")]
+            opt[LOCAL_GROUPS_KEY] = LocalNonpersistentObject(groups)
         return sd
 
 

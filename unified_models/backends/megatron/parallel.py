@@ -1,13 +1,19 @@
 """The Megatron backend's parallel plan: which layouts are allowed, and setting them up.
 
-Allowed in this version: tensor, pipeline, context and expert parallel size 1;
-any data-parallel size. Refusals (each a :class:`ParallelismError` naming the
-setting) happen before anything is initialized:
+Allowed in this version: tensor, pipeline and context parallel size 1; any
+expert-parallel size that divides the world and every MoE layer's routed-expert
+count; any data-parallel size. Refusals (each a :class:`ParallelismError` naming
+the setting) happen before anything is initialized:
 
 * TP > 1 is refused by design (DESIGN.md rule 7: a TP all-reduce sums partial
   products in an order vLLM's kernels do not share).
 * PP > 1 and CP > 1 are not implemented yet (CP would exchange K/V, never sum).
-* EP > 1 is refused while no family declares MoE layers.
+* EP > 1 (:mod:`unified_models.layers.expert_all_to_all` over Megatron's EP group):
+  refused when it does not divide the world size (:func:`init_parallel_state`), or
+  a MoE layer's routed-expert count, or the model has no routed experts
+  (:func:`check_expert_layout`).
+* More ranks than sequences (:func:`shard_sequences`): a rank without a sequence
+  would have nothing to recompute.
 """
 
 from __future__ import annotations
@@ -54,12 +60,53 @@ def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_
         raise ParallelismError(
             f"{where}: context_parallel_size={context_parallel_size} is not supported yet (the trainer "
             "forward does not exchange K/V over a CP group); use CP=1.")
-    if expert_model_parallel_size > 1:
-        raise ParallelismError(
-            f"{where}: expert_model_parallel_size={expert_model_parallel_size} is not supported yet "
-            "(the MoE layer takes an expert dispatcher through its layer context, "
-            "unified_models.layers.expert_parallel, but no dispatcher over Megatron's EP group exists yet); "
-            "use EP=1.")
+
+
+def check_expert_layout(spec, expert_model_parallel_size: int, *, where: str = "parallel layout") -> None:
+    """Refuse an expert-parallel size that cannot shard ``spec``'s routed experts (Megatron's contiguous blocks).
+
+    Raises:
+        ParallelismError: EP > 1 for a model without routed experts, or EP not dividing a MoE
+            layer's routed-expert count (the layer is named).
+    """
+    ep = expert_model_parallel_size
+    if ep == 1:
+        return
+    groups = expert_groups(spec)
+    if not groups:
+        raise ParallelismError(f"{where}: expert_model_parallel_size={ep} but the {spec.family} model has no routed "
+                               "experts to shard; use EP=1")
+    for mixer, linears in groups:
+        if len(linears) % ep:
+            raise ParallelismError(
+                f"{where}: expert_model_parallel_size={ep} does not divide the {len(linears)} routed experts of "
+                f"{mixer.name} (each EP rank holds a contiguous block of E/EP experts); use an EP that divides "
+                f"{len(linears)}")
+
+
+def expert_groups(spec) -> list[tuple[object, tuple[str, ...]]]:
+    """``(mixer spec, linear names)`` of every stacked group of routed experts (one per MoE layer and
+    projection, expert 0 first: :attr:`unified_models.layers.LayerFamily.stacked_parameters`)."""
+    from ...layers import family_of
+
+    return [(sub.mixer, tuple(linears)) for sub in spec.sublayers
+            for linears in family_of(sub.mixer, sub.index).stacked_parameters(sub.mixer)]
+
+
+def shard_sequences(num_sequences: int, rank: int, world_size: int) -> range:
+    """The sequences rank ``rank`` of ``world_size`` recomputes and trains on: a contiguous block,
+    ``[rank B / W, (rank + 1) B / W)`` (floor), the same rule at every layout. Because every op is
+    batch-invariant, a sequence's logprobs do not depend on which rank holds it.
+
+    Raises:
+        ParallelismError: more ranks than sequences (a rank would hold none).
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ParallelismError(f"shard_sequences: rank {rank} of world size {world_size}")
+    if num_sequences < world_size:
+        raise ParallelismError(f"{world_size} ranks for {num_sequences} sequences: every rank needs at least one "
+                               f"sequence; use at most {num_sequences} ranks or more sequences")
+    return range(rank * num_sequences // world_size, (rank + 1) * num_sequences // world_size)
 
 
 def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 30) -> None:
@@ -100,8 +147,9 @@ def init_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, b
         backend: process-group backend (default: nccl with CUDA, else gloo).
 
     Raises:
-        ParallelismError: a refused size (see :func:`check_parallel_sizes`), or
-            Megatron's parallel state is already initialized with other sizes.
+        ParallelismError: a refused size (see :func:`check_parallel_sizes`), a world
+            size (``torch.distributed``'s, else ``WORLD_SIZE``) that EP or TP*PP*CP does
+            not divide, or Megatron's parallel state is already initialized with other sizes.
     """
     check_parallel_sizes(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          context_parallel_size=cp, expert_model_parallel_size=ep, where="init_parallel_state")
@@ -109,6 +157,12 @@ def init_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, b
 
     want = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
             "context_parallel_size": cp, "expert_model_parallel_size": ep}
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (tp * pp * cp) or world % (ep * tp * pp):
+        raise ParallelismError(
+            f"init_parallel_state: world size {world} is not divisible by TP*PP*CP={tp * pp * cp} and "
+            f"EP*TP*PP={ep * tp * pp} (expert_model_parallel_size={ep}); start as many processes as a "
+            "multiple of EP (torchrun --nproc-per-node)")
     if compat.model_parallel_is_initialized() and not dist.is_initialized():
         # Stale: the process group under Megatron's groups was torn down (e.g. by
         # vLLM's cleanup_dist_env_and_memory after a rollout in this process).

@@ -1,0 +1,141 @@
+"""Trainer expert parallelism through Megatron-core (issue 19), on the CPU: two processes under
+``torchrun`` over gloo, Megatron's parallel state with ``expert_model_parallel_size=2``, the
+``nemotron_h_hybrid_tiny`` preset (pattern ``M*-EM-E``: two MoE layers of 8 routed experts, top-2).
+
+One ``torchrun --standalone --nproc-per-node 2`` job (``megatron_ep_worker.py``) measures
+everything; the tests below read its report:
+
+* each rank holds 4 of the 8 experts (Megatron's contiguous blocks) and recomputes its own two
+  of the four sequences; assignment rows really cross to the other rank;
+* bf16, fp32 and bf16-with-NVFP4-experts token logprobs and full-vocabulary rows at EP = 2 are
+  bitwise EP = 1's;
+* fp32 gradients of the summed token logprobs at EP = 2 (dense: both ranks' partial gradients
+  summed, the data-parallel reduction; experts: the owner's) equal EP = 1's within 1e-5
+  relative (EP = 1's fp32 gradients are checked against fp64 autograd at 1e-5 in
+  ``test_megatron_grad.py``; measured here: worst 1.1e-6, experts 2.9e-7);
+* a training checkpoint saved at EP = 2 after one AdamW step reloads at EP = 1 bit for bit
+  (parameters, fp32 main weights, Adam moments), saved again at EP = 1 reloads at EP = 2 bit
+  for bit, and the logprobs after the round trip are the same bits.
+
+Plus the layouts refused before anything starts (in this process, no torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import megatron.core  # noqa: F401  (required: a missing install must fail, not skip)
+
+from unified_models.dsl import ParallelismError
+
+WORKER = Path(__file__).with_name("megatron_ep_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory):
+    from unified_models.presets import build_preset_checkpoint
+
+    return build_preset_checkpoint("nemotron_h_hybrid_tiny", out_dir=tmp_path_factory.mktemp("ep") / "hybrid")
+
+
+@pytest.fixture(scope="module")
+def report(hybrid_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep_out")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+           str(hybrid_checkpoint), str(out)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    rep = json.loads((out / "report.json").read_text())
+    rep["wall_s"] = round(wall, 1)
+    print(f"EP-REPORT {json.dumps(rep)}")
+    return rep
+
+
+def test_each_rank_holds_its_block_of_experts_and_rows_cross(report):
+    assert report["ranks"] == 2
+    assert report["experts_rank0"] == ["0", "1", "2", "3"] and report["experts_rank1"] == ["4", "5", "6", "7"]
+    assert report["sequences"] == {"0": [0, 1], "1": [2, 3]}
+    for r in (0, 1):
+        assert report[f"moe_calls_rank{r}_bfloat16"] == 2  # two MoE layers, one call each
+        assert report[f"rows_sent_remote_rank{r}_bfloat16"] > 0  # tokens reached the other rank's experts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "bfloat16_nvfp4_experts"])
+def test_logprobs_at_ep2_are_bitwise_ep1(report, dtype):
+    lp = report[f"logprobs_{dtype}"]
+    assert lp["tokens"] == 36 and lp["rows"] == [36, 32064]
+    assert lp["bitwise_tokens"] and lp["max_abs_diff"] == 0.0
+    assert lp["bitwise_full_rows"] and lp["full_max_abs_diff"] == 0.0
+
+
+def test_gradients_at_ep2_match_ep1(report):
+    g = report["grads_fp32"]
+    assert g["parameters"] == 72  # every trained parameter (the routers' correction biases are frozen)
+    assert g["worst_rel_err"] <= 1e-5, g
+    assert g["expert_params_marked_allreduce_false"]
+
+
+def test_checkpoint_saved_at_ep2_reloads_at_ep1_and_back_bitwise(report):
+    for r in (0, 1):
+        there = report[f"reload_ep2_to_ep1_rank{r}"]
+        assert there["params_bitwise"] and there["optimizer_bitwise"] and there["iteration"] == 1, there
+        back = report[f"reload_ep1_to_ep2_rank{r}"]
+        assert back["params_bitwise"] and back["optimizer_bitwise"] and back["logprobs_after_reload_bitwise"], back
+
+
+# ----------------------------------------------------------------------------- refused layouts (no torchrun)
+
+
+def test_bad_layouts_get_one_clear_error(hybrid_checkpoint, tiny_checkpoint):
+    from unified_models.backends.megatron import UnifiedMegatronModel
+    from unified_models.backends.megatron.module import transformer_config_from_spec
+    from unified_models.backends.megatron.parallel import check_expert_layout, init_parallel_state, shard_sequences
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+    _, spec, _ = spec_and_state_dict(hybrid_checkpoint)
+    with pytest.raises(ParallelismError, match="expert_model_parallel_size=3 does not divide the 8 routed experts"):
+        check_expert_layout(spec, 3)
+    with pytest.raises(ParallelismError, match="does not divide the 8 routed experts"):
+        transformer_config_from_spec(spec, expert_model_parallel_size=3)
+    _, dense, _ = spec_and_state_dict(tiny_checkpoint)
+    with pytest.raises(ParallelismError, match="has no routed experts"):
+        check_expert_layout(dense, 2)
+    with pytest.raises(ParallelismError, match="tensor_model_parallel_size=2 is refused"):
+        init_parallel_state(tp=2, ep=2)
+    with pytest.raises(ParallelismError, match="2 ranks for 1 sequences"):
+        shard_sequences(1, 0, 2)
+    assert [list(shard_sequences(5, r, 2)) for r in (0, 1)] == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ParallelismError, match="world size 1 is not divisible"):
+        init_parallel_state(ep=2)  # one process
+    init_parallel_state()  # EP = 1: a model asking for EP = 2 is refused at construction
+    cfg = transformer_config_from_spec(spec, expert_model_parallel_size=2, perform_initialization=False)
+    with pytest.raises(ParallelismError, match="needs Megatron's parallel state initialized with the same EP"):
+        UnifiedMegatronModel(spec, cfg, device="cpu")
+
+
+def test_ep1_module_is_unchanged(hybrid_checkpoint):
+    """EP = 1 registers every expert (all marked allreduce=True, Megatron's EP = 1 value)."""
+    from unified_models.backends.megatron import UnifiedMegatronModel, init_parallel_state
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+    init_parallel_state()
+    _, spec, _ = spec_and_state_dict(hybrid_checkpoint)
+    model = UnifiedMegatronModel(spec, device="cpu")
+    names = dict(model.named_parameters())
+    assert sorted(names) == sorted(spec.parameter_shapes())
+    experts = [p for n, p in names.items() if ".experts." in n and "shared" not in n]
+    assert experts and all(p.allreduce is True for p in experts)
+    assert model.shard_plan.ep_size == 1 and model._dispatcher is None
