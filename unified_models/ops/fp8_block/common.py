@@ -120,7 +120,9 @@ class FP8BlockWeight:
     weight_scale_inv: torch.Tensor
 
     def __post_init__(self) -> None:
-        problems = fp8_block_problems(self.weight, self.weight_scale_inv)
+        # shapes and dtypes only: a value scan syncs the device (and cannot run under CUDA-graph capture);
+        # checkpoints' values are scanned once, when they are validated (fp8_block_problems)
+        problems = fp8_block_problems(self.weight, self.weight_scale_inv, check_values=False)
         shape_problems = [p for p in problems if "dtype" in p or "shape" in p or "missing" in p or "2-D" in p]
         if shape_problems:
             raise ValueError("FP8BlockWeight: " + "; ".join(shape_problems))
@@ -131,7 +133,7 @@ class FP8BlockWeight:
 
 
 def fp8_block_problems(weight: torch.Tensor | None, weight_scale_inv: torch.Tensor | None, *,
-                       shape: tuple[int, int] | None = None) -> list[str]:
+                       shape: tuple[int, int] | None = None, check_values: bool = True) -> list[str]:
     """What is wrong with one block-FP8 linear's checkpoint tensors (empty list: nothing).
 
     Checked: presence; ``weight`` float8_e4m3fn 2-D (of ``shape`` when given), K a multiple of
@@ -159,7 +161,7 @@ def fp8_block_problems(weight: torch.Tensor | None, weight_scale_inv: torch.Tens
         out.append(f"weight_scale_inv has shape {list(weight_scale_inv.shape)}, expected {list(want)}")
     if weight_scale_inv.dtype not in (torch.float8_e8m0fnu, torch.float32):
         out.append(f"weight_scale_inv has dtype {weight_scale_inv.dtype}, expected torch.float8_e8m0fnu")
-    elif weight_scale_inv.numel():
+    elif weight_scale_inv.numel() and check_values:
         if weight_scale_inv.dtype == torch.float8_e8m0fnu:
             bad = weight_scale_inv.view(torch.uint8) == 0xFF
             what = "NaN"
@@ -171,7 +173,7 @@ def fp8_block_problems(weight: torch.Tensor | None, weight_scale_inv: torch.Tens
         if bool(bad.any()):
             out.append(f"weight_scale_inv has {int(bad.sum())} {what} scale(s) (first at "
                        f"{[int(i) for i in bad.nonzero()[0]]})")
-    if weight.dtype == torch.float8_e4m3fn and weight.numel():
+    if weight.dtype == torch.float8_e4m3fn and weight.numel() and check_values:
         nan = (weight.view(torch.uint8) & 0x7F) == 0x7F
         if bool(nan.any()):
             out.append(f"weight has {int(nan.sum())} NaN code(s) (first at {[int(i) for i in nan.nonzero()[0]]})")
