@@ -69,9 +69,9 @@ Differences handled (file references are inside the ``vllm`` package):
   sizes the tensor it hands a layer with the backend's
   ``get_kv_cache_shape``: a one-vector cache declares ``[N, 1, S, G, E]``
   (:func:`kv_cache_shape_026_shared`); 0.32 hands the logical ``[N, G, S, E]``
-  view. :func:`shared_kv_cache_view` turns either into ``[N, S, G, E]``. The
-  0.26 side is read from its source (and the integration manual), to be
-  confirmed on the H200.
+  view. :func:`shared_kv_cache_view` turns either into ``[N, S, G, E]``. Confirmed
+  on the H200 (session 20: sliding, CSA and HCA caches, packed into one allocation by 0.26's
+  DeepSeek-V4 layout, each layer's view strided by the packed block).
 * **DeepSeek-V4's KV-cache groups in 0.26** (:func:`plan_kv_block_sizes`). 0.26 groups a
   model that mixes one-vector sliding caches (``SlidingWindowMLASpec``) with compressed caches
   (``MLAAttentionSpec`` with a ratio) and pages of several sizes by its own rule

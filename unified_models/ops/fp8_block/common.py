@@ -138,7 +138,8 @@ def fp8_block_problems(weight: torch.Tensor | None, weight_scale_inv: torch.Tens
 
     Checked: presence; ``weight`` float8_e4m3fn 2-D (of ``shape`` when given), K a multiple of
     128, no NaN codes; ``weight_scale_inv`` float8_e8m0fnu or fp32, ``[ceil(N/128), K/128]``,
-    finite, > 0 and powers of two (ue8m0; e8m0's NaN code 0xFF refused).
+    finite, > 0 and powers of two (ue8m0; e8m0's NaN code 0xFF refused). ``check_values=False``:
+    presence, dtypes and shapes only (no value is read: no device sync).
     """
     out = []
     if weight is None:
