@@ -14,7 +14,11 @@ EP = 1 comparison runs on rank 0 in the same job:
   EP = 1 (parameters, fp32 main weights, Adam moments bitwise), saved again at EP = 1 and
   reloaded at EP = 2 (bitwise), and the logprobs after the reload equal before.
 
-``python megatron_ep_worker.py CHECKPOINT OUT`` (under torchrun). Writes ``OUT/report.json`` (rank 0).
+* other families (``TAG=CHECKPOINT`` arguments: SwiGLU experts, Qwen3-MoE / DeepSeek-V4): bf16
+  logprobs and full rows bitwise, fp32 gradients, EP = 2 vs EP = 1.
+
+``python megatron_ep_worker.py CHECKPOINT OUT [TAG=CHECKPOINT ...]`` (under torchrun); CHECKPOINT
+``-`` runs only the other families. Writes ``OUT/report.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -83,19 +87,62 @@ def log(rank, report, key):
         print(f"[rank {rank}] {key}: {json.dumps(report[key], default=str)}", flush=True)
 
 
-def main(ckpt: str, out: str) -> None:
-    from unified_models.backends.megatron import compat
+def other_family(ckpt: str, tag: str, out: Path, report: dict) -> None:
+    """SwiGLU-expert families (Qwen3-MoE, DeepSeek-V4): bf16 logprobs and full rows at EP = 2 vs EP = 1
+    bitwise, fp32 gradients at EP = 2 vs EP = 1 (as the hybrid's)."""
+    from unified_models.backends.megatron.parallel import shard_sequences
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, everyone = list(shard_sequences(len(LENS), rank, world)), list(range(len(LENS)))
+    model = build(ckpt, torch.bfloat16, 2)
+    with torch.no_grad():
+        tok, full = model.token_logprobs(*batch(mine), temperature=TEMPERATURE, return_full=True)
+    report[f"{tag}_rows_sent_remote_rank{rank}"] = model._dispatcher.rows_sent_remote
+    torch.save({"tok": tok, "full": full}, out / f"{tag}_lp_rank{rank}.pt")
+    del model
+    model = build(ckpt, torch.float32, 2)
+    model.token_logprobs(*batch(mine), temperature=TEMPERATURE).sum().backward()
+    torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, out / f"{tag}_grad_rank{rank}.pt")
+    del model
+    dist.barrier()
+    if rank == 0:
+        parts = [torch.load(out / f"{tag}_lp_rank{r}.pt") for r in range(world)]
+        ref = build(ckpt, torch.bfloat16, 1)
+        with torch.no_grad():
+            tok1, full1 = ref.token_logprobs(*batch(everyone), temperature=TEMPERATURE, return_full=True)
+        ep2_tok, ep2_full = torch.cat([p["tok"] for p in parts]), torch.cat([p["full"] for p in parts])
+        res = {"tokens": int(tok1.numel()), "bitwise_tokens": same(ep2_tok, tok1),
+               "bitwise_full_rows": same(ep2_full, full1),
+               "max_abs_diff": float((ep2_tok.double() - tok1.double()).abs().max())}
+        ref = build(ckpt, torch.float32, 1)
+        ref.token_logprobs(*batch(everyone), temperature=TEMPERATURE).sum().backward()
+        grads = [torch.load(out / f"{tag}_grad_rank{r}.pt") for r in range(world)]
+        errs = {}
+        for n, p in ref.named_parameters():
+            if p.grad is None:
+                continue
+            have = [g[n] for g in grads if n in g]
+            g2 = have[0].double() if ".experts." in n else sum(h.double() for h in have)
+            want = p.grad.double()
+            errs[n] = float((g2 - want).norm() / want.norm()) if float(want.norm()) else float((g2 - want).norm())
+        worst = max(errs, key=errs.get)
+        res.update(grad_parameters=len(errs), grad_bitwise=sum(e == 0.0 for e in errs.values()),
+                   grad_worst_rel_err=errs[worst], grad_worst_param=worst,
+                   grad_worst_expert_rel_err=max(e for n, e in errs.items() if ".experts." in n))
+        report[f"{tag}"] = res
+        log(rank, report, tag)
+    dist.barrier()
+
+
+def hybrid(ckpt: str, out: Path, report: dict) -> None:
+    """The hybrid preset's logprobs, gradients and checkpoint round trip (module doc)."""
     from unified_models.backends.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
     from unified_models.backends.megatron.optimizer import OptimizerConfig, build_optimizer
     from unified_models.backends.megatron.parallel import destroy_parallel_state, init_parallel_state, shard_sequences
 
-    out = Path(out)
-    init_parallel_state(ep=2, backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert compat.expert_parallel_state()["ep_size"] == 2
     mine = list(shard_sequences(len(LENS), rank, world))
     everyone = list(range(len(LENS)))
-    report: dict = {"ranks": world, "sequences": {r: list(shard_sequences(len(LENS), r, world)) for r in range(world)}}
     t0 = time.time()
 
     # (a) logprobs at EP = 2 (each rank its sequences) vs EP = 1 (rank 0, every sequence)
@@ -224,6 +271,25 @@ def main(ckpt: str, out: str) -> None:
                                                "logprobs_after_reload_bitwise": same(before, after)}
     log(rank, report, f"reload_ep1_to_ep2_rank{rank}")
     report["t_checkpoint_s"] = round(time.time() - t0, 1)
+    del model2, opt2
+
+
+def main(ckpt: str, out: str, *others: str) -> None:
+    from unified_models.backends.megatron import compat
+    from unified_models.backends.megatron.parallel import destroy_parallel_state, init_parallel_state, shard_sequences
+
+    out = Path(out)
+    init_parallel_state(ep=2, backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert compat.expert_parallel_state()["ep_size"] == 2
+    report: dict = {"ranks": world, "sequences": {r: list(shard_sequences(len(LENS), r, world)) for r in range(world)}}
+    if ckpt != "-":  # "-": only the other families
+        hybrid(ckpt, Path(out), report)
+    for other in others:  # "tag=checkpoint_dir"
+        t0 = time.time()
+        tag, path = other.split("=", 1)
+        other_family(path, tag, out, report)
+        report[f"t_{tag}_s"] = round(time.time() - t0, 1)
     reports = [None] * world
     dist.all_gather_object(reports, report)
     if rank == 0:
@@ -236,4 +302,4 @@ def main(ckpt: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -2,8 +2,8 @@
 ``torchrun`` over gloo, Megatron's parallel state with ``expert_model_parallel_size=2``, the
 ``nemotron_h_hybrid_tiny`` preset (pattern ``M*-EM-E``: two MoE layers of 8 routed experts, top-2).
 
-One ``torchrun --standalone --nproc-per-node 2`` job (``megatron_ep_worker.py``) measures
-everything; the tests below read its report:
+Two ``torchrun --standalone --nproc-per-node 2`` jobs (``megatron_ep_worker.py``: the hybrid, then
+the SwiGLU-expert families) measure everything; the tests below read their reports:
 
 * each rank holds 4 of the 8 experts (Megatron's contiguous blocks) and recomputes its own two
   of the four sequences; assignment rows really cross to the other rank;
@@ -16,6 +16,9 @@ everything; the tests below read its report:
 * a training checkpoint saved at EP = 2 after one AdamW step reloads at EP = 1 bit for bit
   (parameters, fp32 main weights, Adam moments), saved again at EP = 1 reloads at EP = 2 bit
   for bit, and the logprobs after the round trip are the same bits.
+
+* the SwiGLU-expert families (``qwen3_moe_tiny``, ``deepseek_v4_tiny``): bf16 logprobs and full
+  rows bitwise, fp32 gradients within 1e-5 of EP = 1 (measured 5.7e-7 / 7.0e-7).
 
 Plus the layouts refused before anything starts (in this process, no torchrun).
 """
@@ -47,12 +50,21 @@ def hybrid_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(hybrid_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_out")
+def swiglu_checkpoints(tmp_path_factory):
+    """``tag=dir`` of the SwiGLU-expert presets (Qwen3-MoE: weight after the down projection;
+    DeepSeek-V4: before it, hash-routed first layers, mHC)."""
+    from unified_models.presets import build_preset_checkpoint
+
+    root = tmp_path_factory.mktemp("ep_swiglu")
+    return [f"{tag}={build_preset_checkpoint(preset, out_dir=root / preset)}"
+            for tag, preset in (("qwen3_moe", "qwen3_moe_tiny"), ("deepseek_v4", "deepseek_v4_tiny"))]
+
+
+def _run_worker(out: Path, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           str(hybrid_checkpoint), str(out)]
+           *args[:1], str(out), *args[1:]]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     wall = time.time() - t0
@@ -62,6 +74,18 @@ def report(hybrid_checkpoint, tmp_path_factory):
     rep["wall_s"] = round(wall, 1)
     print(f"EP-REPORT {json.dumps(rep)}")
     return rep
+
+
+@pytest.fixture(scope="module")
+def report(hybrid_checkpoint, tmp_path_factory):
+    """The hybrid preset's job (logprobs, gradients, checkpoint round trip)."""
+    return _run_worker(tmp_path_factory.mktemp("ep_out"), str(hybrid_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def swiglu_report(swiglu_checkpoints, tmp_path_factory):
+    """The SwiGLU-expert families' job (logprobs and gradients)."""
+    return _run_worker(tmp_path_factory.mktemp("ep_swiglu_out"), "-", *swiglu_checkpoints)
 
 
 def test_each_rank_holds_its_block_of_experts_and_rows_cross(report):
@@ -86,6 +110,17 @@ def test_gradients_at_ep2_match_ep1(report):
     assert g["parameters"] == 72  # every trained parameter (the routers' correction biases are frozen)
     assert g["worst_rel_err"] <= 1e-5, g
     assert g["expert_params_marked_allreduce_false"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
+def test_swiglu_expert_families_at_ep2(swiglu_report, family):
+    """The SwiGLU experts' exchange (routing weight with the row for DeepSeek-V4, combined at home for
+    Qwen3-MoE): bf16 logprobs and full rows bitwise EP = 1's, fp32 gradients within 1e-5."""
+    report = swiglu_report
+    r = report[family]
+    assert r["tokens"] == 36 and r["bitwise_tokens"] and r["bitwise_full_rows"] and r["max_abs_diff"] == 0.0, r
+    assert r["grad_worst_rel_err"] <= 1e-5, r
+    assert report[f"{family}_rows_sent_remote_rank0"] > 0 and report[f"{family}_rows_sent_remote_rank1"] > 0
 
 
 def test_checkpoint_saved_at_ep2_reloads_at_ep1_and_back_bitwise(report):

@@ -36,8 +36,9 @@ gradients of the experts' weights stay on their owner (Megatron's expert-paralle
 parameters: ``allreduce = False``).
 
 DeepSeek-V4 / Qwen3-MoE SwiGLU experts (:meth:`AllToAllExperts.swiglu_experts`) run through the
-same exchange for the forward (the routing weight travels with the row when it is applied
-before the down projection); their training backward at EP > 1 is refused with a clear error.
+same exchange (the routing weight travels with the row when it is applied before the down
+projection); the owner's rows come from the differentiable ``ops.swiglu_experts`` with one slot
+per row, whose backward is the ops' own.
 
 Shapes: T tokens, D hidden, E experts (global), L local experts, K top-k, I expert width,
 S rows sent, R rows received.
@@ -240,28 +241,39 @@ class AllToAllExperts:
     def swiglu_experts(self, plan: ShardPlan, x_TD, ids_TK, w_TK, gate, up, down, shared_TD, *,
                        swiglu_limit: float, out_dtype: torch.dtype, weight_before_down: bool = True) -> torch.Tensor:
         """See :meth:`.expert_parallel.ExpertDispatcher.swiglu_experts`: the same exchange; with
-        ``weight_before_down`` the fp32 routing weight travels with its row.
+        ``weight_before_down`` (DeepSeek-V4) the fp32 routing weight travels with its row (and its
+        gradient back), else (Qwen3-MoE) the owner computes the rows with weight 1 and the token's
+        rank combines with the routing weights.
+
+        The owner's rows are ``ops.swiglu_experts`` of the received rows with one slot each and an
+        fp32 output: ``0 + 1 * y`` in fp32 is ``y``, so they are ``ops.moe.swiglu_expert_outputs``'s
+        rows bit for bit, and the op's own backward (``SwigluExpertsFn``) gives the gradients to the
+        rows, their routing weights and the local expert stacks.
 
         Raises:
-            ParallelismError: ``plan`` is not this rank's place in the group, or gradients are
-                needed (the SwiGLU experts' per-row backward at EP > 1 is not written yet).
+            ParallelismError: ``plan`` is not this rank's place in the group.
         """
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in (x_TD, w_TK, gate, up, down, shared_TD)):
-            raise ParallelismError("AllToAllExperts.swiglu_experts: training SwiGLU experts (DeepSeek-V4, Qwen3-MoE) "
-                                   "at expert_model_parallel_size > 1 is not supported yet (forward only: run "
-                                   "under torch.no_grad(), or use EP=1)")
         local = num_local_experts(up)
         self._check(plan, local)
         T, K = ids_TK.shape
         flat, order, send, recv = self._exchange(plan, ids_TK, local)
-        x_R = _all_to_all(x_TD[torch.div(order, K, rounding_mode="floor")], send, recv, self.group)
+        raw = [getattr(w, "weight", w) for w in (gate, up, down)]
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                               for t in (x_TD, w_TK, shared_TD, *raw))
+        a2a = (lambda t, s, r: AllToAll.apply(t, s, r, self.group)) if grad else (
+            lambda t, s, r: _all_to_all(t, s, r, self.group))
+        x_R = a2a(x_TD[torch.div(order, K, rounding_mode="floor")], send, recv)
         ids_R = _all_to_all(flat[order], send, recv, self.group) - plan.ep_rank * local
-        ones = torch.ones(T * K, dtype=torch.float32, device=x_TD.device)
-        w_send = w_TK.reshape(-1).float()[order] if weight_before_down else ones
-        w_R = _all_to_all(w_send, send, recv, self.group)
-        y_R = ops.moe.swiglu_expert_outputs(x_R, ids_R.view(-1, 1), w_R.view(-1, 1), gate, up, down,
-                                            swiglu_limit=swiglu_limit)
-        rows = _all_to_all(y_R, recv, send, self.group)[torch.argsort(order)]
-        combine_w = ones.view(T, K) if weight_before_down else w_TK.float()
+        ones_TK = torch.ones((T, K), dtype=torch.float32, device=x_TD.device)
+        w_R = a2a((w_TK.float() if weight_before_down else ones_TK).reshape(-1)[order], send, recv)
+        if grad:
+            y_R = ops.swiglu_experts(x_R, ids_R.view(-1, 1), w_R.view(-1, 1), gate, up, down, None,
+                                     swiglu_limit=swiglu_limit, out_dtype=torch.float32, weight_before_down=True)
+        else:
+            y_R = ops.moe.swiglu_expert_outputs(x_R, ids_R.view(-1, 1), w_R.view(-1, 1), gate, up, down,
+                                                swiglu_limit=swiglu_limit)
+        rows = a2a(y_R, recv, send)[torch.argsort(order)]
+        combine_w = ones_TK if weight_before_down else w_TK.float()
+        if grad:
+            return CombineFn.apply(rows, combine_w, shared_TD, out_dtype)
         return dispatch.moe_combine(rows, combine_w, shared_TD, out_dtype)
