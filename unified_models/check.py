@@ -60,6 +60,7 @@ class CheckOptions:
     peer_prompts: int = 2
     full_vocab_rows: int = -1
     cuda_graphs: bool | None = None
+    ep: int = 1
     json_out: str | None = None
 
 
@@ -230,9 +231,101 @@ def quiet_engines() -> None:
     warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")
 
 
+def _launch_layout(opts: CheckOptions) -> tuple[int, int]:
+    """``(rank, world size)`` from ``torchrun``'s environment; refuses a trainer layout it cannot run
+    before any work.
+
+    Raises:
+        ParallelismError: ``--ep`` > 1 without as many processes, a world size ``--ep`` does not
+            divide, or more processes than prompts (a rank would recompute nothing).
+    """
+    from .dsl import ParallelismError
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if opts.ep < 1:
+        raise ParallelismError(f"--ep {opts.ep} must be >= 1")
+    if world % opts.ep:
+        raise ParallelismError(f"check --ep {opts.ep}: {world} process(es) do not split into EP groups of {opts.ep}; "
+                               f"run under torchrun --nproc-per-node {opts.ep} (or a multiple)")
+    if world > opts.num_prompts:
+        raise ParallelismError(f"check: {world} processes for {opts.num_prompts} prompts: every rank needs at least one "
+                               "sequence; use more --num-prompts or fewer processes")
+    return rank, world
+
+
+class _OutsideTorchrunStore:
+    """While vLLM (EP = 1, its own world of one process) starts on rank 0 of a ``torchrun`` job: torch's
+    ``tcp://`` rendezvous joins torchrun's agent store as a client when ``TORCHELASTIC_USE_AGENT_STORE``
+    is set, and vLLM's own ``tcp://host:port`` has no server there; unset it meanwhile."""
+
+    KEY = "TORCHELASTIC_USE_AGENT_STORE"
+
+    def __enter__(self):
+        self.saved = os.environ.pop(self.KEY, None)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            os.environ[self.KEY] = self.saved
+
+
+def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, rollout) -> tuple | None:
+    """The trainer at ``--ep`` over every process of the ``torchrun`` job: rank 0 broadcasts the rollout
+    (prompt ids, completions, whole-row keys, temperature, the engine's fingerprint); each rank
+    recomputes its block of sequences (:func:`~.backends.megatron.parallel.shard_sequences`) with its
+    experts; rank 0 gathers. Returns ``(RecomputeResult, trainer fingerprint, layout)`` on rank 0,
+    None elsewhere."""
+    import torch.distributed as dist
+
+    from .backends.megatron.parallel import ensure_process_group, shard_sequences
+    from .backends.megatron.recompute import RecomputeResult
+    from .backends.megatron.trainer import Trainer, TrainerOptions
+    from .consistency.fingerprint import compare
+
+    ensure_process_group()  # env:// from torchrun (rank 0: after vLLM tore down its own world)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [rollout]
+    dist.broadcast_object_list(box, src=0)
+    prompt_ids, completions, keys, rollout_fp = box[0]
+    mine = shard_sequences(len(prompt_ids), rank, world)
+    with Trainer(spec, state_dict, device=device,
+                 options=TrainerOptions(expert_model_parallel_size=opts.ep)) as trainer:
+        trainer_fp = trainer.contract_fingerprint()
+        compare(rollout_fp, trainer_fp)  # every rank: refused before any recompute
+        tr = trainer.logprobs([prompt_ids[i] for i in mine], [completions[i] for i in mine],
+                              temperature=opts.temperature,
+                              full_rows_for=[(s - mine.start, p) for s, p in keys if s in mine])
+        experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in trainer.model.named_parameters()
+                          if ".experts." in n})
+    part = (list(mine), tr.logprobs, {(s + mine.start, p): v for (s, p), v in tr.full_rows.items()},
+            [experts[0], experts[-1]] if experts else [])
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    logprobs: list = [None] * len(prompt_ids)
+    full: dict = {}
+    for seqs, lps, rows, _ in parts:
+        for s, lp in zip(seqs, lps):
+            logprobs[s] = lp
+        full.update(rows)
+    layout = {"processes": world, "trainer_ep": opts.ep, "rollout_ep": 1,
+              "ranks": [{"rank": r, "sequences": [p[0][0], p[0][-1]], "experts": p[3]} for r, p in enumerate(parts)]}
+    return RecomputeResult(logprobs=logprobs, full_rows=full), trainer_fp, layout
+
+
 def run_check(opts: CheckOptions) -> int:
-    """Run the whole check; print the table; write JSON; return the exit status."""
+    """Run the whole check; print the table; write JSON; return the exit status.
+
+    Under ``torchrun --nproc-per-node N`` with ``--ep`` (N a multiple of EP): rank 0 runs the
+    peer check and the rollout (vLLM at EP = 1, in process); then every rank runs the trainer at
+    EP over Megatron's groups on its block of sequences, and rank 0 merges them into the one report
+    (its ``layout`` says which rank held which sequences and experts); the other ranks exit 0
+    (a failed check fails the job through rank 0).
+    """
     quiet_engines()
+    rank, world = _launch_layout(opts)
     console = Console(stderr=True)
     out = Console()
     device = resolve_device(opts.device)
@@ -255,6 +348,13 @@ def run_check(opts: CheckOptions) -> int:
 
         # the one read and validation of the checkpoint in this process: every engine below gets these
         hf_config, spec, state_dict = spec_and_state_dict(model_dir)
+    if opts.ep > 1:  # refuse before any engine starts
+        from .backends.megatron.parallel import check_expert_layout
+
+        check_expert_layout(spec, opts.ep, where=f"check --ep {opts.ep}")
+    if rank != 0:  # the trainer's other ranks: the rollout is rank 0's
+        _trainer_under_torchrun(opts, spec, state_dict, device, None)
+        return 0
     if opts.cuda_graphs:  # refuse before any work (None/False need no check)
         from .backends.vllm.settings import cuda_graph_settings
 
@@ -291,7 +391,7 @@ def run_check(opts: CheckOptions) -> int:
 
     t0 = time.perf_counter()
     with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
-        with RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
+        with _OutsideTorchrunStore(), RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
                            max_model_len=max(map(len, prompt_ids)) + opts.max_new_tokens,
                            max_num_seqs=opts.max_num_seqs or len(prompt_ids),
                            max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
@@ -307,16 +407,26 @@ def run_check(opts: CheckOptions) -> int:
     from .backends.megatron.trainer import Trainer
 
     t0 = time.perf_counter()
+    layout = None
     with step(f"Megatron recompute ({n_gen} tokens)"):
         # the engine is closed first: its memory is free for the trainer (as in a colocated RL step)
-        with Trainer(spec, state_dict, device=device) as trainer:
-            from .consistency.fingerprint import compare
+        if world > 1 or opts.ep > 1:
+            tr, trainer_fp, layout = _trainer_under_torchrun(
+                opts, spec, state_dict, device, (prompt_ids, ro.completions, list(ro.full_row_keys), rollout_fp))
+        else:
+            with Trainer(spec, state_dict, device=device) as trainer:
+                from .consistency.fingerprint import compare
 
-            trainer_fp = trainer.contract_fingerprint()
-            compare(rollout_fp, trainer_fp)  # refused before any recompute or diff
-            tr = trainer.logprobs(prompt_ids, ro.completions, temperature=opts.temperature,
-                                  full_rows_for=ro.full_row_keys)
+                trainer_fp = trainer.contract_fingerprint()
+                compare(rollout_fp, trainer_fp)  # refused before any recompute or diff
+                tr = trainer.logprobs(prompt_ids, ro.completions, temperature=opts.temperature,
+                                      full_rows_for=ro.full_row_keys)
     timings["trainer"] = time.perf_counter() - t0
+    if layout is not None:
+        console.log(f"trainer: EP = {layout['trainer_ep']} over {layout['processes']} processes "
+                    + ", ".join(f"rank {r['rank']}: sequences {r['sequences'][0]}-{r['sequences'][1]}, experts "
+                                f"{r['experts'][0]}-{r['experts'][1]}" if r["experts"] else f"rank {r['rank']}"
+                                for r in layout["ranks"]))
 
     rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])
     trainer_lp = torch.cat([x.float().cpu() for x in tr.logprobs])
@@ -330,6 +440,8 @@ def run_check(opts: CheckOptions) -> int:
         timings_s={k: round(v, 2) for k, v in timings.items()}, engine=ro.engine,
         fingerprints={"contract": trainer_fp.digest, "rollout": rollout_fp.as_dict(), "trainer": trainer_fp.as_dict()},
     )
+    if layout is not None:
+        report.engine = {**report.engine, "trainer_layout": layout}
     print_report(report, out)
     if opts.json_out:
         path = Path(opts.json_out)

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cuda-graphs", type=_on_off, default=None, metavar="{on,off}",
                    help="rollout decode steps in CUDA graphs (default: on for cuda with attention-only models; "
                         "hybrid models and the CPU run eagerly); the report says which ran")
+    c.add_argument("--ep", type=_positive(int), default=1,
+                   help="the trainer's expert-parallel size (Megatron's EP group); > 1 runs under "
+                        "torchrun --nproc-per-node N (N a multiple of EP): the rollout (EP = 1) on rank 0, "
+                        "the recompute's sequences split over the ranks, one merged report")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
     _add_plugin_flag(c)
 

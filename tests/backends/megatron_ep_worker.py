@@ -218,6 +218,39 @@ def hybrid(ckpt: str, out: Path, report: dict) -> None:
     dist.barrier()
     report["t_grads_s"] = round(time.time() - t0, 1)
 
+    # (b') the Trainer at EP = 2 with unequal micro-batch counts (rank 0: 2, rank 1: 1 at 20 tokens):
+    # padding passes keep the ranks' all-to-alls paired; logprobs equal EP = 1's token logprobs
+    from unified_models.backends.megatron.optimizer import OptimizerConfig as _Cfg
+    from unified_models.backends.megatron.trainer import Trainer, TrainerOptions
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+
+    t0 = time.time()
+    _, spec, sd = spec_and_state_dict(ckpt)
+    ids_all, _ = batch(everyone)
+    seqs = list(torch.split(ids_all, LENS))
+    prompts = [s[:3].tolist() for s in seqs]
+    completions = [s[3:].tolist() for s in seqs]
+    with Trainer(spec, sd, options=TrainerOptions(expert_model_parallel_size=2, micro_batch_tokens=20,
+                                                  optimizer=_Cfg(lr=1e-4))) as trainer:
+        res = trainer.logprobs([prompts[i] for i in mine], [completions[i] for i in mine], temperature=TEMPERATURE)
+        stats = trainer.step([prompts[i] for i in mine], [completions[i] for i in mine],
+                             lambda b: -b.logprobs.sum(), temperature=TEMPERATURE)
+        n_mb = len(trainer.pack([prompts[i] for i in mine], [completions[i] for i in mine]))
+    torch.save(res.logprobs, out / f"trainer_lp_rank{rank}.pt")
+    report[f"trainer_micro_batches_rank{rank}"] = n_mb
+    report[f"trainer_step_rank{rank}"] = {"grad_norm": stats["grad_norm"], "ok": stats["update_successful"]}
+    dist.barrier()
+    if rank == 0:
+        got = [lp for r in range(world) for lp in torch.load(out / f"trainer_lp_rank{r}.pt")]
+        want = torch.load(out / "lp_bfloat16_rank0.pt")["tok"], torch.load(out / "lp_bfloat16_rank1.pt")["tok"]
+        want = torch.cat(want)
+        offs = torch.tensor([0, *LENS]).sub(torch.tensor([0] + [1] * len(LENS))).cumsum(0).tolist()
+        ok = all(same(got[s], want[offs[s] + 2: offs[s] + LENS[s] - 1]) for s in everyone)
+        report["trainer_ep2_logprobs_bitwise"] = ok
+        log(rank, report, "trainer_ep2_logprobs_bitwise")
+    dist.barrier()
+    report["t_trainer_s"] = round(time.time() - t0, 1)
+
     # (c) training checkpoint: save at EP = 2, reload at EP = 1 and back, bitwise
     t0 = time.time()
     cfg = OptimizerConfig(lr=1e-3)

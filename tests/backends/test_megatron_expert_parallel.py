@@ -13,6 +13,8 @@ the SwiGLU-expert families) measure everything; the tests below read their repor
   summed, the data-parallel reduction; experts: the owner's) equal EP = 1's within 1e-5
   relative (EP = 1's fp32 gradients are checked against fp64 autograd at 1e-5 in
   ``test_megatron_grad.py``; measured here: worst 1.1e-6, experts 2.9e-7);
+* the ``Trainer`` at EP = 2 with unequal micro-batch counts per rank (padding passes), completion
+  logprobs bitwise EP = 1's, one optimizer step;
 * a training checkpoint saved at EP = 2 after one AdamW step reloads at EP = 1 bit for bit
   (parameters, fp32 main weights, Adam moments), saved again at EP = 1 reloads at EP = 2 bit
   for bit, and the logprobs after the round trip are the same bits.
@@ -110,6 +112,19 @@ def test_gradients_at_ep2_match_ep1(report):
     assert g["parameters"] == 72  # every trained parameter (the routers' correction biases are frozen)
     assert g["worst_rel_err"] <= 1e-5, g
     assert g["expert_params_marked_allreduce_false"]
+
+
+def test_trainer_at_ep2_pads_to_the_busiest_rank(report):
+    """``Trainer(expert_model_parallel_size=2)`` with 20-token micro-batches: rank 0 packs its two
+    sequences into 2 micro-batches, rank 1 into 1; rank 1's padding pass keeps the MoE all-to-alls
+    paired (no hang), the completion logprobs equal EP = 1's bit for bit, and an optimizer step
+    (forward + backward with padding) succeeds on both ranks."""
+    assert report["trainer_micro_batches_rank0"] == 2 and report["trainer_micro_batches_rank1"] == 1
+    assert report["trainer_ep2_logprobs_bitwise"]
+    for r in (0, 1):
+        step = report[f"trainer_step_rank{r}"]
+        assert step["ok"] and step["grad_norm"] > 0
+    assert report["trainer_step_rank0"]["grad_norm"] == report["trainer_step_rank1"]["grad_norm"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])

@@ -17,6 +17,13 @@ adapters drive:
 
 Megatron's parallel state (TP=1, :mod:`.parallel`) is initialized by the
 trainer and torn down by :meth:`Trainer.close` when the trainer initialized it.
+
+Expert parallelism (``TrainerOptions.expert_model_parallel_size`` > 1, under
+``torchrun``): every rank builds the module with its block of experts and is
+given its own sequences (:func:`.parallel.shard_sequences`); because each MoE
+layer exchanges rows with the other ranks of the EP group, every rank runs the
+same number of forwards (and backwards): a rank with fewer micro-batches runs
+one-token padding passes that score nothing (:meth:`Trainer._padding_passes`).
 """
 
 from __future__ import annotations
@@ -48,12 +55,16 @@ class TrainerOptions:
             (dequantized once; quantized on every forward by the rules the engine uses;
             ``Trainer.spec`` is then the master spec). ``None``: when ``optimizer`` is set.
             A recompute-only trainer runs the stored codes, as the engine loaded them.
+        expert_model_parallel_size: EP of the trainer (Megatron's EP group; > 1 needs as many
+            processes, e.g. ``torchrun --nproc-per-node EP``, and a MoE model whose expert
+            counts EP divides).
     """
 
     optimizer: Any = None
     reference_model: bool = False
     micro_batch_tokens: int | None = None
     train_masters: bool | None = None
+    expert_model_parallel_size: int = 1
 
 
 @dataclass
@@ -113,7 +124,8 @@ class Trainer:
         self.reference_model = None
         stale = compat.model_parallel_is_initialized() and not torch.distributed.is_initialized()
         self._owns_parallel_state = stale or not compat.model_parallel_is_initialized()
-        init_parallel_state(tp=1)
+        self.ep = int(options.expert_model_parallel_size)
+        init_parallel_state(tp=1, ep=self.ep)
         train_masters = options.optimizer is not None if options.train_masters is None else options.train_masters
         self.trains_masters = bool(train_masters and spec.stores_quantized_weights)
         """True when a quantized checkpoint's masters are trained: the engine needs a sync of
@@ -131,7 +143,8 @@ class Trainer:
 
                 state = dequantize_state_dict(state, spec)
                 spec = master_spec(spec)
-            cfg = transformer_config_from_spec(spec, perform_initialization=False)
+            cfg = transformer_config_from_spec(spec, perform_initialization=False,
+                                               expert_model_parallel_size=self.ep)
             self.model = UnifiedMegatronModel(spec, cfg, device=device)
             self.model.load_hf_state_dict(state)
             if options.optimizer is None:
@@ -197,7 +210,10 @@ class Trainer:
         wanted = set(full_rows_for or ())
         out: list[torch.Tensor | None] = [None] * len(prompt_ids)
         full: dict[tuple[int, int], torch.Tensor] = {}
-        for mb in self.pack(prompt_ids, completions):
+        mbs = self.pack(prompt_ids, completions)
+        for _ in range(self._padding_passes(sum(bool(mb.owners) for mb in mbs))):
+            self._padding_pass(temperature)
+        for mb in mbs:
             if not mb.owners:
                 for s in mb.seqs:
                     out[s] = torch.zeros(0)
@@ -238,7 +254,10 @@ class Trainer:
         if self.optimizer is None:
             raise RuntimeError("this Trainer was built without an optimizer (TrainerOptions(optimizer=...))")
         self.optimizer.zero_grad()
-        for mb in self.pack(prompt_ids, completions):
+        mbs = self.pack(prompt_ids, completions)
+        for _ in range(self._padding_passes(len(mbs))):
+            self._padding_pass(temperature, backward=True)
+        for mb in mbs:
             tok_R, lp_RV = self.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, temperature,
                                                      return_full=True)
             loss = loss_fn(TrainBatch(batch=mb, logprobs=tok_R, rows=lp_RV, _trainer=self,
@@ -246,6 +265,27 @@ class Trainer:
             loss.backward()
             del tok_R, lp_RV, loss
         return self.optimizer.step()
+
+    def _padding_passes(self, mine: int) -> int:
+        """EP > 1: how many one-token passes this rank adds so that every rank of the EP group runs as
+        many forwards (and backwards) as the busiest one (their MoE all-to-alls pair up); 0 at EP = 1."""
+        group = getattr(getattr(self.model, "_dispatcher", None), "group", None)
+        if self.ep == 1 or group is None:
+            return 0
+        n = torch.tensor([mine], dtype=torch.int64)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(n) - mine
+
+    def _padding_pass(self, temperature: float, backward: bool = False) -> None:
+        """One forward over a one-token sequence whose result is dropped (with ``backward``: a zero
+        loss's backward, which runs the reverse all-to-alls and adds nothing to any gradient)."""
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(backward):
+            lp = self.model.token_logprobs(ids, cu, rows, temperature, target_ids=ids)
+            if backward:
+                (lp.sum() * 0.0).backward()
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -264,6 +304,15 @@ class Trainer:
 
         params = dict(self.model.named_parameters())
         device = next(iter(params.values())).device
+        if self.ep > 1:  # experts other EP ranks hold: stored as this rank's of the same layer and projection
+            from ...layers.weight_formats import linear_fields
+            from .parallel import expert_groups
+
+            for _, linears in expert_groups(self.spec):
+                for field in linear_fields(self.spec.weight_format(linears[0])):
+                    names = [f"{n}.{field}" for n in linears]
+                    here = next(params[n] for n in names if n in params)
+                    params.update({n: torch.empty(0, dtype=here.dtype, device="meta") for n in names if n not in params})
         return contract_fingerprint("megatron", self.spec, params, device,
                                     engine_components={"version": library_version("megatron.core")})
 
