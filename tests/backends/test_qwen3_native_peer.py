@@ -7,7 +7,12 @@ runs vLLM's own implementation (the class that ran is asserted). The comparison 
 in one prefill; transformers fp32 is the truth. Asserted: ours vs native within the stated bf16
 tolerance (p99 |Δ logprob| <= 0.125, mean <= 0.0156), ours about as accurate against fp32 as native
 (mean and max |error| <= 2x native's), and ours' own bitwise invariances (prefix prefill ==
-longer prefill, decode == prefill). Starts two engines: slow (about 2-3 min per preset on 2 cores).
+longer prefill, decode == prefill). Starts two engines and runs transformers fp32: several minutes
+per preset on 2 cores, over CI's budget, so it runs only with ``UM_NATIVE_PEER=1`` (measured
+2026-12-02 on the CPU, 993 positions each: ``qwen3_tiny`` ours vs native p99 0.021, mean 0.0059,
+ours vs fp32 mean 0.0041 vs native's 0.0050; ``qwen3_moe_tiny`` p99 0.088, mean 0.0070, ours vs
+fp32 mean 0.0060 vs native's 0.0060, max 0.32 vs 0.17; results in
+``benchmarks/results/cpu_qwen3/``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
 from test_hybrid_gpu import assert_peer_within_tolerance, peer_vs_native  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("UM_NATIVE_PEER") != "1",
+                                 reason="several minutes per preset on 2 cores: set UM_NATIVE_PEER=1")]
 
 
 @pytest.mark.parametrize("preset,native", [("qwen3_tiny", "Qwen3ForCausalLM"),
