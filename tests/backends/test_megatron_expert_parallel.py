@@ -170,6 +170,10 @@ def test_bad_layouts_get_one_clear_error(hybrid_checkpoint, tiny_checkpoint):
     assert [list(shard_sequences(5, r, 2)) for r in (0, 1)] == [[0, 1], [2, 3, 4]]
     with pytest.raises(ParallelismError, match="world size 1 is not divisible"):
         init_parallel_state(ep=2)  # one process
+    from unified_models.backends.megatron.trainer import Trainer, TrainerOptions
+
+    with pytest.raises(ParallelismError, match="reference model at expert_model_parallel_size > 1"):
+        Trainer(spec, {}, options=TrainerOptions(expert_model_parallel_size=2, reference_model=True))
     init_parallel_state()  # EP = 1: a model asking for EP = 2 is refused at construction
     cfg = transformer_config_from_spec(spec, expert_model_parallel_size=2, perform_initialization=False)
     with pytest.raises(ParallelismError, match="needs Megatron's parallel state initialized with the same EP"):

@@ -57,7 +57,7 @@ class TrainerOptions:
             A recompute-only trainer runs the stored codes, as the engine loaded them.
         expert_model_parallel_size: EP of the trainer (Megatron's EP group; > 1 needs as many
             processes, e.g. ``torchrun --nproc-per-node EP``, and a MoE model whose expert
-            counts EP divides).
+            counts EP divides; not with ``reference_model`` yet).
     """
 
     optimizer: Any = None
@@ -125,6 +125,12 @@ class Trainer:
         stale = compat.model_parallel_is_initialized() and not torch.distributed.is_initialized()
         self._owns_parallel_state = stale or not compat.model_parallel_is_initialized()
         self.ep = int(options.expert_model_parallel_size)
+        if self.ep > 1 and options.reference_model:
+            from ...dsl import ParallelismError
+
+            raise ParallelismError("Trainer: a reference model at expert_model_parallel_size > 1 is not supported yet "
+                                   "(its forwards inside a loss would need padding passes of their own); use EP=1 "
+                                   "or no reference model")
         init_parallel_state(tp=1, ep=self.ep)
         train_masters = options.optimizer is not None if options.train_masters is None else options.train_masters
         self.trains_masters = bool(train_masters and spec.stores_quantized_weights)
