@@ -311,3 +311,21 @@ def test_override_setting_loads_native_names_with_our_class(monkeypatch):
             assert cfg.architecture == want
     finally:
         EngineArgs.create_model_config = original
+
+
+def test_server_block_size_holds_whole_pages_of_every_cache(tiny_checkpoint):
+    """``serve`` pins the engine's block size of the spec (``default_block_size``: 64 here, the
+    lcm with every compression ratio for DeepSeek-V4) and refuses one that breaks it, naming it."""
+    from unified_models.backends.vllm.engine import default_block_size
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.serve import server_namespace
+
+    ns = server_namespace(tiny_checkpoint, [], gpu=False)
+    assert ns.block_size == 64 and "worker_extension" in ns.worker_extension_cls
+    assert server_namespace(tiny_checkpoint, ["--block-size", "128"], gpu=False).block_size == 128
+    with pytest.raises(UnifiedModelsError, match="--block-size 48: must be a multiple of 64"):
+        server_namespace(tiny_checkpoint, ["--block-size", "48"], gpu=False)
+    with pytest.raises(UnifiedModelsError, match="--worker-extension-cls"):
+        server_namespace(tiny_checkpoint, ["--worker-extension-cls", "x.Y"], gpu=False)
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    assert default_block_size(spec_and_state_dict(tiny_checkpoint)[1]) == 64

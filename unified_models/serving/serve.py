@@ -112,7 +112,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
             that cannot be padded; ``SpecError`` / ``CheckpointError`` for a bad checkpoint.
     """
     from ..backends.vllm import plugin
-    from ..backends.vllm.engine import DEFAULT_BLOCK_SIZE, _spec, quantization_overrides, validate_checkpoint
+    from ..backends.vllm.engine import _spec, default_block_size, quantization_overrides, validate_checkpoint
     from ..backends.vllm.settings import (check_spec_supported, cuda_graph_settings, hybrid_engine_settings,
                                           kv_cache_dtype_setting)
     from ..backends.vllm.worker_extension import QUALNAME as WORKER_EXTENSION
@@ -137,7 +137,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     ours = ["--model", str(model_dir), "--hf-overrides", json.dumps(overrides), "--model-impl", "vllm",
             "--dtype", str(spec.dtype).removeprefix("torch."), "--logprobs-mode", "raw_logits",
             "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--seed", "0",
-            "--block-size", str(DEFAULT_BLOCK_SIZE), "--worker-extension-cls", WORKER_EXTENSION]
+            "--block-size", str(default_block_size(spec)), "--worker-extension-cls", WORKER_EXTENSION]
     if graphs["enforce_eager"]:
         ours.append("--enforce-eager")
     else:
@@ -163,6 +163,9 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
         ns.enable_chunked_prefill = chunked
     if ns.block_size % 16:
         raise UnifiedModelsError(f"--block-size {ns.block_size}: must be a multiple of 16 (the attention tile)")
+    if ns.block_size % default_block_size(spec):
+        raise UnifiedModelsError(f"--block-size {ns.block_size}: must be a multiple of {default_block_size(spec)} "
+                                 "(a page holds whole compressed-KV entries of every compression ratio)")
     if ns.max_num_batched_tokens is None:
         max_len = ns.max_model_len or spec.max_position_embeddings
         seqs = ns.max_num_seqs or 256
