@@ -17,14 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_check_rollout_ep1_trainer_ep2_diff_zero(tmp_path):
+@pytest.mark.parametrize("ep,experts", [(2, [[0, 3], [4, 7]]), (1, [[0, 7], [0, 7]])], ids=["ep2", "dp2"])
+def test_check_rollout_ep1_trainer_ep2_diff_zero(tmp_path, ep, experts):
+    """``--ep 2``: each rank its experts and its prompt; ``--ep 1`` on two processes: trainer data
+    parallelism (each rank every expert and its prompt)."""
     from unified_models.presets import build_preset_checkpoint
 
     model = build_preset_checkpoint("nemotron_h_hybrid_tiny", out_dir=tmp_path / "hybrid")
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "unified_models.cli", "check", "--model", str(model), "--ep", "2", "--num-prompts", "2",
+           "unified_models.cli", "check", "--model", str(model), "--ep", str(ep), "--num-prompts", "2",
            "--max-new-tokens", "8", "--peer-prompts", "1", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -35,8 +38,8 @@ def test_check_rollout_ep1_trainer_ep2_diff_zero(tmp_path):
     assert d["max_abs_diff"] == 0.0 and d["mean_abs_diff"] == 0.0 and d["std_abs_diff"] == 0.0 and d["k3_kl"] == 0.0
     assert rep["full_vocab_rows"] == 16 and rep["full_vocab_max_abs_diff"] == 0.0
     layout = rep["engine"]["trainer_layout"]
-    assert layout["processes"] == 2 and layout["trainer_ep"] == 2 and layout["rollout_ep"] == 1
-    assert [r["experts"] for r in layout["ranks"]] == [[0, 3], [4, 7]]
+    assert layout["processes"] == 2 and layout["trainer_ep"] == ep and layout["rollout_ep"] == 1
+    assert [r["experts"] for r in layout["ranks"]] == experts
     assert [r["sequences"] for r in layout["ranks"]] == [[0, 0], [1, 1]]
 
 
