@@ -53,6 +53,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .config_dtype import config_dtype
 from ..dsl import (
     BlockSpec,
     DeepseekV4AttentionSpec,
@@ -146,15 +147,6 @@ def layer_pattern(config: Any) -> str:
     for t, m in zip(_get(config, "layer_types"), _get(config, "mlp_layer_types")):
         out.append(PATTERN_CHARS.get(t, "?") + ("#" if m == "hash_moe" else ""))
     return "".join(out)
-
-
-def _dtype(config: Any, dtype: torch.dtype | None) -> torch.dtype:
-    if dtype is not None:
-        return dtype
-    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg, str):
-        cfg = getattr(torch, cfg, None)
-    return cfg if isinstance(cfg, torch.dtype) and cfg.is_floating_point else torch.bfloat16
 
 
 def _check_fields(config: Any) -> None:
@@ -460,7 +452,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
     mtp = has_mtp_tensors(config) if mtp is None else int(mtp)
     if mtp and mtp != n_mtp:
         raise SpecError(f"DeepseekV4 config: {mtp} MTP blocks stored but num_nextn_predict_layers is {n_mtp}")
-    dtype = _dtype(config, dtype)
+    dtype = config_dtype(config, dtype)
     prf, rot = getattr(config, "partial_rotary_factor", None), _get(config, "qk_rope_head_dim")
     if prf is not None and int(_int(config, "head_dim") * prf) != rot:
         raise SpecError(f"DeepseekV4 config: partial_rotary_factor={prf!r} gives {int(config.head_dim * prf)} "

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .config_dtype import config_dtype
 from ..dsl import (AttentionSpec, BlockSpec, EmbeddingSpec, LMHeadSpec, MLPSpec, ModelSpec, Qwen3MoESpec,
                    RMSNormSpec, RopeSpec, SpecError, SublayerSpec, UnsupportedLayerError)
 
@@ -140,15 +141,6 @@ def _rope(config: Any, model_type: str, head_dim: int) -> RopeSpec:
     return RopeSpec(theta=float(rp["rope_theta"]), rotary_dim=head_dim)
 
 
-def _dtype(config: Any, dtype: torch.dtype | None) -> torch.dtype:
-    if dtype is not None:
-        return dtype
-    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg, str):
-        cfg = getattr(torch, cfg, None)
-    return cfg if isinstance(cfg, torch.dtype) and cfg.is_floating_point else torch.bfloat16
-
-
 def _layer_windows(config: Any, model_type: str, n_layers: int) -> list[int | None]:
     """The sliding window of each layer (None: full attention) from ``layer_types`` (dense Qwen3)."""
     if model_type == "qwen3_moe":
@@ -253,7 +245,7 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None) -> Mod
         final_norm=RMSNormSpec(name="model.norm", hidden_size=d, eps=eps),
         lm_head=LMHeadSpec(name="lm_head", vocab_size=v, hidden_size=d,
                            tied_to="model.embed_tokens.weight" if tie else None),
-        dtype=_dtype(config, dtype),
+        dtype=config_dtype(config, dtype),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 4096)),
         extra={"pattern": "".join(pattern)},
     )
