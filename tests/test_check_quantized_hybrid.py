@@ -117,3 +117,17 @@ def test_an_overflowing_scale_is_a_clear_error_not_a_pass(quantized_hybrid, tmp_
     capsys.readouterr()
     assert main(["check", "--model", str(bad), "--num-prompts", "2", "--max-new-tokens", "8"]) == 2
     assert "logprob is NaN at prompt" in capsys.readouterr().err
+
+
+def test_rl_on_the_quantized_hybrid_syncs_requantized_masters(quantized_hybrid, tmp_path):
+    """`rl` on a ModelOpt checkpoint trains bf16 masters and re-quantizes them into vLLM at every
+    sync, NVFP4 expert codes (uint8 tensors) included: two steps, diff = 0, every sync verified."""
+    _, out = quantized_hybrid
+    metrics = tmp_path / "m.jsonl"
+    assert main(["rl", "--model", str(out), "--reward", "token-set", "--steps", "2", "--num-prompts-per-step", "2",
+                 "--group-size", "2", "--max-new-tokens", "4", "--metrics", str(metrics), "--no-plot"]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0 and r["k3_kl"] == 0.0 and r["full_vocab_max_abs_diff"] == 0.0
+        assert r["weight_fingerprint_tensors"] > 0

@@ -136,6 +136,7 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
     pairs = _pairs(named_tensors)
     model = live.get_model(llm)
     params = model.params()
+    stored: set[str] = set()
     if model.spec.stores_quantized_weights:
         from ...converters.modelopt import quantize_state_dict
 
@@ -146,7 +147,9 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         # kernels never read it): the engine keeps its own
         pairs += [(n, p.detach()) for n, p in params.items() if n.endswith(".input_scale") and n not in stored]
     # integer tables (hash routing) are never trained: a full sync gives every floating-point parameter
-    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items() if p.is_floating_point()},
+    # and the stored codes the masters quantize to (NVFP4's uint8 e2m1 pairs are integer tensors)
+    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items()
+                                      if p.is_floating_point() or n in stored},
                                      {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
     if problems:
         raise CheckpointError("weight sync rejected; " + "; ".join(problems))
