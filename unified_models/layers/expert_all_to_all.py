@@ -210,6 +210,20 @@ class AllToAllExperts:
         self.rows_sent_remote += sum(send) - send[plan.ep_rank]
         return flat, order, send, recv_t.tolist()
 
+    def _route(self, plan: ShardPlan, ids_TK: torch.Tensor, up) -> tuple:
+        """``(order, send, recv, ids_R)``: the assignments sorted by owner, the row counts sent to /
+        received from each rank, and the received rows' local expert ids (``up`` holds this rank's
+        experts).
+
+        Raises:
+            ParallelismError: ``plan`` is not this rank's place in the group.
+        """
+        local = num_local_experts(up)
+        self._check(plan, local)
+        flat, order, send, recv = self._exchange(plan, ids_TK, local)
+        ids_R = _all_to_all(flat[order], send, recv, self.group) - plan.ep_rank * local
+        return order, send, recv, ids_R
+
     def experts(self, plan: ShardPlan, x_TD, ids_TK, w_TK, up, down, shared_TD, *, nvfp4: bool,
                 out_dtype: torch.dtype) -> torch.Tensor:
         """See :meth:`.expert_parallel.ExpertDispatcher.experts` (relu2 experts, Nemotron-H).
@@ -217,12 +231,8 @@ class AllToAllExperts:
         Raises:
             ParallelismError: ``plan`` is not this rank's place in the group.
         """
-        local = num_local_experts(up)
-        self._check(plan, local)
-        T, K = ids_TK.shape
-        flat, order, send, recv = self._exchange(plan, ids_TK, local)
-        x_S = x_TD[torch.div(order, K, rounding_mode="floor")]  # each assignment's token row, by owner
-        ids_R = _all_to_all(flat[order], send, recv, self.group) - plan.ep_rank * local
+        order, send, recv, ids_R = self._route(plan, ids_TK, up)
+        x_S = x_TD[torch.div(order, ids_TK.shape[1], rounding_mode="floor")]  # each assignment's token row, by owner
         grad = torch.is_grad_enabled()
         x_R = AllToAll.apply(x_S, send, recv, self.group) if grad else _all_to_all(x_S, send, recv, self.group)
         if grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x_R, up, down)):
@@ -253,17 +263,14 @@ class AllToAllExperts:
         Raises:
             ParallelismError: ``plan`` is not this rank's place in the group.
         """
-        local = num_local_experts(up)
-        self._check(plan, local)
         T, K = ids_TK.shape
-        flat, order, send, recv = self._exchange(plan, ids_TK, local)
+        order, send, recv, ids_R = self._route(plan, ids_TK, up)
         raw = [getattr(w, "weight", w) for w in (gate, up, down)]
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                for t in (x_TD, w_TK, shared_TD, *raw))
         a2a = (lambda t, s, r: AllToAll.apply(t, s, r, self.group)) if grad else (
             lambda t, s, r: _all_to_all(t, s, r, self.group))
         x_R = a2a(x_TD[torch.div(order, K, rounding_mode="floor")], send, recv)
-        ids_R = _all_to_all(flat[order], send, recv, self.group) - plan.ep_rank * local
         ones_TK = torch.ones((T, K), dtype=torch.float32, device=x_TD.device)
         w_R = a2a((w_TK.float() if weight_before_down else ones_TK).reshape(-1)[order], send, recv)
         if grad:
