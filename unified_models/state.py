@@ -172,6 +172,10 @@ class SlotState:
             padding. ``None``: derived from ``FlatBatch.seq_idx`` (each
             sequence's tokens contiguous, in row order, no padding rows), as
             the trainer packs.
+        uniform_decode: every sequence has at most one token this step (a decode step,
+            possibly padded: vLLM's ``max_query_len <= 1``). Mamba-2 then describes the batch
+            on the device with fixed shapes (``ops.mamba2_decode_metadata``), so that the step
+            can be captured in a CUDA graph; the bits are those of the general description.
 
     Every layer of one slot-state group gets the same ``slots_B``/``start_B``/
     ``cu_seqlens_B1`` objects; Mamba-2 builds the batch's
@@ -182,6 +186,7 @@ class SlotState:
     slots_B: torch.Tensor
     start_B: torch.Tensor
     cu_seqlens_B1: torch.Tensor | None = None
+    uniform_decode: bool = False
 
 
 class StateStore(Protocol):

@@ -5,7 +5,8 @@
   32/8 heads x 128, relu2 MLP 21504), 64 prompts x 256 tokens;
 * graph replay == eager: the same rollout with graphs on and off gives the same tokens and
   logprob bits, with chunked prefill forcing decode batches of every size from 1 to 13 (so
-  several of vLLM's captured sizes, padded, replay).
+  several of vLLM's captured sizes, padded, replay); dense and hybrid (Mamba-2 + MoE, bf16
+  and NVFP4) presets.
 """
 
 import json
@@ -50,21 +51,28 @@ def test_check_cuda_graphs_off_reports_eager(tmp_path):
     assert status == 0
 
 
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("preset", ["nemotron_h_wide", "nemotron_h_hybrid_tiny", "nemotron_3_nano_reduced",
+                                    "nemotron_3_nano_reduced_nvfp4"])
+def test_cuda_graph_replay_equals_eager(preset):
+    """Dense, and the hybrids (Mamba-2 + MoE; the tiny one has chunk size 16, so decode steps
+    cross many chunk boundaries and commit boundary states inside the graph)."""
     from unified_models.backends.vllm.rollout import rollout
     from unified_models.presets import build_preset_checkpoint
 
-    model = build_preset_checkpoint("nemotron_h_wide")
+    model = build_preset_checkpoint(preset)
     g = torch.Generator().manual_seed(5)
     lens = [5, 9, 17, 33, 60, 64, 65, 100, 129, 150, 200, 7, 80]
     prompts = [torch.randint(10, 32000, (n,), generator=g).tolist() for n in lens]
+    hybrid = preset != "nemotron_h_wide"
     runs = {}
     for graphs in (False, True):
         # a 96-token budget admits the prompts a few at a time, so decode batches of 1..13 requests occur
+        # (hybrids: prefix caching off, its "align" mode needs block size <= the token budget)
         runs[graphs] = rollout(model, prompts, max_new_tokens=40, seed=3, device="cuda", max_num_seqs=16,
                                max_num_batched_tokens=96, enable_chunked_prefill=True, full_vocab_rows=0,
-                               cuda_graphs=graphs)
+                               enable_prefix_caching=False if hybrid else None, cuda_graphs=graphs)
     assert runs[True].engine["cuda_graphs"] is True and runs[False].engine["cuda_graphs"] is False
+    assert "FULL" in str(runs[True].engine["cudagraph_mode"]), runs[True].engine
     assert runs[True].completions == runs[False].completions
     a = torch.tensor([x for lp in runs[True].logprobs for x in lp])
     b = torch.tensor([x for lp in runs[False].logprobs for x in lp])

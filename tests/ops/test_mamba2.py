@@ -98,11 +98,14 @@ class Run:
         j = lambda *s: (torch.randn(*s, generator=self.gen) * 50).to(self.dtype)  # noqa: E731
         return dict(xin=j(n, CD), dt=j(n, H), z=j(n, F_))
 
-    def step(self, chunks, pad_seqs=0, pad_rows=0):
-        """``chunks`` = [(seq, n_tokens)]; plus padding sequences (slot -1) and trailing padding rows."""
+    def step(self, chunks, pad_seqs=0, pad_rows=0, decode_meta=False):
+        """``chunks`` = [(seq, n_tokens)]; plus padding sequences (slot -1) and trailing padding rows.
+        ``decode_meta``: a decode step (every chunk one token) described by ``mamba2_decode_metadata``
+        (its padding sequences have no rows, as vLLM pads a decode batch)."""
         parts = [(b, self.pos[b], self.pos[b] + c) for b, c in chunks]
         if self.state is not None:
-            parts += [(-1, int(torch.randint(0, 7, (1,), generator=self.gen)), None) for _ in range(pad_seqs)]
+            parts += [(-1, 0 if decode_meta else int(torch.randint(0, 7, (1,), generator=self.gen)), None)
+                      for _ in range(pad_seqs)]
         order = torch.randperm(len(parts), generator=self.gen).tolist()
         parts = [parts[i] for i in order]
         rows, cu, p0, slots = {"xin": [], "dt": [], "z": []}, [0], [], []
@@ -123,8 +126,11 @@ class Run:
             rows[k].append(tail[k])
         batch = {k: torch.cat(v) for k, v in rows.items()}
         T = batch["xin"].shape[0]
-        meta = mamba2_metadata(torch.tensor(cu), torch.tensor(p0), Q, num_tokens=T,
-                               state_idx_B=torch.tensor(slots) if self.state is not None else None)
+        if decode_meta:
+            meta = ops.mamba2_decode_metadata(torch.tensor(cu), torch.tensor(p0), torch.tensor(slots), Q, T)
+        else:
+            meta = mamba2_metadata(torch.tensor(cu), torch.tensor(p0), Q, num_tokens=T,
+                                   state_idx_B=torch.tensor(slots) if self.state is not None else None)
         res = mixer_core(self.prm, batch["xin"], batch["dt"], batch["z"], meta, self.state)
         real = torch.zeros(T, dtype=torch.bool)
         for i, (b, s, e) in enumerate(parts):
@@ -166,12 +172,13 @@ def _chunked(run, sizes=(1, 2, 3, 5, 9, 17)):
             run.step(chunks, pad_seqs=1, pad_rows=2)
 
 
-def _decode(run, prefix=None):
+def _decode(run, prefix=None, decode_meta=False):
     lens = [s["xin"].shape[0] for s in run.seqs]
     if prefix is not None:
         run.step([(b, min(prefix[b], n)) for b, n in enumerate(lens) if min(prefix[b], n) > 0], pad_seqs=1)
     while any(p < n for p, n in zip(run.pos, lens)):
-        run.step([(b, 1) for b in range(len(lens)) if run.pos[b] < lens[b]], pad_seqs=1, pad_rows=1)
+        run.step([(b, 1) for b in range(len(lens)) if run.pos[b] < lens[b]], pad_seqs=1 + decode_meta,
+                 pad_rows=1, decode_meta=decode_meta)
 
 
 def _schedules(seqs, prm, dtype, gen):
@@ -219,6 +226,43 @@ def _close(got, ref, rtol, atol, what):
     worst = float((err / bound).max()) if err.numel() else 0.0
     print(f"ERR {what}: max abs {float(err.max()) if err.numel() else 0:.3e}, worst/bound {worst:.3f}")
     assert worst <= 1.0, f"{what}: error {float(err.max()):.3e} exceeds atol {atol} + rtol {rtol}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_metadata_bitwise(dtype, device, monkeypatch, gen, inv):
+    """Decode steps described on the device (``mamba2_decode_metadata``: fixed grids, the
+    kernels commit boundary states, pending rows and conv tails themselves, as under a CUDA
+    graph) give the bits of a full prefill, outputs and final states, from position 0 and
+    after a prefill of a prefix; dead and padding sequences (no rows, slot -1) write nothing."""
+    if device == "cuda":
+        pytest.skip("CPU tensors here; tests/gpu runs the kernels natively")
+    monkeypatch.setenv("UM_OPS_BACKEND", "triton")
+    prm = Params(dtype, gen)
+    seqs = _seqs(LENGTHS, dtype, gen)
+    base = Run(seqs, prm, dtype, gen)
+    _prefill(base)
+    lens = [s["xin"].shape[0] for s in seqs]
+    for prefix in (None, [int(torch.randint(n // 2, n + 1, (1,), generator=gen)) for n in lens]):
+        run = Run(seqs, prm, dtype, gen)
+        _decode(run, prefix=prefix, decode_meta=True)
+        for b in range(len(seqs)):
+            for k in ("xbc", "dt", "y", "o"):
+                inv.assert_bitwise(run.out[b][k], base.out[b][k], f"{dtype} seq {b} {k}: device decode vs prefill")
+            fs, fb = run.final_state(b), base.final_state(b)
+            assert fs.keys() == fb.keys()
+            for k in fs:
+                inv.assert_bitwise(fs[k], fb[k], f"{dtype} seq {b} state {k}: device decode vs prefill")
+        # slots of no sequence (stale NaN) were never written
+        unused = sorted(set(range(run.state.ssm.shape[0])) - set(run.slots))
+        assert torch.isnan(run.state.ssm[unused]).all() and torch.isnan(run.state.conv[unused]).all()
+
+
+def test_decode_metadata_refused_on_cpu_path(gen):
+    meta = ops.mamba2_decode_metadata(torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([0]), Q, 1)
+    st = Mamba2State.allocate(1, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W, chunk_size=Q,
+                              dtype=torch.float32, fill=0.0)
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        ops.causal_conv1d(torch.zeros(1, CD), torch.zeros(CD, W), None, meta, st)
 
 
 def _check_reference(run, prm, seqs, dtype, backend):

@@ -26,6 +26,7 @@ from .. import ops
 from ..caches import SlotStateCache
 from ..dsl import Mamba2Spec, SpecError
 from ..dsl.mamba2 import QUANTIZABLE_PROJS
+from ..ops._dispatch import use_triton
 from ..ops.mamba2 import (Mamba2State, causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
                           ssd_reference)
 from ..porting import taps
@@ -86,7 +87,9 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | No
     Keyed in ``ctx.cache`` by the chunk size and the identity of the group's
     ``slots_B``/``start_B``/``cu_seqlens_B1`` (the entry holds them, so the
     ids cannot be reused during the forward). ``ms is None`` (profiling run):
-    stateless, every sequence from position 0.
+    stateless, every sequence from position 0. A decode step (``ms.uniform_decode``) on
+    the Triton kernels is described on the device (:func:`~unified_models.ops.mamba2_decode_metadata`:
+    no host read, so vLLM can capture it in a CUDA graph).
     """
     objs = (ms.slots_B, ms.start_B, ms.cu_seqlens_B1) if ms is not None else (None, None, None)
     key = ("mamba2_metadata", spec.chunk_size, batch.seq_idx.shape[0], *(id(o) for o in objs))
@@ -98,6 +101,9 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | No
         cu = _cu_from_seq_idx(batch.seq_idx, None)
         meta = ops.mamba2_metadata(cu, torch.zeros(cu.shape[0] - 1, dtype=torch.int64, device=cu.device),
                                    spec.chunk_size, num_tokens=t)
+    elif ms.uniform_decode and ms.cu_seqlens_B1 is not None and use_triton(ms.slots_B):
+        # decode step: no host read, fixed shapes (CUDA graphs); same bits as the general form
+        meta = ops.mamba2_decode_metadata(ms.cu_seqlens_B1, ms.start_B, ms.slots_B, spec.chunk_size, t)
     else:
         b = ms.slots_B.shape[0]
         cu = ms.cu_seqlens_B1 if ms.cu_seqlens_B1 is not None else _cu_from_seq_idx(batch.seq_idx, b)

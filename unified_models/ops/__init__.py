@@ -61,10 +61,10 @@ __all__ += ["moe_route", "moe_experts", "moe_shared_expert", "NVFP4Error", "NVFP
             "nvfp4_dequantize", "nvfp4_quantize_into", "nvfp4_scale_2", "validate_nvfp4", "validate_nvfp4_experts",
             "stack_nvfp4_experts"]
 from .mamba2.backward import causal_conv1d, gated_rms_norm, mamba2_dt, ssd_chunk_scan
-from .mamba2 import Mamba2Metadata, Mamba2State, mamba2_metadata, start_positions
+from .mamba2 import Mamba2Metadata, Mamba2State, mamba2_decode_metadata, mamba2_metadata, start_positions
 
 __all__ += ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm", "Mamba2State", "Mamba2Metadata",
-            "mamba2_metadata", "start_positions"]
+            "mamba2_metadata", "mamba2_decode_metadata", "start_positions"]
 from .fp8 import (FP8_E4M3_MAX, FP8Error, FP8Weight, fp8_input_scale, fp8_linear, fp8_quantize, fp8_quantize_activation,
                   fp8_quantize_into, fp8_quantize_weight, fp8_weight_scale, validate_fp8)
 

@@ -29,7 +29,8 @@ Pieces (the same protocol as vLLM's own ``MambaMixer2`` /
   also handles prefix caching's "align" mode) and the tokens already folded
   into it (``num_computed = seq_len - query_len``). No batch reordering
   (vLLM's Mamba builders put decodes first; ours keeps the runner's order,
-  which the model's logits-row mapping relies on) and no CUDA graphs yet.
+  which the model's logits-row mapping relies on); decode steps may be captured in
+  CUDA graphs (persistent slot buffer, device-built decode metadata).
 * :func:`state_copy_funcs`: for prefix caching in "align" mode vLLM copies a
   request's running state into a new block with one copy function per state;
   ours copy the whole slot of every state (the state is complete at any
@@ -116,10 +117,15 @@ class UnifiedMambaMetadata(AttentionMetadata):
         query_start_loc: int32 ``[R+1]``, start of each request's tokens in the flat batch.
         seq_lens: int32 ``[R]``, context length including this step's tokens.
         state_indices: int32 ``[R]``, the state slot (vLLM block id) of each
-            request this step; -1 for requests with no token this step.
-        num_computed: int64 ``[R]``, tokens already folded into the slot
-            (= position of the request's first token of this step).
+            request this step; -1 for requests with no token this step. A view of
+            the builder's persistent buffer (same data pointer at every step of
+            ``R`` requests: what a CUDA graph replays).
         num_actual_tokens: real tokens of the step.
+        uniform_decode: every request has at most one token (``max_query_len <= 1``).
+
+    The tokens already folded into each slot (= position of the request's first token) are
+    ``seq_lens - query lengths``, derived on the device in the forward
+    (:meth:`UnifiedSlotStateCache.step_group`) from vLLM's persistent buffers.
         num_reqs: R.
         block_size: the group's block size (``max_model_len`` without prefix
             caching; the attention block size in "align" mode).
@@ -129,24 +135,30 @@ class UnifiedMambaMetadata(AttentionMetadata):
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     state_indices: torch.Tensor
-    num_computed: torch.Tensor
     num_actual_tokens: int
     num_reqs: int
     block_size: int
     mamba_cache_mode: str = "none"
+    uniform_decode: bool = False
 
 
 class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]):
     """Per-step slots of one Mamba KV-cache group (one builder per group).
 
     ``reorder_batch_threshold = None``: the batch keeps the runner's request
-    order (the model maps ``compute_logits`` rows by it). CUDA graphs:
-    ``NEVER``: the slots and computed-token counts are fresh tensors each step,
-    not persistent buffers a replayed graph could read, so ``engine.make_llm``
-    runs hybrid models eagerly.
+    order (the model maps ``compute_logits`` rows by it).
+
+    CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE`` (vLLM may capture and replay whole
+    decode steps, ``cudagraph_mode=FULL_DECODE_ONLY``, as for the attention groups).
+    The slots are computed here, outside any graph, and copied into a persistent
+    buffer; the metadata holds that buffer and vLLM's own persistent
+    ``query_start_loc`` / ``seq_lens``; the forward derives the rest on the device
+    (:func:`unified_models.ops.mamba2_decode_metadata` for a decode step: no host
+    read, grids fixed by the padded batch). Padded requests (query length 0) get
+    slot -1 and write nothing.
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -157,6 +169,8 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
         num_spec = int(getattr(kv_cache_spec, "num_speculative_blocks", 0) or 0)
         if num_spec:
             raise NotImplementedError("unified_models: speculative decoding with Mamba state is not supported")
+        max_reqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self._slots = torch.full((max_reqs,), -1, dtype=torch.int32, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False, **kwargs: Any) -> UnifiedMambaMetadata:
@@ -165,20 +179,22 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
         r = int(m.num_reqs)
         qsl = m.query_start_loc[: r + 1]
         seq_lens = m.seq_lens[:r]
-        query_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
-        num_computed = seq_lens.to(torch.int64) - query_lens
+        query_lens = qsl[1:] - qsl[:-1]
         slots = compat.mamba_state_indices(m.block_table_tensor[:r], seq_lens, self.kv_cache_spec,
                                            self.mamba_cache_mode)
         slots = torch.where(query_lens > 0, slots.to(torch.int32), torch.full_like(slots, -1, dtype=torch.int32))
+        if r <= self._slots.shape[0]:
+            self._slots[:r].copy_(slots)
+            slots = self._slots[:r]
         return UnifiedMambaMetadata(
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             state_indices=slots,
-            num_computed=num_computed,
             num_actual_tokens=int(m.num_actual_tokens),
             num_reqs=r,
             block_size=self.block_size,
             mamba_cache_mode=self.mamba_cache_mode,
+            uniform_decode=int(m.max_query_len) <= 1,
         )
 
 
@@ -236,11 +252,13 @@ class SlotGroup:
         start_B: int64 ``[B]``, tokens already folded into each slot.
         cu_seqlens_B1: int32 ``[B+1]``, vLLM's ``query_start_loc`` (token rows of
             each request; rows past ``cu_seqlens_B1[B]`` are padding).
+        uniform_decode: every request has at most one token this step.
     """
 
     slots_B: torch.Tensor
     start_B: torch.Tensor
     cu_seqlens_B1: torch.Tensor
+    uniform_decode: bool = False
 
 
 class UnifiedSlotStateCache(nn.Module, MambaBase):
@@ -297,18 +315,22 @@ class UnifiedSlotStateCache(nn.Module, MambaBase):
 
     @staticmethod
     def step_group(md: UnifiedMambaMetadata, num_tokens: int, real_T: torch.Tensor) -> SlotGroup:
-        """The group's slot and computed tokens of every request row, and ``query_start_loc``."""
+        """The group's slot and computed tokens of every request row, and ``query_start_loc``
+        (device ops on the metadata's persistent buffers: captured in a CUDA graph, they
+        replay with the step's values)."""
         dev, r = real_T.device, int(md.num_reqs)
-        return SlotGroup(slots_B=md.state_indices[:r].to(device=dev, dtype=torch.int32),
-                         start_B=md.num_computed[:r].to(device=dev, dtype=torch.int64),
-                         cu_seqlens_B1=md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32))
+        cu = md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32)
+        start = md.seq_lens[:r].to(device=dev, dtype=torch.int64) - (cu[1:] - cu[:-1]).to(torch.int64)
+        return SlotGroup(slots_B=md.state_indices[:r].to(device=dev, dtype=torch.int32), start_B=start,
+                         cu_seqlens_B1=cu, uniform_decode=bool(md.uniform_decode))
 
     def view(self, group: SlotGroup) -> SlotState | None:
         """The layer's slot state with its group's slots (``None`` before binding)."""
         state = self.state_views()
         if state is None:
             return None
-        return SlotState(state=state, slots_B=group.slots_B, start_B=group.start_B, cu_seqlens_B1=group.cu_seqlens_B1)
+        return SlotState(state=state, slots_B=group.slots_B, start_B=group.start_B, cu_seqlens_B1=group.cu_seqlens_B1,
+                         uniform_decode=group.uniform_decode)
 
     def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
         return None

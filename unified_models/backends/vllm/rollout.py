@@ -314,7 +314,7 @@ def rollout(model_dir: str | os.PathLike, prompt_ids: list[list[int]], *, max_ne
         enable_chunked_prefill, enable_prefix_caching: passed to ``engine.make_llm``
             (``None``: its defaults).
         cuda_graphs: decode steps in CUDA graphs (``settings.cuda_graph_settings``; None = on
-            where supported: CUDA, attention-only models).
+            where supported: CUDA).
         per_request_seeds: sample request ``i`` with its own seed (draws
             independent of the batch). ``False``: vLLM's global RNG (seeded with
             ``seed``), needed on the CPU with chunked prefill, where vLLM cannot

@@ -9,12 +9,14 @@
   else ``"auto"``; a conflicting user value is refused.
 * :func:`hybrid_engine_settings`: models with Mamba-2 layers run prefix caching in vLLM's
   "align" mode, which needs chunked prefill; their state dtypes are fixed by the op contract.
-* :func:`cuda_graph_settings`: on GPU, attention-only models run
+* :func:`cuda_graph_settings`: on GPU, every model runs
   ``cudagraph_mode="FULL_DECODE_ONLY"`` with compilation mode NONE: vLLM captures whole
   decode steps of our (uncompiled) forward and replays them; prefill and mixed steps run
   eagerly. No torch.compile: Inductor would re-fuse our elementwise torch ops and could
   change their bits. Graph replay runs the same kernels as eager, so the bits are the same
-  (``tests/gpu``). Hybrid models (Mamba-2 state group) and the CPU run eagerly.
+  (``tests/gpu``). Hybrid models capture too: their Mamba-2 slots live in a persistent
+  buffer and a decode step is described on the device
+  (:func:`unified_models.ops.mamba2_decode_metadata`). The CPU runs eagerly.
 """
 
 from __future__ import annotations
@@ -140,18 +142,13 @@ def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[st
         cuda_graphs: True / False, or None = on where supported.
 
     Raises:
-        SpecError (a ValueError): ``cuda_graphs=True`` on the CPU or for a model with
-            Mamba-2 layers (their per-step state slots are not persistent buffers a
-            graph could replay).
+        SpecError (a ValueError): ``cuda_graphs=True`` on the CPU.
     """
     from ...dsl import SpecError
 
     supported, why = True, ""
     if not gpu:
         supported, why = False, "the CPU build of vLLM has no CUDA graphs"
-    elif declares_slot_state(spec):
-        supported, why = False, ("models with Mamba-2 layers run eagerly (their state-slot metadata is "
-                                 "rebuilt each step, not kept in persistent buffers a graph replays)")
     if cuda_graphs and not supported:
         raise SpecError(f"CUDA graphs were asked for (cuda_graphs=True / --cuda-graphs on) but {why}")
     if cuda_graphs is None:

@@ -89,7 +89,7 @@ dispatch, the CPU path and the backward share. The ops here have no autograd; th
 differentiable ones are those of :mod:`unified_models.ops`.
 """
 
-from .common import Mamba2Metadata, Mamba2State, mamba2_metadata, start_positions
+from .common import Mamba2Metadata, Mamba2State, mamba2_decode_metadata, mamba2_metadata, start_positions
 from .cpu import (ROWS_CPU, causal_conv1d_torch, conv_source_index, gated_rms_norm_torch, mamba2_dt_torch,
                   ssd_chunk_scan_torch)
 from .dispatch import (causal_conv1d, commit_ssd_state, gated_rms_norm, mamba2_dt, ssd_chunk_scan,
@@ -97,7 +97,7 @@ from .dispatch import (causal_conv1d, commit_ssd_state, gated_rms_norm, mamba2_d
 from .reference import (causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference, ssd_chunked_torch,
                         ssd_reference)
 
-__all__ = ["Mamba2State", "Mamba2Metadata", "start_positions", "mamba2_metadata", "causal_conv1d", "write_conv_state",
+__all__ = ["Mamba2State", "Mamba2Metadata", "start_positions", "mamba2_metadata", "mamba2_decode_metadata", "causal_conv1d", "write_conv_state",
            "mamba2_dt", "ssd_chunk_scan", "commit_ssd_state", "gated_rms_norm", "ROWS_CPU", "conv_source_index",
            "causal_conv1d_torch", "mamba2_dt_torch", "ssd_chunk_scan_torch", "gated_rms_norm_torch",
            "causal_conv1d_reference", "mamba2_dt_reference", "ssd_reference", "ssd_chunked_torch",

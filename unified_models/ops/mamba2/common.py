@@ -107,6 +107,9 @@ class Mamba2Metadata:
     conv_seqs: torch.Tensor      # [Bw] sequences whose conv state is written
     # host copies (lists) for the CPU implementations
     host: dict
+    # True: built by :func:`mamba2_decode_metadata` (every sequence at most one token, all on
+    # the device, fixed shapes; the kernels commit the state themselves: ``decode.py``)
+    uniform_decode: bool = False
 
 
 def start_positions(cu_seqlens_B1: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
@@ -220,6 +223,73 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         commit_slot=i64(commit_slot), commit_entry=i64(commit_entry),
         pend_token=i64(pend_token), pend_slot=i64(pend_slot), pend_index=i64(pend_index),
         conv_seqs=i64(conv_seqs), host=host)
+
+
+def mamba2_decode_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, state_idx_B: torch.Tensor,
+                           chunk_size: int, num_tokens: int) -> Mamba2Metadata:
+    """The metadata of a uniform decode step (every sequence 0 or 1 token), built on the device.
+
+    The same description as :func:`mamba2_metadata` for such a batch, but with no host read
+    and shapes fixed by ``B`` and ``T`` alone, so that a CUDA graph captured at one padded
+    batch replays with any batch of that size (vLLM ``FULL_DECODE_ONLY``): item ``b`` is
+    sequence ``b``'s current chunk (``num_items = B``; a sequence with no token this step is
+    an item with no row, which every kernel skips), ``num_entries = B`` is an upper bound
+    (only sequences whose token completes a chunk have an entry), and the state writes
+    (boundary state, pending row, conv tail) are done by the decode kernels of
+    :mod:`.decode` from ``slot`` / ``start_pos`` / ``seq_len`` instead of host index lists.
+    The kernels read each row from the same places with the same tiles as under
+    :func:`mamba2_metadata`, so a decode token's bits are the same under either.
+
+    Args:
+        cu_seqlens_B1: int ``[B+1]``, vLLM's ``query_start_loc`` (0 or 1 rows per sequence).
+        start_pos_B: int ``[B]``, tokens already folded into each slot.
+        state_idx_B: int ``[B]``, slot of each sequence (``< 0``: no token / padding).
+        chunk_size: Q; num_tokens: T (rows of the batch, padding rows past ``cu[B]``).
+
+    Returns:
+        :class:`Mamba2Metadata` with ``uniform_decode=True`` and ``host == {}`` (the CPU
+        implementations need :func:`mamba2_metadata`).
+
+    Raises:
+        ValueError: mismatched shapes or a bad chunk size (values are not checked: no host read).
+    """
+    Q, T = int(chunk_size), int(num_tokens)
+    if Q < 2:
+        raise ValueError(f"mamba2_decode_metadata: chunk_size {chunk_size} must be >= 2")
+    B = state_idx_B.shape[0]
+    if cu_seqlens_B1.shape[0] != B + 1 or start_pos_B.shape[0] != B:
+        raise ValueError(f"mamba2_decode_metadata: cu_seqlens [{cu_seqlens_B1.shape[0]}], start_pos "
+                         f"[{start_pos_B.shape[0]}] and state_idx [{B}] must be [B+1], [B], [B]")
+    dev = state_idx_B.device
+    cu = cu_seqlens_B1.to(device=dev, dtype=torch.int64)
+    slot = state_idx_B.to(torch.int64)
+    live = ((cu[1:] - cu[:-1]) > 0) & (slot >= 0)
+    zero = torch.zeros_like(slot)
+    p0 = torch.where(live, start_pos_B.to(device=dev, dtype=torch.int64), zero)
+    L = live.to(torch.int64)
+    slot = torch.where(live, slot, zero)
+    ar = torch.arange(B, device=dev, dtype=torch.int64)
+    complete = live & ((p0 + 1) % Q == 0)
+    ent_ptr = torch.cat([zero[:1], complete.to(torch.int64).cumsum(0)]) if B else zero.new_zeros(1)
+    # token rows: row cu[b] holds sequence b's token (scattered; dead sequences write row T, cut off)
+    row = torch.where(live, cu[:-1], torch.full_like(cu[:-1], T))
+    token_seq = torch.full((T + 1,), -1, dtype=torch.int64, device=dev).scatter(0, row, torch.where(live, ar, -1))
+    token_pos = torch.zeros(T + 1, dtype=torch.int64, device=dev).scatter(0, row, p0)
+    token_item = torch.zeros(T + 1, dtype=torch.int64, device=dev).scatter(0, row, ar)
+
+    def i32(v):
+        return v.to(torch.int32)
+
+    empty = zero[:0]
+    return Mamba2Metadata(
+        chunk_size=Q, num_tokens=T, has_state=True,
+        cu_seqlens=i32(cu), start_pos=p0, seq_len=i32(L), slot=slot,
+        seq_item_ptr=i32(torch.arange(B + 1, device=dev)), seq_entry_ptr=i32(ent_ptr),
+        token_seq=i32(token_seq[:T]), token_pos=token_pos[:T], token_item=token_item[:T],
+        item_seq=i32(ar), item_chunk=p0 // Q, item_rank=i32(zero),
+        num_items=B, num_entries=B, state_seqs=i32(ar),
+        commit_slot=empty, commit_entry=empty, pend_token=empty, pend_slot=empty, pend_index=empty,
+        conv_seqs=empty, host={}, uniform_decode=True)
 
 
 def _need_state(meta: Mamba2Metadata, state: Mamba2State | None, name: str) -> None:

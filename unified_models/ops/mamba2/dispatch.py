@@ -45,15 +45,27 @@ def causal_conv1d(x_TC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Ten
     W = weight_CW.shape[1]
     if state is not None and (state.conv.dim() != 3 or state.conv.shape[1:] != (W - 1, x_TC.shape[1])):
         raise ValueError(f"causal_conv1d: conv state {tuple(state.conv.shape)} must be [S, {W - 1}, {x_TC.shape[1]}]")
+    _check_decode(meta, x_TC, "causal_conv1d")
     if use_triton(x_TC):
         from .triton import causal_conv1d_triton
 
         y = causal_conv1d_triton(x_TC, weight_CW, bias_C, meta, state)
     else:
         y = causal_conv1d_torch(x_TC, weight_CW, bias_C, meta, state)
-    if state is not None:
+    if state is not None and meta.uniform_decode:
+        from .decode import write_conv_tail
+
+        write_conv_tail(x_TC, meta, state)
+    elif state is not None:
         write_conv_state(x_TC, meta, state)
     return y
+
+
+def _check_decode(meta: Mamba2Metadata, x: torch.Tensor, name: str) -> None:
+    """A :func:`.common.mamba2_decode_metadata` runs only on the Triton kernels (it has no host lists)."""
+    if meta.uniform_decode and not use_triton(x):
+        raise ValueError(f"{name}: decode-step metadata (mamba2_decode_metadata) needs the Triton kernels "
+                         "(CUDA tensors, or UM_OPS_BACKEND=triton); build mamba2_metadata for the CPU path")
 
 
 def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2State) -> None:
@@ -151,13 +163,18 @@ def ssd_chunk_scan(x_THP: torch.Tensor, dt_TH: torch.Tensor, A_log_H: torch.Tens
         if state.x.dtype != x_THP.dtype or state.B.dtype != B_TGN.dtype:
             raise ValueError(f"ssd_chunk_scan: state dtypes {state.x.dtype}/{state.B.dtype} differ from x/B "
                              f"{x_THP.dtype}/{B_TGN.dtype}")
+    _check_decode(meta, x_THP, "ssd_chunk_scan")
     if use_triton(x_THP):
         from .triton import ssd_chunk_scan_triton
 
         y, entries = ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state, out_dtype)
     else:
         y, entries = ssd_chunk_scan_torch(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state, out_dtype)
-    if state is not None:
+    if state is not None and meta.uniform_decode:  # boundary states already committed by the kernel
+        from .decode import write_pending_rows
+
+        write_pending_rows(x_THP, dt_TH, B_TGN, meta, state)
+    elif state is not None:
         commit_ssd_state(x_THP, dt_TH, B_TGN, entries, meta, state)
     return y
 

@@ -263,7 +263,11 @@ def _ssd_state_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, acum_ptr, s
                       stride_bt, stride_bg, stride_bn, stride_pbs, stride_pbr, stride_pbg, stride_pbn,
                       stride_ss, stride_sh, stride_sp, stride_sn,
                       Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_STATE: tl.constexpr, FP32_DOT: tl.constexpr, OP: tl.constexpr):
+                      HAS_STATE: tl.constexpr, FP32_DOT: tl.constexpr, OP: tl.constexpr,
+                      COMMIT: tl.constexpr = False):
+    # COMMIT (decode steps, ops.mamba2.decode): the state after the sequence's complete chunk
+    # goes straight into its slot (ssm), not into the entries; nothing is read or written
+    # for a sequence without one.
     b = tl.load(sseq_ptr + tl.program_id(0)).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     p = tl.program_id(2).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
@@ -282,6 +286,8 @@ def _ssd_state_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, acum_ptr, s
     S = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if HAS_STATE:
         lim = tl.where(p0 >= Q, P, 0)  # the boundary state is 0 before the first boundary
+        if COMMIT:
+            lim = tl.where(ne > 0, lim, 0)
         S = tl.load(ssm_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :] * stride_sn,
                     mask=(p[:, None] < lim) & nm[None, :], other=0.0)
     l = tl.arange(0, Q).to(tl.int64)
@@ -317,7 +323,11 @@ def _ssd_state_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, acum_ptr, s
         else:
             cs = _mm(tl.trans(xw), Bm, FP32_DOT, OP)
         S = tl.exp(alast) * S + cs
-        tl.store(ent_ptr + ((e0 + j) * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=smask)
+        if COMMIT:
+            tl.store(ssm_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :] * stride_sn,
+                     S, mask=smask)
+        else:
+            tl.store(ent_ptr + ((e0 + j) * H + h) * P * N + p[:, None] * N + n[None, :], S, mask=smask)
 
 
 @triton.jit
@@ -420,7 +430,10 @@ def _ssd_scan_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, c_ptr, acum_
 def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state, out_dtype):
     """Kernels of :func:`unified_models.ops.mamba2.ssd_chunk_scan` (without the cache commit).
 
-    Returns ``(y [T, H, P] in out_dtype, entries [E, H, P, N] fp32)``.
+    Returns ``(y [T, H, P] in out_dtype, entries [E, H, P, N] fp32)``. For a decode step
+    (``meta.uniform_decode``) the completed chunks' states are already in ``state.ssm`` and
+    ``entries`` is empty (``E = 0``); the caller writes the pending rows
+    (:func:`.decode.write_pending_rows`).
 
     Raises:
         ValueError: dtypes, a chunk size that is not a power of two, devices.
@@ -441,7 +454,7 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
         tensors += [state.ssm, state.x, state.dt, state.B]
     check_device("ssd_chunk_scan_triton", *tensors)
     out = torch.zeros((T, H, P), dtype=out_dtype, device=dev)
-    E, U = meta.num_entries, meta.num_items
+    E, U = (0 if meta.uniform_decode else meta.num_entries), meta.num_items
     entries = torch.empty((E, H, P, N), dtype=torch.float32, device=dev)
     if U == 0:
         return out, entries
@@ -467,17 +480,25 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
         dt_TH, pdt, A_log_H, acum, meta.item_seq, meta.item_chunk, *common,
         H, *dt_TH.stride(), *spdt, Q=Q, HAS_STATE=has_state, num_warps=4)
     x_str = (*x_THP.stride(), *spx, *dt_TH.stride(), *spdt, *B_TGN.stride(), *spb)
-    if meta.state_seqs.numel():
+
+    def chunk_states(commit: bool):
         _ssd_state_kernel[(meta.state_seqs.numel(), H, triton.cdiv(P, BPS))](
             x_THP, px, dt_TH, pdt, B_TGN, pb, acum, ssm, ent_arg,
             meta.state_seqs, meta.seq_item_ptr, meta.seq_entry_ptr, meta.item_chunk, *common,
             H, P, N, H // G, *x_str, *sss,
-            Q=Q, BLOCK_P=BPS, BLOCK_N=BN, HAS_STATE=has_state, FP32_DOT=fp32_dot, OP=op,
+            Q=Q, BLOCK_P=BPS, BLOCK_N=BN, HAS_STATE=has_state, FP32_DOT=fp32_dot, OP=op, COMMIT=commit,
             num_warps=SSD_NUM_WARPS, num_stages=NUM_STAGES)
+
+    # decode (meta.uniform_decode): every item starts at the slot's boundary state, so the scan
+    # reads no entry and runs first; the state kernel then commits completed chunks in place.
+    if meta.state_seqs.numel() and not meta.uniform_decode:
+        chunk_states(commit=False)
     _ssd_scan_kernel[(U, H, Q // BL)](
         x_THP, px, dt_TH, pdt, B_TGN, pb, C_TGN, acum, ssm, ent_arg, D_H if D_H is not None else A_log_H, out,
         meta.item_seq, meta.item_chunk, meta.item_rank, meta.seq_entry_ptr, *common,
         H, P, N, H // G, *x_str, *C_TGN.stride(), *sss, *out.stride(),
         Q=Q, BLOCK_L=BL, BLOCK_P=BP, BLOCK_N=BN, HAS_STATE=has_state, HAS_D=D_H is not None,
         FP32_DOT=fp32_dot, OP=op, num_warps=SSD_NUM_WARPS, num_stages=NUM_STAGES)
+    if meta.state_seqs.numel() and meta.uniform_decode:
+        chunk_states(commit=True)
     return out, entries
