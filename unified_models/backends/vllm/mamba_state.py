@@ -27,7 +27,7 @@ Pieces (the same protocol as vLLM's own ``MambaMixer2`` /
   step, per group, the slot of each request (``state_indices`` = the group's
   block-table column through vLLM's ``mamba_get_block_table_tensor``, which
   also handles prefix caching's "align" mode) and the tokens already folded
-  into it (``num_computed = seq_len - query_len``). No batch reordering
+  into it (``seq_len - query_len``, derived in the forward). No batch reordering
   (vLLM's Mamba builders put decodes first; ours keeps the runner's order,
   which the model's logits-row mapping relies on); decode steps may be captured in
   CUDA graphs (persistent slot buffer, device-built decode metadata).
@@ -121,15 +121,15 @@ class UnifiedMambaMetadata(AttentionMetadata):
             the builder's persistent buffer (same data pointer at every step of
             ``R`` requests: what a CUDA graph replays).
         num_actual_tokens: real tokens of the step.
+        num_reqs: R.
+        block_size: the group's block size (``max_model_len`` without prefix
+            caching; the attention block size in "align" mode).
+        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode``.
         uniform_decode: every request has at most one token (``max_query_len <= 1``).
 
     The tokens already folded into each slot (= position of the request's first token) are
     ``seq_lens - query lengths``, derived on the device in the forward
     (:meth:`UnifiedSlotStateCache.step_group`) from vLLM's persistent buffers.
-        num_reqs: R.
-        block_size: the group's block size (``max_model_len`` without prefix
-            caching; the attention block size in "align" mode).
-        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode``.
     """
 
     query_start_loc: torch.Tensor
