@@ -179,6 +179,10 @@ def _add_rl_parser(sub) -> None:
                    help="sampled positions per step compared over the whole vocabulary (-1 = all; default 256)")
     r.add_argument("--micro-batch-tokens", type=_positive(int), default=None,
                    help="THD micro-batch size of the trainer (default 4096 CPU / 32768 GPU; bits do not depend on it)")
+    r.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.3,
+                   help="share of the GPU's memory vLLM may take (weights, KV cache, Mamba state; default 0.3: "
+                        "the trainer in the same process needs the rest for its weights, fp32 main weights, "
+                        "Adam moments and activations; GPU only)")
     r.add_argument("--no-plot", dest="plot", action="store_false", help="do not write the PNG plot")
     _add_plugin_flag(r)
 

@@ -132,6 +132,7 @@ def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpo
     (["--preset", "nemotron_h_tiny", "--model", "x"], "mutually exclusive"),
     (["--num-prompts-per-step", "500"], "exceeds the 200 prompts"),
     (["--target-token-id", "99999999"], "outside the model vocabulary"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
 ])
 def test_bad_flags_fail_cleanly(argv, message, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"

@@ -50,6 +50,7 @@ class RLOptions:
     stop_at_eos: bool = False
     full_vocab_rows: int = 256
     micro_batch_tokens: int | None = None
+    gpu_memory_utilization: float = 0.3
     plot: bool = True
 
 
@@ -88,6 +89,8 @@ def validate_options(opts: RLOptions) -> None:
         raise UnifiedModelsError(f"--temperature must be > 0, got {opts.temperature}")
     if not (opts.lr > 0 and math.isfinite(opts.lr)):
         raise UnifiedModelsError(f"--lr must be a finite number > 0, got {opts.lr}")
+    if not 0 < opts.gpu_memory_utilization <= 1:
+        raise UnifiedModelsError(f"--gpu-memory-utilization must be in (0, 1], got {opts.gpu_memory_utilization}")
     if opts.kl_coef < 0 or not math.isfinite(opts.kl_coef):
         raise UnifiedModelsError(f"--kl-coef must be >= 0, got {opts.kl_coef}")
     if opts.save_every and not opts.save:

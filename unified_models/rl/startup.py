@@ -92,7 +92,8 @@ def start_engines(run: RLRun, console) -> int:
     # the engine gets the state dict read once in load_run: vLLM does not read the checkpoint again
     run.engine = RolloutEngine(run.spec, run.model_dir, state_dict=run.state_dict, device=run.device, seed=o.seed,
                                max_model_len=longest + o.max_new_tokens, max_num_seqs=s,
-                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest))
+                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest),
+                               **({"gpu_memory_utilization": o.gpu_memory_utilization} if run.device == "cuda" else {}))
     # a ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
     run.trainer = Trainer(run.spec, run.state_dict, device=run.device,
                           options=TrainerOptions(optimizer=OptimizerConfig(lr=o.lr, clip_grad=o.clip_grad),
