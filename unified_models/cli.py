@@ -183,6 +183,17 @@ def _add_rl_parser(sub) -> None:
                    help="share of the GPU's memory vLLM may take (weights, KV cache, Mamba state; default 0.3: "
                         "the trainer in the same process needs the rest for its weights, fp32 main weights, "
                         "Adam moments and activations; GPU only)")
+    par = r.add_argument_group("scale-out (under torchrun --nproc-per-node N; docs/scale-out.md)")
+    par.add_argument("--ep", type=_positive(int), default=1,
+                     help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
+                          "expert count; default 1)")
+    par.add_argument("--dp", type=_positive(int), default=None,
+                     help="trainer data-parallel size: N at TP = PP = CP = 1 (default N)")
+    par.add_argument("--rollout-dp", type=_positive(int), default=None,
+                     help="vLLM data_parallel_size: one engine per process, so N (default N)")
+    par.add_argument("--rollout-ep", type=_positive(int), default=1,
+                     help="1: every engine holds every expert (default); N: vLLM expert parallel, each engine "
+                          "its block of experts")
     r.add_argument("--no-plot", dest="plot", action="store_false", help="do not write the PNG plot")
     _add_plugin_flag(r)
 

@@ -52,8 +52,15 @@ DIR's latest one up to ``--steps``. Prompts and request seeds depend only on
 ``(seed, step)``, so a resumed run samples, scores and updates exactly as the
 uninterrupted one.
 
-Modules: :mod:`.options` (flags, defaults, refusals), :mod:`.startup` (checkpoint,
-prompts, engines, resume, save), :mod:`.run` (one step), :mod:`.report` (what is printed).
+Under ``torchrun --nproc-per-node N`` (``--ep``, ``--dp``, ``--rollout-dp``, ``--rollout-ep``):
+every process holds a vLLM engine (vLLM data parallel) and a share of the trainer (Megatron
+data / expert parallel); each samples, recomputes and trains on its block of GRPO groups, and
+the metrics row, the first mismatch (named with its rank) and the decision to stop are merged
+over all ranks (:mod:`.distributed`). Rank 0 prints and writes the metrics and the plot.
+
+Modules: :mod:`.options` (flags, defaults, refusals), :mod:`.distributed` (layout, exchanges),
+:mod:`.startup` (checkpoint, prompts, engines, resume, save), :mod:`.run` (one step),
+:mod:`.report` (what is printed).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from pathlib import Path
 
 from .. import interrupts
 from .metrics import MetricsWriter
+from .distributed import launch_layout
 from .options import RLOptions, resolve_options, validate_options
 from .report import fmt, print_summary, step_line
 from .run import DiffNotZeroError
@@ -90,10 +98,17 @@ def run_rl(opts: RLOptions) -> int:
     quiet_engines()
     opts = resolve_options(opts)
     validate_options(opts)
-    console, out = Console(stderr=True), Console()
+    layout = launch_layout(ep=opts.ep, dp=opts.dp, rollout_dp=opts.rollout_dp, rollout_ep=opts.rollout_ep,
+                           num_prompts_per_step=opts.num_prompts_per_step,
+                           use_rollout_logprobs=opts.use_rollout_logprobs, kl_coef=opts.kl_coef)
+    lead = layout.rank == 0  # under torchrun rank 0 prints and writes; every rank runs every step
+    console, out = Console(stderr=True, quiet=not lead), Console(quiet=not lead)
     wall0 = time.perf_counter()
     with console.status("[bold]loading checkpoint and prompts[/bold]", spinner="dots"):
-        run = load_run(opts)
+        run = load_run(opts, layout)
+    if layout.distributed:
+        console.log(f"layout: {layout.world} processes; trainer EP {layout.trainer_ep} x DP {layout.trainer_dp}, "
+                    f"rollout DP {layout.rollout_dp} x EP {layout.rollout_ep} (vLLM external launcher)")
     console.log(f"model {run.model_dir} ({run.spec.family}, pattern {run.spec.extra.get('pattern')}); "
                 f"reward {opts.reward}; {opts.num_prompts_per_step} prompts x {opts.group_size} samples x "
                 f"{opts.max_new_tokens} tokens per step at T={opts.temperature:g}, lr {opts.lr:g}, device {run.device}")
@@ -107,7 +122,7 @@ def run_rl(opts: RLOptions) -> int:
         contract = run.verify_contract()  # refuses (exit 2) engines whose execution contracts differ
         console.log(f"contract fingerprint {contract.digest[:16]} (vLLM = Megatron, {len(contract.shared_names())} "
                     "components); weight fingerprint checked after every sync")
-        writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None)
+        writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None) if lead else None
         columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -127,7 +142,8 @@ def run_rl(opts: RLOptions) -> int:
                 res.row["seconds"] = {k: round(v, 4) for k, v in timer.items()}
                 res.row.setdefault("importance_ratio_max", None)
                 res.row.setdefault("entropy", None)
-                writer.write(res.row)
+                if writer is not None:
+                    writer.write(res.row)
                 if res.error is not None:
                     failure = res.error
                     break
@@ -142,6 +158,8 @@ def run_rl(opts: RLOptions) -> int:
         destroy_parallel_state()  # its groups live on the process group vLLM's shutdown tears down
         if run.engine is not None:
             run.engine.close()
+    if not lead:
+        return 1 if failure is not None else 0
     rows = writer.rows()
     png = None
     if opts.plot and rows:

@@ -29,6 +29,11 @@ Every line has at least (all floats in nats unless named otherwise):
 ``sync_tensors_copied``,    parameters (bytes) copied into vLLM after the
 ``sync_bytes``              update
 ``seconds``                 ``{"rollout", "recompute", "update", "sync", "save", "step"}``
+                            (rank 0's, under ``torchrun``)
+``layout``                  under ``torchrun`` only: ``world``, ``trainer_ep``,
+                            ``trainer_dp``, ``rollout_dp``, ``rollout_ep``
+                            (:mod:`.distributed`); every other field is merged
+                            over all ranks (sync counts summed over the engines)
 ==========================  ==================================================
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 
 from ..consistency.metrics import compare_logprobs, full_vocab_max_abs_diff, rollout_digest
 from .data import prompts_for_step, request_seed
+from .distributed import RLLayout, all_gather, rollout_weights
 from .grpo import group_advantages, grpo_loss, token_weights
 from .options import RLOptions
 from .rewards import Completion, build_reward, reward_info
@@ -98,6 +99,8 @@ class RLRun:
     contract: Any = None
     """The execution-contract :class:`~..consistency.fingerprint.Fingerprint` both engines agreed on
     (:meth:`verify_contract`)."""
+    layout: RLLayout = field(default_factory=RLLayout)
+    """Where the work lives (:mod:`.distributed`; one process by default)."""
     _sync_step: int | None = None
     _sync_fields: dict | None = None
 
@@ -144,19 +147,24 @@ class RLRun:
 
     # ------------------------------------------------------------------ rollout
 
-    def rollout(self, step: int, seq_prompts: list[list[int]]):
-        """Completions, per-sequence fp32 logprobs and the recorded whole rows keyed ``(s, j)``.
+    def rollout(self, step: int, seq_prompts: list[list[int]], first: int = 0, total: int | None = None):
+        """Completions, per-sequence fp32 logprobs and the recorded whole rows keyed ``(s, j)``
+        (``s`` local to ``seq_prompts``).
 
-        Whole rows are kept for the first ``ceil(full_vocab_rows / max_new_tokens)``
-        sequences only (-1: all), so only those leave the device.
+        ``seq_prompts`` are the step's sequences ``first, first + 1, ...`` of ``total`` (default: all
+        of them): request seeds and the row selection use the global index. Whole rows are kept for
+        the first ``ceil(full_vocab_rows / max_new_tokens)`` sequences of the step only (-1: all),
+        so only those leave the device.
         """
         o = self.opts
+        total = len(seq_prompts) if total is None else total
         if o.full_vocab_rows < 0:
             keep = -1
         else:
-            keep = min(len(seq_prompts), math.ceil(o.full_vocab_rows / o.max_new_tokens))
+            keep = max(0, min(total, math.ceil(o.full_vocab_rows / o.max_new_tokens)) - first)
+            keep = min(keep, len(seq_prompts))
         ro = self.engine.generate(seq_prompts, max_new_tokens=o.max_new_tokens,
-                                  seeds=[request_seed(o.seed, step, s) for s in range(len(seq_prompts))],
+                                  seeds=[request_seed(o.seed, step, first + s) for s in range(len(seq_prompts))],
                                   temperature=o.temperature, stop_at_eos=o.stop_at_eos, full_row_requests=keep)
         logprobs = [torch.tensor(lps, dtype=torch.float32) for lps in ro.logprobs]
         full_rows = {(s, pos - len(seq_prompts[s]) + 1): ro.full_rows[(s, pos)] for s, pos in ro.full_row_keys}
@@ -164,20 +172,23 @@ class RLRun:
 
     # ------------------------------------------------------------------ diff
 
-    def _where(self, step: int, s: int, j: int, prompt_rows: list[int], seq_prompts) -> str:
-        g = self.opts.group_size
-        return (f"step {step}, sequence {s} (prompt row {self.rows[prompt_rows[s // g]].line} of the prompt file, "
-                f"sample {s % g} of {g}), position {len(seq_prompts[s]) + j} (completion token {j})")
+    def _where(self, step: int, s: int, j: int, prompt_rows: list[int], seq_prompts, first: int = 0) -> str:
+        """Names sequence ``s`` of ``seq_prompts`` (global index ``first + s``), and its rank when distributed."""
+        g, gs = self.opts.group_size, first + s
+        rank = f" on rank {self.layout.rank}" if self.layout.distributed else ""
+        return (f"step {step}, sequence {gs}{rank} (prompt row {self.rows[prompt_rows[gs // g]].line} of the prompt "
+                f"file, sample {gs % g} of {g}), position {len(seq_prompts[s]) + j} (completion token {j})")
 
     def check(self, step: int, phase: str, rollout_N: torch.Tensor, trainer_N: torch.Tensor, owners, prompt_rows,
-              seq_prompts, full_pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]):
-        """Raise :class:`DiffNotZeroError` at the first differing token (or row)."""
+              seq_prompts, full_pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]], first: int = 0):
+        """Raise :class:`DiffNotZeroError` at the first differing token (or row) of ``seq_prompts``
+        (sequences ``first, first + 1, ...`` of the step; ``owners`` and pair keys are local ``(s, j)``)."""
         k = first_mismatch(rollout_N, trainer_N)
         if k is not None:
             s, j = owners[k]
             diff = compare_logprobs(rollout_N, trainer_N)
             raise DiffNotZeroError(
-                f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts)}: rollout logprob "
+                f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts, first)}: rollout logprob "
                 f"{float(rollout_N[k])!r} vs trainer ({phase}) {float(trainer_N[k])!r}; "
                 f"{diff.num_mismatched} of {diff.tokens_compared} tokens differ (max |diff| {diff.max_abs_diff:.3g})",
                 diff=diff)
@@ -185,9 +196,22 @@ class RLRun:
             if not torch.equal(a, b):
                 fv = full_vocab_max_abs_diff(a[None], b[None])
                 raise DiffNotZeroError(
-                    f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts)}: the sampled token's logprob "
-                    f"agrees but the whole row ({phase}) differs, max |diff| {fv:.3g}",
+                    f"diff != 0 at {self._where(step, s, j, prompt_rows, seq_prompts, first)}: the sampled token's "
+                    f"logprob agrees but the whole row ({phase}) differs, max |diff| {fv:.3g}",
                     diff=compare_logprobs(rollout_N, trainer_N), full_vocab=fv)
+
+    def _first_error(self, error: DiffNotZeroError | None, rollout_N: torch.Tensor, trainer_N: torch.Tensor,
+                     full_vocab: float | None) -> DiffNotZeroError | None:
+        """Every rank's error, the same on every rank: the lowest rank's, with the diff over all ranks'
+        tokens (``rollout_N`` / ``trainer_N`` global). One process: ``error`` itself."""
+        if not self.layout.distributed:
+            return error
+        errors = all_gather(None if error is None else (str(error), error.full_vocab), self.layout)
+        first = next((e for e in errors if e is not None), None)
+        if first is None:
+            return None
+        diff = compare_logprobs(rollout_N, trainer_N) if trainer_N.numel() == rollout_N.numel() else None
+        return DiffNotZeroError(first[0], diff=diff, full_vocab=first[1] if first[1] is not None else full_vocab)
 
     # ------------------------------------------------------------------ trainer phases
 
@@ -206,13 +230,18 @@ class RLRun:
         return (torch.cat(res.logprobs) if res.logprobs else torch.zeros(0)), rows
 
     def update(self, step: int, seq_prompts, completions, rollout_N: torch.Tensor, old_N: torch.Tensor,
-               adv_N: torch.Tensor, w_N: torch.Tensor, full_rows: dict, compare: bool, prompt_rows) -> dict:
+               adv_N: torch.Tensor, w_N: torch.Tensor, full_rows: dict, compare: bool, prompt_rows,
+               first: int = 0) -> dict:
         """One :meth:`Trainer.step`: per micro-batch the forward with a graph is compared bitwise
-        with the rollout, then the GRPO loss; one optimizer update."""
+        with the rollout, then the GRPO loss; one optimizer update.
+
+        Under ``torchrun`` a mismatch does not raise inside the step (the other ranks would wait in the
+        backward's collectives): the micro-batch's loss becomes 0, the mismatch is returned as
+        ``error`` and the run stops after the step, before the sync."""
         o = self.opts
         acc = {"loss": 0.0, "entropy_sum": 0.0, "importance_ratio_max": -math.inf,
                "importance_ratio_min": math.inf, "ref_kl_sum": 0.0, "clipped_tokens": 0}
-        trainer_parts, fv_pairs = [], []
+        trainer_parts, fv_pairs, errors = [], [], []
 
         def loss_fn(tb):
             mb = tb.batch
@@ -223,8 +252,14 @@ class RLRun:
                      for r, key in enumerate(mb.owners) if key in full_rows] if compare else []
             fv_pairs.extend(pairs)
             # every token (and recorded row) is compared before this micro-batch's backward
-            self.check(step, "update forward", rollout_N[mb.flat], new_R, mb.owners, prompt_rows, seq_prompts,
-                       pairs)
+            try:
+                self.check(step, "update forward", rollout_N[mb.flat], new_R, mb.owners, prompt_rows, seq_prompts,
+                           pairs, first)
+            except DiffNotZeroError as e:
+                if not self.layout.distributed:
+                    raise
+                errors.append(e)
+                return tb.logprobs.sum() * 0.0  # the backward's collectives still run on every rank
             ref = tb.reference_logprobs() if o.kl_coef > 0 else None
             dev = tb.logprobs.device
             res = grpo_loss(tb.logprobs.float(), old_N[mb.flat].to(dev), adv_N[mb.flat].to(dev),
@@ -241,13 +276,27 @@ class RLRun:
         stats = self.trainer.step(seq_prompts, completions, loss_fn, temperature=o.temperature)
         trainer_N = torch.cat(trainer_parts) if trainer_parts else torch.zeros(0)
         return {**acc, "grad_norm": stats.get("grad_norm"), "update_successful": stats.get("update_successful"),
-                "trainer_N": trainer_N, "fv_pairs": fv_pairs}
+                "trainer_N": trainer_N, "fv_pairs": fv_pairs, "error": errors[0] if errors else None}
 
     def sync(self):
         """Copy every changed parameter into vLLM's buffers in place (bf16 bits unchanged); reset the prefix cache;
-        compare both sides' weight fingerprints (:meth:`verify_sync`; raises :class:`WeightSyncMismatch`)."""
-        rep = self.engine.sync_weights(self.trainer.named_weights())
-        self._sync_fields = self.verify_sync(rep, self._sync_step)
+        compare both sides' weight fingerprints (:meth:`verify_sync`; raises :class:`WeightSyncMismatch`).
+        Under ``torchrun`` the experts the trainer holds on other ranks are gathered first where the rollout's
+        expert layout needs them (:func:`.distributed.rollout_weights`); a mismatch on any rank raises on every
+        rank, naming it."""
+        rep = self.engine.sync_weights(rollout_weights(self.trainer, self.layout))
+        error = None
+        try:
+            self._sync_fields = self.verify_sync(rep, self._sync_step)
+        except WeightSyncMismatch as e:
+            if not self.layout.distributed:
+                raise
+            error = e
+        if self.layout.distributed:
+            errors = all_gather(None if error is None else str(error), self.layout)
+            bad = [(r, m) for r, m in enumerate(errors) if m is not None]
+            if bad:
+                raise WeightSyncMismatch(f"rank {bad[0][0]}: {bad[0][1]}") from (error.__cause__ if error else None)
         return rep
 
     # ------------------------------------------------------------------ one step
@@ -256,15 +305,23 @@ class RLRun:
         """Run GRPO step ``step`` (1-based); fill ``timer`` (seconds per phase).
 
         A diff != 0 does not raise: it comes back in :attr:`StepResult.error`, with the
-        diff fields of the step's row filled, so the caller writes that row first.
+        diff fields of the step's row filled, so the caller writes that row first. Under
+        ``torchrun`` (:mod:`.distributed`) this rank samples, recomputes and trains on its block of
+        GRPO groups; the row (merged over every rank) and the error are the same on every rank.
         """
-        o = self.opts
+        o, lay, g = self.opts, self.layout, self.opts.group_size
         if self.contract is None:
             self.verify_contract()
         t0 = time.perf_counter()
         prompt_rows = prompts_for_step(len(self.prompt_ids), o.num_prompts_per_step, o.seed, step)
-        seq_prompts = [self.prompt_ids[i] for i in prompt_rows for _ in range(o.group_size)]
-        completions, rollout_lps, full_rows = self.rollout(step, seq_prompts)
+        all_prompts = [self.prompt_ids[i] for i in prompt_rows for _ in range(g)]
+        groups = lay.groups(len(prompt_rows))
+        first, stop = groups.start * g, groups.stop * g
+        seq_prompts = all_prompts[first:stop]
+        local_completions, local_lps, full_rows = self.rollout(step, seq_prompts, first, len(all_prompts))
+        parts = all_gather((local_completions, local_lps), lay)
+        completions = [c for cs, _ in parts for c in cs]
+        rollout_lps = [lp for _, lps in parts for lp in lps]
         if self.reward_name == "target-token" and self.target_token_id is None:
             # auto: the token the initial policy sampled most often in step 1 (ties: smallest id)
             counts = torch.bincount(torch.tensor([t for c in completions for t in c], dtype=torch.long),
@@ -275,28 +332,36 @@ class RLRun:
         rewards = []
         for s, toks in enumerate(completions):
             text = self.tokenizer.decode(toks, skip_special_tokens=True) if info.needs_text else None
-            ref = self.rows[prompt_rows[s // o.group_size]].answer
+            ref = self.rows[prompt_rows[s // g]].answer
             rewards.append(float(self.reward(Completion(token_ids=toks, text=text, reference=ref))))
         rewards_S = torch.tensor(rewards, dtype=torch.float64)
-        adv_S = group_advantages(rewards_S, o.group_size)
+        adv_S = group_advantages(rewards_S, g)
         lengths = [len(c) for c in completions]
-        adv_N = torch.repeat_interleave(adv_S, torch.tensor(lengths, dtype=torch.long))
-        w_N = token_weights(lengths)
-        rollout_N = torch.cat(rollout_lps) if rollout_lps else torch.zeros(0)
+        # this rank's tokens: a contiguous block of the step's flat token order
+        lo = sum(lengths[:first])
+        mine = slice(lo, lo + sum(lengths[first:stop]))
+        adv_N = torch.repeat_interleave(adv_S, torch.tensor(lengths, dtype=torch.long))[mine]
+        # the step's global weights; x DP because the optimizer averages the ranks' gradients
+        w_N = token_weights(lengths)[mine] * lay.trainer_dp
+        rollout_all_N = torch.cat(rollout_lps) if rollout_lps else torch.zeros(0)
+        rollout_N = rollout_all_N[mine]
+        completions_mine = completions[first:stop]
         timer["rollout"] = self._elapsed(t0)
 
         row: dict[str, Any] = {
             "step": step, "reward_mean": float(rewards_S.mean()), "reward_std": float(rewards_S.std(unbiased=False)),
-            "reward_max": float(rewards_S.max()), "tokens": int(rollout_N.numel()),
+            "reward_max": float(rewards_S.max()), "tokens": int(rollout_all_N.numel()),
             "sequences": len(completions), "prompt_rows": [self.rows[i].line for i in prompt_rows],
-            "rollout_sha256": rollout_digest(completions, rollout_N),
+            "rollout_sha256": rollout_digest(completions, rollout_all_N),
             "contract_fingerprint": self.contract.digest,
         }
+        if lay.distributed:
+            row["layout"] = lay.as_dict()
         if step == self.first_step_of_process:  # the components once per process (the report names them)
             row["contract_fingerprint_components"] = self.contract.as_dict()["components"]
         if self.target_token_id is not None:
             row["target_token_id"] = self.target_token_id
-        owners = [(s, j) for s, c in enumerate(completions) for j in range(len(c))]  # flat token order
+        owners = [(s, j) for s, c in enumerate(completions_mine) for j in range(len(c))]  # flat token order, local
         use_rollout = o.use_rollout_logprobs and step > self.first_step_of_process
         row["old_logprobs"] = "rollout" if use_rollout else "recompute"
         try:
@@ -304,18 +369,37 @@ class RLRun:
             if use_rollout:
                 old_N, timer["recompute"] = rollout_N, 0.0
             else:
-                trainer_N, trainer_rows = self.recompute(seq_prompts, completions, set(full_rows))
+                trainer_N, trainer_rows = self.recompute(seq_prompts, completions_mine, set(full_rows))
                 timer["recompute"] = self._elapsed(t0)
                 pairs = [(full_rows[k], trainer_rows[k], k) for k in full_rows]
-                diff = compare_logprobs(rollout_N, trainer_N)
-                row.update(diff.as_dict())
-                row.update(full_vocab_max_abs_diff=full_vocab_of_pairs(pairs), full_vocab_rows=len(pairs))
-                self.check(step, "recompute", rollout_N, trainer_N, owners, prompt_rows, seq_prompts, pairs)
+                error = None
+                try:
+                    self.check(step, "recompute", rollout_N, trainer_N, owners, prompt_rows, seq_prompts, pairs,
+                               first)
+                except DiffNotZeroError as e:
+                    error = e
+                merged = all_gather((trainer_N, full_vocab_of_pairs(pairs), len(pairs)), lay)
+                trainer_all_N = torch.cat([t for t, _, _ in merged])
+                row.update(compare_logprobs(rollout_all_N, trainer_all_N).as_dict())
+                row.update(full_vocab_max_abs_diff=max(f for _, f, _ in merged),
+                           full_vocab_rows=sum(n for _, _, n in merged))
+                error = self._first_error(error, rollout_all_N, trainer_all_N, row["full_vocab_max_abs_diff"])
+                if error is not None:
+                    raise error
                 old_N = trainer_N
             t0 = time.perf_counter()
-            up = self.update(step, seq_prompts, completions, rollout_N, old_N, adv_N, w_N, full_rows, use_rollout,
-                             prompt_rows)
+            up = self.update(step, seq_prompts, completions_mine, rollout_N, old_N, adv_N, w_N, full_rows,
+                             use_rollout, prompt_rows, first)
             timer["update"] = self._elapsed(t0)
+            up_parts = all_gather({k: v for k, v in up.items() if k not in ("fv_pairs", "error")}
+                                  | {"error": None if up["error"] is None else (str(up["error"]), up["error"].full_vocab),
+                                     "fv": full_vocab_of_pairs(up["fv_pairs"]), "fv_rows": len(up["fv_pairs"])}, lay)
+            first_error = next((p["error"] for p in up_parts if p["error"] is not None), None)
+            if first_error is not None:
+                trainer_all_N = torch.cat([p["trainer_N"] for p in up_parts])
+                diff = (compare_logprobs(rollout_all_N, trainer_all_N)
+                        if trainer_all_N.numel() == rollout_all_N.numel() else None)
+                raise DiffNotZeroError(first_error[0], diff=diff, full_vocab=first_error[1])
         except DiffNotZeroError as e:
             if e.diff is not None:
                 row.update(e.diff.as_dict())
@@ -324,14 +408,17 @@ class RLRun:
             row.setdefault("full_vocab_max_abs_diff", None)
             return StepResult(row=row, error=e)
         if use_rollout:
-            diff = compare_logprobs(rollout_N, up["trainer_N"])
-            pairs = up["fv_pairs"]
+            diff = compare_logprobs(rollout_all_N, torch.cat([p["trainer_N"] for p in up_parts]))
             row.update(diff.as_dict())
-            row.update(full_vocab_max_abs_diff=full_vocab_of_pairs(pairs), full_vocab_rows=len(pairs))
-        n = max(int(rollout_N.numel()), 1)
-        row.update(importance_ratio_max=up["importance_ratio_max"], importance_ratio_min=up["importance_ratio_min"],
-                   entropy=up["entropy_sum"] / n, ref_kl=up["ref_kl_sum"] / n, loss=up["loss"],
-                   grad_norm=up["grad_norm"], clipped_tokens=up["clipped_tokens"],
+            row.update(full_vocab_max_abs_diff=max(p["fv"] for p in up_parts),
+                       full_vocab_rows=sum(p["fv_rows"] for p in up_parts))
+        n = max(int(rollout_all_N.numel()), 1)
+        row.update(importance_ratio_max=max(p["importance_ratio_max"] for p in up_parts),
+                   importance_ratio_min=min(p["importance_ratio_min"] for p in up_parts),
+                   entropy=sum(p["entropy_sum"] for p in up_parts) / n,
+                   ref_kl=sum(p["ref_kl_sum"] for p in up_parts) / n,
+                   loss=sum(p["loss"] for p in up_parts) / lay.trainer_dp,
+                   grad_norm=up["grad_norm"], clipped_tokens=sum(p["clipped_tokens"] for p in up_parts),
                    advantage_abs_mean=float(adv_S.abs().mean()))
         t0 = time.perf_counter()
         self._sync_step, self._sync_fields = step, None
@@ -345,7 +432,12 @@ class RLRun:
         finally:
             self._sync_step = None
         timer["sync"] = self._elapsed(t0)
-        row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
-        row.update(self._sync_fields or self.verify_sync(rep, step))  # a sync() that did not verify (tests)
+        fields = self._sync_fields or self.verify_sync(rep, step)  # a sync() that did not verify (tests)
+        if lay.distributed:  # copies and tensors checked over every rank (each engine holds its own copy)
+            synced = all_gather((len(rep.copied), rep.bytes_copied, fields["weight_fingerprint_tensors"]), lay)
+            row.update(sync_tensors_copied=sum(c for c, _, _ in synced), sync_bytes=sum(b for _, b, _ in synced))
+            fields = {**fields, "weight_fingerprint_tensors": sum(t for _, _, t in synced)}
+        else:
+            row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
+        row.update(fields)
         return StepResult(row=row)
-

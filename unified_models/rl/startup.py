@@ -9,6 +9,7 @@ from pathlib import Path
 from ..dsl import PromptError, UnifiedModelsError
 from ..run_options import resolve_device, tokenizer_dir_for
 from .data import load_prompt_rows
+from .distributed import RLLayout, check_layout_for_spec
 from .options import AUTO, RLOptions, run_identity
 from .rewards import build_reward, check_references, reward_info
 from .run import RLRun
@@ -16,14 +17,16 @@ from .run import RLRun
 __all__ = ["load_run", "start_engines", "save_checkpoint"]
 
 
-def load_run(opts: RLOptions) -> RLRun:
+def load_run(opts: RLOptions, layout=None) -> RLRun:
     """Read and validate the checkpoint (``--model`` or the preset) and the prompts, once.
 
-    ``opts`` must be resolved (:func:`.options.resolve_options`). No engine starts here.
+    ``opts`` must be resolved (:func:`.options.resolve_options`); ``layout`` is the run's
+    :class:`.distributed.RLLayout` (default: one process). No engine starts here.
 
     Raises:
         UnifiedModelsError: the checkpoint, a flag that needs the model (``--max-new-tokens``,
-            ``--target-token-id``, ``--num-prompts-per-step``) or the prompts are refused.
+            ``--target-token-id``, ``--num-prompts-per-step``, ``--ep`` / ``--rollout-ep``:
+            ``ParallelismError``) or the prompts are refused.
     """
     from ..backends.vllm.settings import check_spec_supported
     from ..converters.hf_safetensors import spec_and_state_dict
@@ -34,6 +37,8 @@ def load_run(opts: RLOptions) -> RLRun:
     model_dir = Path(opts.model) if opts.model else build_preset_checkpoint(opts.preset or DEFAULT_PRESET)
     _, spec, state_dict = spec_and_state_dict(model_dir)
     check_spec_supported(spec)
+    layout = layout or RLLayout()
+    check_layout_for_spec(layout, spec)  # an EP that cannot shard this model's experts, before any engine
     if opts.max_new_tokens >= spec.max_position_embeddings:
         raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
                                  f"max_position_embeddings is {spec.max_position_embeddings}")
@@ -62,7 +67,7 @@ def load_run(opts: RLOptions) -> RLRun:
         tokenizer = load_tokenizer(tok_dir)
     reward = None if (opts.reward == "target-token" and tid == AUTO) else \
         build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
-    return RLRun(opts=opts, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids, rows=rows,
+    return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids, rows=rows,
                  tokenizer=tokenizer, reward=reward, reward_name=opts.reward,
                  target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
 
@@ -80,6 +85,7 @@ def start_engines(run: RLRun, console) -> int:
     """
     from ..backends.megatron import destroy_parallel_state
     from ..backends.megatron.optimizer import OptimizerConfig
+    from ..backends.megatron.parallel import shard_sequences
     from ..backends.megatron.trainer import Trainer, TrainerOptions
     from ..backends.vllm.rollout import RolloutEngine
 
@@ -87,18 +93,24 @@ def start_engines(run: RLRun, console) -> int:
     # Megatron's groups from an earlier run in this process may sit on a process
     # group vLLM's shutdown has destroyed: drop them; vLLM (re)creates the world.
     destroy_parallel_state()
+    lay = run.layout
     longest = max(len(p) for p in run.prompt_ids)
-    s = o.num_prompts_per_step * o.group_size
+    # sequences per engine: the largest block of GRPO groups a rank gets (all of them in one process)
+    s = max(len(shard_sequences(o.num_prompts_per_step, r, lay.world)) for r in range(lay.world)) * o.group_size
+    engine_kwargs = {"gpu_memory_utilization": o.gpu_memory_utilization} if run.device == "cuda" else {}
+    if lay.distributed:  # one engine per process in torchrun's world (vLLM's external launcher data parallel)
+        engine_kwargs.update(data_parallel_size=lay.rollout_dp, enable_expert_parallel=lay.rollout_ep > 1,
+                             distributed_executor_backend="external_launcher")
     # the engine gets the state dict read once in load_run: vLLM does not read the checkpoint again
     run.engine = RolloutEngine(run.spec, run.model_dir, state_dict=run.state_dict, device=run.device, seed=o.seed,
                                max_model_len=longest + o.max_new_tokens, max_num_seqs=s,
-                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest),
-                               **({"gpu_memory_utilization": o.gpu_memory_utilization} if run.device == "cuda" else {}))
+                               max_num_batched_tokens=max(longest + o.max_new_tokens, s * longest), **engine_kwargs)
     # a ModelOpt checkpoint: the trainer trains bf16 masters, quantized on every forward
     run.trainer = Trainer(run.spec, run.state_dict, device=run.device,
                           options=TrainerOptions(optimizer=OptimizerConfig(lr=o.lr, clip_grad=o.clip_grad),
                                                  reference_model=o.kl_coef > 0,  # frozen copy of the initial weights
-                                                 micro_batch_tokens=o.micro_batch_tokens))
+                                                 micro_batch_tokens=o.micro_batch_tokens,
+                                                 expert_model_parallel_size=lay.trainer_ep))
     run.spec = run.trainer.spec
     run.state_dict = None
     start = 0
