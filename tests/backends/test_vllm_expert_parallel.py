@@ -64,6 +64,7 @@ def test_vllm_dp2_rollout_bitwise_equals_single_process(hybrid, reference, ep):
     for r in ranks:
         assert r["ep"] == ep
         assert r["settings"] == {"data_parallel_size": 2, "expert_parallel_size": ep, "cuda_graphs": False}
+        assert r["contract_fingerprint"] == reference["contract_fingerprint"]  # the same contract at every layout
         for tag in ("before", "after"):
             for i, got in r[tag].items():
                 want = reference[tag][i]

@@ -58,7 +58,8 @@ def main() -> None:
                  "held_expert_tensors": sum(n in model.params() for g in expert_tensor_groups(spec) for n in g),
                  "foreign_expert_tensors": len(model.foreign_experts),
                  "settings": {k: engine.settings[k] for k in ("data_parallel_size", "expert_parallel_size",
-                                                             "cuda_graphs")}}
+                                                             "cuda_graphs")},
+                 "contract_fingerprint": engine.contract_fingerprint().engine_digest}
 
     def run(tag: str) -> None:
         t = time.time()
