@@ -8,7 +8,7 @@ exporter and the engines' loaders. Each family checks its own tensors
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
@@ -17,10 +17,14 @@ from ..layers import family_of
 from ..layers.weight_formats import weight_problems
 
 
-def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str) -> None:
+def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, source: str,
+                       absent: Collection[str] = ()) -> None:
     """Check every quantized tensor of ``state`` against ``spec``: each linear's stored format
     (NVFP4 experts, FP8 Mamba projections; :func:`~unified_models.layers.weight_formats.weight_problems`)
     and the families' other quantization tensors (FP8 KV scales).
+
+    ``absent``: tensor names this process does not hold (routed experts other expert-parallel
+    ranks hold); linears whose ``weight`` is among them are not checked.
 
     Raises:
         CheckpointError: one message listing every bad tensor, each named: missing, zero,
@@ -30,6 +34,8 @@ def validate_quantized(state: Mapping[str, torch.Tensor], spec: ModelSpec, *, so
     problems: list[str] = []
     shapes = None
     for name, _ in spec.weight_formats:
+        if f"{name}.weight" in absent:
+            continue
         if shapes is None:
             shapes = spec.replace(weight_formats=()).parameter_shapes()
         problems += weight_problems(spec, name, state, shapes[f"{name}.weight"])

@@ -46,6 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ...dsl import CheckpointError, ModelSpec, SpecError
 from ...layers import family_of, megatron_fields, residual_policy
 from ...layers.expert_parallel import ShardPlan
+from ...layers.expert_shards import local_expert_stacks
 from ...forward import forward_hidden, forward_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch
@@ -178,42 +179,7 @@ def _allocate(spec: ModelSpec, device: torch.device, plan: ShardPlan):
         yield name, t, name in experts
 
 
-def _local_expert_stacks(spec: ModelSpec, params: dict[str, torch.Tensor], plan: ShardPlan) -> dict[str, Any]:
-    """The MoE layers' ready-made expert weights over this rank's experts only
-    (``layers.moe.expert_stack_key`` -> ``(weight, kind)``, which :func:`layers.moe.expert_weights`
-    takes instead of stacking all ``E``): ``[E / EP, ...]`` views of the local buffer, or with
-    gradients a ``torch.stack`` guarded by the experts' weight-version stamps (as
-    ``expert_weights`` does at EP = 1)."""
-    from ...layers.moe import _as_stack, expert_stack_key
-    from ...layers.weight_formats import grouped_weight, linear_fields
-
-    out: dict[str, Any] = {}
-    for mixer, linears in expert_groups(spec):
-        mine = [linears[j] for j in plan.local_experts(len(linears))]
-        proj = linears[0].rsplit(".", 1)[1]
-        if mixer.expert_linear(0, proj) != linears[0]:
-            raise SpecError(f"{linears[0]}: expert parallelism needs expert linears named "
-                            f"<mixer>.experts.<e>.<proj> (expert_linear(0, {proj!r}) = {mixer.expert_linear(0, proj)})")
-        stacks: dict[str, torch.Tensor] = {}
-        for field in linear_fields(spec.weight_format(linears[0])):
-            ts = [params[f"{n}.{field}"] for n in mine]
-            if field == "weight" and torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-                from ...ops.grad.weights import check_stamps, stamp
-
-                stamps = stamp(**{f"expert {n} weight": t for n, t in zip(mine, ts)})
-                stack = torch.stack(ts)
-
-                def guard(g, stamps=stamps):
-                    check_stamps("moe_experts", stamps)
-                    return g
-
-                stack.register_hook(guard)
-            else:
-                stack = _as_stack(ts)
-                stack = stack if stack is not None else torch.stack(ts)
-            stacks[field] = stack
-        out[expert_stack_key(mixer, proj)] = grouped_weight(spec, stacks, mine)
-    return out
+_local_expert_stacks = local_expert_stacks  # engine-neutral: layers.expert_shards (the vLLM model uses it too)
 
 
 def _default_device(config: TransformerConfig) -> torch.device:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...dsl import ParallelismError
+from ...layers.expert_shards import check_expert_layout, expert_groups  # noqa: F401 - re-exported
 
 _CREATED_PROCESS_GROUP = False
 
@@ -60,37 +61,6 @@ def check_parallel_sizes(*, tensor_model_parallel_size: int = 1, pipeline_model_
         raise ParallelismError(
             f"{where}: context_parallel_size={context_parallel_size} is not supported yet (the trainer "
             "forward does not exchange K/V over a CP group); use CP=1.")
-
-
-def check_expert_layout(spec, expert_model_parallel_size: int, *, where: str = "parallel layout") -> None:
-    """Refuse an expert-parallel size that cannot shard ``spec``'s routed experts (Megatron's contiguous blocks).
-
-    Raises:
-        ParallelismError: EP > 1 for a model without routed experts, or EP not dividing a MoE
-            layer's routed-expert count (the layer is named).
-    """
-    ep = expert_model_parallel_size
-    if ep == 1:
-        return
-    groups = expert_groups(spec)
-    if not groups:
-        raise ParallelismError(f"{where}: expert_model_parallel_size={ep} but the {spec.family} model has no routed "
-                               "experts to shard; use EP=1")
-    for mixer, linears in groups:
-        if len(linears) % ep:
-            raise ParallelismError(
-                f"{where}: expert_model_parallel_size={ep} does not divide the {len(linears)} routed experts of "
-                f"{mixer.name} (each EP rank holds a contiguous block of E/EP experts); use an EP that divides "
-                f"{len(linears)}")
-
-
-def expert_groups(spec) -> list[tuple[object, tuple[str, ...]]]:
-    """``(mixer spec, linear names)`` of every stacked group of routed experts (one per MoE layer and
-    projection, expert 0 first: :attr:`unified_models.layers.LayerFamily.stacked_parameters`)."""
-    from ...layers import family_of
-
-    return [(sub.mixer, tuple(linears)) for sub in spec.sublayers
-            for linears in family_of(sub.mixer, sub.index).stacked_parameters(sub.mixer)]
 
 
 def shard_sequences(num_sequences: int, rank: int, world_size: int) -> range:

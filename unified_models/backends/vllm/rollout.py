@@ -107,12 +107,18 @@ class RolloutEngine:
             default; :func:`token_budget` fits every prompt in one step).
         enable_chunked_prefill, enable_prefix_caching, cuda_graphs: passed to
             :func:`.engine.make_llm` (``None``: its defaults).
+        data_parallel_size, enable_expert_parallel: rollout data / expert parallelism (vLLM's
+            names; :func:`.engine.make_llm`): with ``data_parallel_size`` > 1 build one engine in
+            every process of ``torchrun --nproc-per-node data_parallel_size``; each generates its
+            own prompts, and every rank must call :meth:`generate` (and :meth:`sync_weights`, which
+            then takes a full or this rank's-experts-only state dict) the same number of times.
         **engine_kwargs: further :func:`.engine.make_llm` arguments (block size, memory
             shares, ...). Prompts are token ids and nothing is detokenized, so the engine
             starts without a tokenizer and with ``max_logprobs=0`` unless these say otherwise.
 
     Raises:
         SpecError: the model cannot be served (no attention layer; CUDA graphs asked where unsupported).
+        ParallelismError: a refused data / expert-parallel layout (:func:`.settings.data_parallel_settings`).
         CheckpointError: a bad checkpoint or ``state_dict``.
         ValueError: see :func:`.engine.make_llm`.
     """
@@ -120,7 +126,8 @@ class RolloutEngine:
     def __init__(self, spec, model_dir: str | os.PathLike, *, state_dict: Mapping[str, torch.Tensor] | None = None,
                  device: str = "cpu", seed: int = 0, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool | None = None,
-                 enable_prefix_caching: bool | None = None, cuda_graphs: bool | None = None, **engine_kwargs: Any):
+                 enable_prefix_caching: bool | None = None, cuda_graphs: bool | None = None,
+                 data_parallel_size: int = 1, enable_expert_parallel: bool = False, **engine_kwargs: Any):
         from .engine import load_weights_inplace, make_llm, shutdown_llm
         from .live import cuda_graphs_ran, engine_settings
         from .settings import check_spec_supported
@@ -139,13 +146,17 @@ class RolloutEngine:
         self.llm = make_llm(self.model_dir, spec=spec, seed=seed, max_model_len=max_model_len, gpu=(device == "cuda"),
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             enable_chunked_prefill=enable_chunked_prefill,
-                            enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs, **kwargs)
+                            enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+                            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                            **kwargs)
         try:
             if state_dict is not None:
                 load_weights_inplace(self.llm, state_dict)  # validates, copies, resets the prefix cache
             settings = {k: str(v) if not isinstance(v, (bool, int, float, type(None))) else v
                         for k, v in engine_settings(self.llm).items()}
             settings["cuda_graphs"] = cuda_graphs_ran(self.llm)
+            settings["data_parallel_size"] = int(data_parallel_size)
+            settings["expert_parallel_size"] = int(data_parallel_size) if enable_expert_parallel else 1
             self.settings: dict = settings
             """What the engine runs with (``live.engine_settings``) plus ``cuda_graphs``."""
         except BaseException:

