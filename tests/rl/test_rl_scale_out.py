@@ -52,6 +52,15 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
         assert r["importance_ratio_max"] == 1.0 and r["importance_ratio_min"] == 1.0
         assert r["layout"] == {"world": 2, "trainer_ep": 2, "trainer_dp": 2, "rollout_dp": 2, "rollout_ep": 1}
 
+    # the rollout at EP = 2 too (each engine its block of experts, vLLM's EP group): the same trajectory
+    _rl(model, tmp_path, "--steps", "3", "--ep", "2", "--rollout-ep", "2", "--metrics", str(tmp_path / "rep2.jsonl"),
+        procs=2)
+    rep2 = read_metrics(tmp_path / "rep2.jsonl")
+    assert [r["rollout_sha256"] for r in rep2] == [r["rollout_sha256"] for r in rows[:3]]
+    assert all(all(r[f] == 0 for f in DIFF_FIELDS) and r["layout"]["rollout_ep"] == 2 for r in rep2)
+    # each engine fingerprinted only what it holds: fewer tensors than two full copies
+    assert rep2[0]["weight_fingerprint_tensors"] < rows[0]["weight_fingerprint_tensors"]
+
     _rl(model, tmp_path, "--steps", "1", "--metrics", str(tmp_path / "one.jsonl"))
     one = read_metrics(tmp_path / "one.jsonl")
     assert one[0]["rollout_sha256"] == rows[0]["rollout_sha256"]  # same tokens and logprob bits at any layout
@@ -68,6 +77,20 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
     assert r1[-1]["step"] == r2[-1]["step"] == 6
     assert r1[-1]["rollout_sha256"] == r2[-1]["rollout_sha256"]
     assert all(r1[-1][f] == 0 and r2[-1][f] == 0 for f in DIFF_FIELDS)
+
+
+@pytest.mark.slow
+def test_rl_deepseek_v4_rollout_ep2_trainer_ep2_diff_zero(tmp_path):
+    """DeepSeek-V4's SwiGLU experts (the routing weight applied before the down projection travels with
+    its row) through both engines' all-to-alls."""
+    from unified_models.presets import build_preset_checkpoint
+
+    model = build_preset_checkpoint("deepseek_v4_tiny", out_dir=tmp_path / "dsv4")
+    _rl(model, tmp_path, "--steps", "2", "--ep", "2", "--rollout-ep", "2", "--metrics", str(tmp_path / "m.jsonl"),
+        procs=2)
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(all(r[f] == 0 for f in DIFF_FIELDS) and r["tokens_compared"] == 64 for r in rows)
 
 
 @pytest.mark.parametrize("world, kw, message", [

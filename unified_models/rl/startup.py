@@ -99,8 +99,7 @@ def start_engines(run: RLRun, console) -> int:
     s = max(len(shard_sequences(o.num_prompts_per_step, r, lay.world)) for r in range(lay.world)) * o.group_size
     engine_kwargs = {"gpu_memory_utilization": o.gpu_memory_utilization} if run.device == "cuda" else {}
     if lay.distributed:  # one engine per process in torchrun's world (vLLM's external launcher data parallel)
-        engine_kwargs.update(data_parallel_size=lay.rollout_dp, enable_expert_parallel=lay.rollout_ep > 1,
-                             distributed_executor_backend="external_launcher")
+        engine_kwargs.update(data_parallel_size=lay.rollout_dp, enable_expert_parallel=lay.rollout_ep > 1)
     # the engine gets the state dict read once in load_run: vLLM does not read the checkpoint again
     run.engine = RolloutEngine(run.spec, run.model_dir, state_dict=run.state_dict, device=run.device, seed=o.seed,
                                max_model_len=longest + o.max_new_tokens, max_num_seqs=s,
