@@ -80,17 +80,20 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
 
 
 @pytest.mark.slow
-def test_rl_deepseek_v4_rollout_ep2_trainer_ep2_diff_zero(tmp_path):
+@pytest.mark.parametrize("rollout_ep", [1, 2])
+def test_rl_deepseek_v4_trainer_ep2_diff_zero(tmp_path, rollout_ep):
     """DeepSeek-V4's SwiGLU experts (the routing weight applied before the down projection travels with
-    its row) through both engines' all-to-alls."""
+    its row) through the trainer's all-to-alls, and at rollout EP = 2 through vLLM's too."""
     from unified_models.presets import build_preset_checkpoint
 
     model = build_preset_checkpoint("deepseek_v4_tiny", out_dir=tmp_path / "dsv4")
-    _rl(model, tmp_path, "--steps", "2", "--ep", "2", "--rollout-ep", "2", "--metrics", str(tmp_path / "m.jsonl"),
-        procs=2)
+    _rl(model, tmp_path, "--steps", "2", "--ep", "2", "--rollout-ep", str(rollout_ep),
+        "--metrics", str(tmp_path / "m.jsonl"), procs=2)
     rows = read_metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(all(r[f] == 0 for f in DIFF_FIELDS) and r["tokens_compared"] == 64 for r in rows)
+    assert all(all(r[f] == 0 for f in DIFF_FIELDS) for r in rows)
+    assert all(r["tokens_compared"] == r["full_vocab_rows"] == 64 for r in rows)
+    assert rows[0]["layout"]["rollout_ep"] == rollout_ep
 
 
 @pytest.mark.parametrize("world, kw, message", [
