@@ -184,6 +184,9 @@ def _add_rl_parser(sub) -> None:
                         "the trainer in the same process needs the rest for its weights, fp32 main weights, "
                         "Adam moments and activations; GPU only)")
     par = r.add_argument_group("scale-out (under torchrun --nproc-per-node N; docs/scale-out.md)")
+    par.add_argument("--tp", type=_positive(int), default=1,
+                     help="tensor parallel size: 1 only (a TP all-reduce sums across GPUs in an order the other "
+                          "engine does not share; docs/scale-out.md)")
     par.add_argument("--ep", type=_positive(int), default=1,
                      help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
                           "expert count; default 1)")

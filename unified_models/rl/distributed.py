@@ -77,7 +77,7 @@ class RLLayout:
 
 
 def launch_layout(*, ep: int, dp: int | None, rollout_dp: int | None, rollout_ep: int, num_prompts_per_step: int,
-                  use_rollout_logprobs: bool, kl_coef: float) -> RLLayout:
+                  use_rollout_logprobs: bool, kl_coef: float, tp: int = 1) -> RLLayout:
     """The run's layout from ``torchrun``'s environment and the flags; every refusal that needs no model.
 
     Args:
@@ -85,13 +85,18 @@ def launch_layout(*, ep: int, dp: int | None, rollout_dp: int | None, rollout_ep
             (``None``: the number of processes).
         num_prompts_per_step: P (each rank needs at least one GRPO group).
         use_rollout_logprobs, kl_coef: options refused under more than one process.
+        tp: ``--tp``, tensor parallel size of both sides: 1 only (DESIGN.md rule 7).
 
     Raises:
-        ParallelismError: naming the flag: a size > 1 without as many processes under torchrun, a
+        ParallelismError: naming the flag: ``--tp`` > 1 (its all-reduce sums partial products across
+            GPUs; ``docs/scale-out.md`` says what a bitwise TP would need), a size > 1 without as many processes under torchrun, a
             ``--dp`` / ``--rollout-dp`` other than the number of processes, an ``--ep`` that does not
             divide it, a ``--rollout-ep`` other than 1 or ``--rollout-dp``, more processes than
             prompts per step, ``--use-rollout-logprobs`` or ``--kl-coef`` > 0 with ``--ep`` > 1.
     """
+    from ..backends.megatron.parallel import check_parallel_sizes
+
+    check_parallel_sizes(tensor_model_parallel_size=tp, where=f"rl --tp {tp}")
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     dp = world if dp is None else dp
     rollout_dp = world if rollout_dp is None else rollout_dp

@@ -100,7 +100,7 @@ def run_rl(opts: RLOptions) -> int:
     validate_options(opts)
     layout = launch_layout(ep=opts.ep, dp=opts.dp, rollout_dp=opts.rollout_dp, rollout_ep=opts.rollout_ep,
                            num_prompts_per_step=opts.num_prompts_per_step,
-                           use_rollout_logprobs=opts.use_rollout_logprobs, kl_coef=opts.kl_coef)
+                           use_rollout_logprobs=opts.use_rollout_logprobs, kl_coef=opts.kl_coef, tp=opts.tp)
     lead = layout.rank == 0  # under torchrun rank 0 prints and writes; every rank runs every step
     console, out = Console(stderr=True, quiet=not lead), Console(quiet=not lead)
     wall0 = time.perf_counter()

@@ -51,6 +51,7 @@ class RLOptions:
     full_vocab_rows: int = 256
     micro_batch_tokens: int | None = None
     gpu_memory_utilization: float = 0.3
+    tp: int = 1
     ep: int = 1
     dp: int | None = None
     rollout_dp: int | None = None
