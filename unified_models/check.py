@@ -15,6 +15,10 @@ Steps (each shown with progress):
    else the check is refused naming the differing component (exit 2);
 6. report: table + JSON; exit 0 only if every diff field is exactly 0 and the
    peer is within tolerance.
+
+Under ``torchrun`` (``docs/scale-out.md``): ``--ep`` / ``--dp`` split the recompute over the
+processes; ``--rollout-dp N`` / ``--rollout-ep`` run one vLLM engine per process as well
+(:func:`_rollout_data_parallel`); rank 0 writes the one merged report.
 """
 
 from __future__ import annotations
@@ -368,13 +372,14 @@ def _rollout_data_parallel(opts: CheckOptions, spec, model_dir: Path, state_dict
     Whole rows: every rank records its rows, the ranks exchange their keys (global prompt index,
     position), and every rank selects from the global key list with the single-process rule
     (``--full-vocab-rows`` keys spread evenly over all sampled positions in prompt order,
-    :func:`~.backends.vllm.rollout.select_full_row_keys`): the same rows as one process. Everything
-    (completions, logprobs, selected rows, fingerprints) is all-gathered while the engine's world is
-    alive; then the engine is closed.
+    :func:`~.backends.vllm.rollout.select_full_row_keys`): the same rows as one process. While the
+    engine's world is alive, completions, logprobs and engine settings are all-gathered
+    (``all_gather_object``) and the selected rows gathered to rank 0 (``gather_object``: only rank 0
+    compares them, and a row is ``V`` fp32 values); then the engine is closed.
 
     Returns:
-        ``(RolloutResult merged over the ranks, this rank's engine fingerprint)``, the same
-        ``RolloutResult`` on every rank (``engine``: rank 0's settings).
+        ``(RolloutResult merged over the ranks, this rank's engine fingerprint)``: the same completions,
+        logprobs and row keys on every rank (``engine``: rank 0's settings); the rows on rank 0 only.
     """
     import torch.distributed as dist
 
@@ -398,13 +403,19 @@ def _rollout_data_parallel(opts: CheckOptions, spec, model_dir: Path, state_dict
         keys_of: list = [None] * world
         dist.all_gather_object(keys_of, [(s + mine.start, p) for s, p in ro.full_row_keys])
         keys = select_full_row_keys([k for ks in keys_of for k in ks], opts.full_vocab_rows)
-        rows = {k: ro.full_rows[(k[0] - mine.start, k[1])] for k in keys if k[0] in mine}
         parts: list = [None] * world
-        dist.all_gather_object(parts, (ro.completions, ro.logprobs, rows, ro.engine))
-    full_rows = {k: v for _, _, r, _ in parts for k, v in r.items()}
-    merged = RolloutResult(completions=[c for cs, _, _, _ in parts for c in cs],
-                           logprobs=[lp for _, lps, _, _ in parts for lp in lps],
-                           full_rows={k: full_rows[k] for k in keys}, full_row_keys=keys, engine=parts[0][3])
+        dist.all_gather_object(parts, (ro.completions, ro.logprobs, ro.engine))
+        # the whole rows only to rank 0, which compares them; cloned: a recorded row is a view of its
+        # step's [requests, V] host tensor, and pickling a view sends the whole storage
+        rows = {k: ro.full_rows[(k[0] - mine.start, k[1])].clone() for k in keys if k[0] in mine}
+        del ro
+        rows_of: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(rows, rows_of, dst=0)
+    full_rows = {k: v for r in rows_of for k, v in r.items()} if rank == 0 else {}
+    merged = RolloutResult(completions=[c for cs, _, _ in parts for c in cs],
+                           logprobs=[lp for _, lps, _ in parts for lp in lps],
+                           full_rows={k: full_rows[k] for k in keys} if rank == 0 else {}, full_row_keys=keys,
+                           engine=parts[0][2])
     return merged, own_fp
 
 
