@@ -329,7 +329,10 @@ def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, r
                               full_rows_for=[(s - mine.start, p) for s, p in keys if s in mine])
         experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in trainer.model.named_parameters()
                           if ".experts." in n})
-    part = (list(mine), tr.logprobs, {(s + mine.start, p): v for (s, p), v in tr.full_rows.items()},
+    # cloned: the trainer's rows and logprobs are views of their micro-batch's [T, V] / [T] tensors, and
+    # pickling a view sends its whole storage (a row of 16 x 128 tokens would carry ~1000 rows)
+    part = (list(mine), [lp.clone() for lp in tr.logprobs],
+            {(s + mine.start, p): v.clone() for (s, p), v in tr.full_rows.items()},
             [experts[0], experts[-1]] if experts else [])
     parts = [None] * world if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
