@@ -15,6 +15,10 @@ Steps (each shown with progress):
    else the check is refused naming the differing component (exit 2);
 6. report: table + JSON; exit 0 only if every diff field is exactly 0 and the
    peer is within tolerance.
+
+Under ``torchrun`` (``docs/scale-out.md``): ``--ep`` / ``--dp`` split the recompute over the
+processes; ``--rollout-dp N`` / ``--rollout-ep`` run one vLLM engine per process as well
+(:func:`_rollout_data_parallel`); rank 0 writes the one merged report.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class CheckOptions:
     full_vocab_rows: int = -1
     cuda_graphs: bool | None = None
     ep: int = 1
+    dp: int | None = None
+    rollout_dp: int | None = None
+    rollout_ep: int = 1
     json_out: str | None = None
 
 
@@ -232,25 +239,47 @@ def quiet_engines() -> None:
 
 
 def _launch_layout(opts: CheckOptions) -> tuple[int, int]:
-    """``(rank, world size)`` from ``torchrun``'s environment; refuses a trainer layout it cannot run
-    before any work.
+    """``(rank, world size)`` from ``torchrun``'s environment; refuses a layout it cannot run before any
+    work (the rules and messages of ``rl``'s :func:`~.rl.distributed.launch_layout`).
 
     Raises:
-        ParallelismError: ``--ep`` > 1 without as many processes, a world size ``--ep`` does not
-            divide, or more processes than prompts (a rank would recompute nothing).
+        ParallelismError: a size < 1; ``--ep`` > 1 without as many processes, a world size ``--ep`` does
+            not divide; ``--dp`` other than the number of processes; ``--rollout-dp`` other than 1 (the
+            default: rank 0 rolls out alone) or the number of processes; ``--rollout-ep`` other than 1
+            or ``--rollout-dp``; more processes than prompts (a rank would recompute nothing).
     """
     from .dsl import ParallelismError
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if opts.ep < 1:
-        raise ParallelismError(f"--ep {opts.ep} must be >= 1")
+    hint = "run under torchrun --nproc-per-node N" if world == 1 else f"this job has {world} processes"
+    for flag, v in (("--ep", opts.ep), ("--dp", opts.dp), ("--rollout-dp", opts.rollout_dp),
+                    ("--rollout-ep", opts.rollout_ep)):
+        if v is not None and v < 1:
+            raise ParallelismError(f"check {flag} {v} must be >= 1")
     if world % opts.ep:
         raise ParallelismError(f"check --ep {opts.ep}: {world} process(es) do not split into EP groups of {opts.ep}; "
                                f"run under torchrun --nproc-per-node {opts.ep} (or a multiple)")
+    if opts.dp is not None and opts.dp != world:
+        raise ParallelismError(f"check --dp {opts.dp}: the trainer's data-parallel size is the number of processes "
+                               f"at TP = PP = CP = 1 ({hint}); pass --dp {world} or leave it out")
+    rollout_dp = _rollout_dp(opts)
+    if rollout_dp not in (1, world):
+        raise ParallelismError(f"check --rollout-dp {rollout_dp}: one vLLM engine runs in every process (vLLM's "
+                               f"external_launcher data parallel), so --rollout-dp is the number of processes "
+                               f"({hint}); pass --rollout-dp {world}, or leave it out (rank 0 rolls out alone)")
+    if opts.rollout_ep not in (1, rollout_dp):
+        raise ParallelismError(f"check --rollout-ep {opts.rollout_ep}: vLLM shards experts over all of its "
+                               f"data-parallel ranks or none; use --rollout-ep 1 or --rollout-ep {rollout_dp}"
+                               + ("" if rollout_dp > 1 else " (with --rollout-dp N, N the number of processes)"))
     if world > opts.num_prompts:
         raise ParallelismError(f"check: {world} processes for {opts.num_prompts} prompts: every rank needs at least one "
                                "sequence; use more --num-prompts or fewer processes")
     return rank, world
+
+
+def _rollout_dp(opts: CheckOptions) -> int:
+    """vLLM's data-parallel size: ``--rollout-dp``, default 1 (one engine, on rank 0)."""
+    return 1 if opts.rollout_dp is None else opts.rollout_dp
 
 
 class _OutsideTorchrunStore:
@@ -268,12 +297,14 @@ class _OutsideTorchrunStore:
             os.environ[self.KEY] = self.saved
 
 
-def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, rollout) -> tuple | None:
+def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, rollout, *,
+                            own_rollout_fp=None) -> tuple | None:
     """The trainer at ``--ep`` over every process of the ``torchrun`` job: rank 0 broadcasts the rollout
-    (prompt ids, completions, whole-row keys, temperature, the engine's fingerprint); each rank
+    (prompt ids, completions, whole-row keys, the engine's fingerprint); each rank
     recomputes its block of sequences (:func:`~.backends.megatron.parallel.shard_sequences`) with its
-    experts; rank 0 gathers. Returns ``(RecomputeResult, trainer fingerprint, layout)`` on rank 0,
-    None elsewhere."""
+    experts; rank 0 gathers. ``own_rollout_fp``: this rank's own engine's fingerprint (``--rollout-dp``:
+    every rank had an engine), compared with its trainer's instead of rank 0's. Returns
+    ``(RecomputeResult, trainer fingerprint, layout)`` on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     from .backends.megatron.parallel import ensure_process_group, shard_sequences
@@ -281,7 +312,9 @@ def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, r
     from .backends.megatron.trainer import Trainer, TrainerOptions
     from .consistency.fingerprint import compare
 
-    ensure_process_group()  # env:// from torchrun (rank 0: after vLLM tore down its own world)
+    # env:// from torchrun (rank 0: after vLLM tore down its own world); at rollout DP > 1 every rank's
+    # engine held torchrun's world and tore it down: the new world's keys go under their own prefix
+    ensure_process_group(store_prefix="unified-models-check-trainer/" if _rollout_dp(opts) > 1 else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     box = [rollout]
     dist.broadcast_object_list(box, src=0)
@@ -290,13 +323,16 @@ def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, r
     with Trainer(spec, state_dict, device=device,
                  options=TrainerOptions(expert_model_parallel_size=opts.ep)) as trainer:
         trainer_fp = trainer.contract_fingerprint()
-        compare(rollout_fp, trainer_fp)  # every rank: refused before any recompute
+        compare(own_rollout_fp or rollout_fp, trainer_fp)  # every rank: refused before any recompute
         tr = trainer.logprobs([prompt_ids[i] for i in mine], [completions[i] for i in mine],
                               temperature=opts.temperature,
                               full_rows_for=[(s - mine.start, p) for s, p in keys if s in mine])
         experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for n, _ in trainer.model.named_parameters()
                           if ".experts." in n})
-    part = (list(mine), tr.logprobs, {(s + mine.start, p): v for (s, p), v in tr.full_rows.items()},
+    # cloned: the trainer's rows and logprobs are views of their micro-batch's [T, V] / [T] tensors, and
+    # pickling a view sends its whole storage (a row of 16 x 128 tokens would carry ~1000 rows)
+    part = (list(mine), [lp.clone() for lp in tr.logprobs],
+            {(s + mine.start, p): v.clone() for (s, p), v in tr.full_rows.items()},
             [experts[0], experts[-1]] if experts else [])
     parts = [None] * world if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
@@ -310,9 +346,80 @@ def _trainer_under_torchrun(opts: CheckOptions, spec, state_dict, device: str, r
         for s, lp in zip(seqs, lps):
             logprobs[s] = lp
         full.update(rows)
-    layout = {"processes": world, "trainer_ep": opts.ep, "rollout_ep": 1,
-              "ranks": [{"rank": r, "sequences": [p[0][0], p[0][-1]], "experts": p[3]} for r, p in enumerate(parts)]}
+    rollout_dp = _rollout_dp(opts)
+    layout = {"processes": world, "trainer_ep": opts.ep, "trainer_dp": world, "rollout_dp": rollout_dp,
+              "rollout_ep": opts.rollout_ep,
+              "ranks": [{"rank": r, "sequences": [p[0][0], p[0][-1]], "experts": p[3],
+                         "rollout_prompts": _rollout_prompts(len(prompt_ids), r, world, rollout_dp)}
+                        for r, p in enumerate(parts)]}
     return RecomputeResult(logprobs=logprobs, full_rows=full), trainer_fp, layout
+
+
+def _rollout_prompts(num_prompts: int, rank: int, world: int, rollout_dp: int) -> list[int]:
+    """``[first, last]`` prompt rank ``rank`` rolled out (``[]``: none; at rollout DP = 1 rank 0 all)."""
+    if rollout_dp == 1:
+        return [0, num_prompts - 1] if rank == 0 else []
+    from .backends.megatron.parallel import shard_sequences
+
+    mine = shard_sequences(num_prompts, rank, world)
+    return [mine[0], mine[-1]]
+
+
+def _rollout_data_parallel(opts: CheckOptions, spec, model_dir: Path, state_dict, device: str,
+                           prompt_ids: list[list[int]]):
+    """``--rollout-dp N``: one vLLM engine per process (vLLM data parallel, ``external_launcher``, over
+    torchrun's world; experts sharded over it at ``--rollout-ep N``). Each rank samples its contiguous
+    block of prompts (:func:`~.backends.megatron.parallel.shard_sequences`) with the request seeds of
+    their *global* indices (``seed + i``), so tokens and logprob bits are the single-process run's.
+
+    Whole rows: every rank records its rows, the ranks exchange their keys (global prompt index,
+    position), and every rank selects from the global key list with the single-process rule
+    (``--full-vocab-rows`` keys spread evenly over all sampled positions in prompt order,
+    :func:`~.backends.vllm.rollout.select_full_row_keys`): the same rows as one process. While the
+    engine's world is alive, completions, logprobs and engine settings are all-gathered
+    (``all_gather_object``) and the selected rows gathered to rank 0 (``gather_object``: only rank 0
+    compares them, and a row is ``V`` fp32 values); then the engine is closed.
+
+    Returns:
+        ``(RolloutResult merged over the ranks, this rank's engine fingerprint)``: the same completions,
+        logprobs and row keys on every rank (``engine``: rank 0's settings); the rows on rank 0 only.
+    """
+    import torch.distributed as dist
+
+    from .backends.megatron.parallel import shard_sequences
+    from .backends.vllm.rollout import RolloutEngine, RolloutResult, select_full_row_keys, token_budget
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    mine = shard_sequences(len(prompt_ids), rank, world)
+    # the engine's limits are the single-process run's (whole prompt list): scheduling only, no bit depends on them
+    with RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
+                       max_model_len=max(map(len, prompt_ids)) + opts.max_new_tokens,
+                       max_num_seqs=opts.max_num_seqs or len(prompt_ids),
+                       max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
+                       cuda_graphs=opts.cuda_graphs, data_parallel_size=world,
+                       enable_expert_parallel=opts.rollout_ep > 1) as engine:
+        own_fp = engine.contract_fingerprint()
+        ro = engine.generate([prompt_ids[i] for i in mine], max_new_tokens=opts.max_new_tokens,
+                             seeds=[opts.seed + i for i in mine], temperature=opts.temperature,
+                             stop_at_eos=opts.stop_at_eos, full_vocab_rows=-1 if opts.full_vocab_rows else 0)
+        # the default group is torchrun's world while the engine lives (external launcher)
+        keys_of: list = [None] * world
+        dist.all_gather_object(keys_of, [(s + mine.start, p) for s, p in ro.full_row_keys])
+        keys = select_full_row_keys([k for ks in keys_of for k in ks], opts.full_vocab_rows)
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (ro.completions, ro.logprobs, ro.engine))
+        # the whole rows only to rank 0, which compares them; cloned: a recorded row is a view of its
+        # step's [requests, V] host tensor, and pickling a view sends the whole storage
+        rows = {k: ro.full_rows[(k[0] - mine.start, k[1])].clone() for k in keys if k[0] in mine}
+        del ro
+        rows_of: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(rows, rows_of, dst=0)
+    full_rows = {k: v for r in rows_of for k, v in r.items()} if rank == 0 else {}
+    merged = RolloutResult(completions=[c for cs, _, _ in parts for c in cs],
+                           logprobs=[lp for _, lps, _ in parts for lp in lps],
+                           full_rows={k: full_rows[k] for k in keys} if rank == 0 else {}, full_row_keys=keys,
+                           engine=parts[0][2])
+    return merged, own_fp
 
 
 def run_check(opts: CheckOptions) -> int:
@@ -323,10 +430,17 @@ def run_check(opts: CheckOptions) -> int:
     EP over Megatron's groups on its block of sequences, and rank 0 merges them into the one report
     (its ``layout`` says which rank held which sequences and experts); the other ranks exit 0
     (a failed check fails the job through rank 0).
+
+    With ``--rollout-dp N`` (N the number of processes; ``--rollout-ep`` 1 or N) every rank starts
+    its own engine (vLLM data parallel) and samples its block of prompts
+    (:func:`_rollout_data_parallel`; the tokens and logprob bits, hence ``rollout_sha256``, are the
+    single-process run's), the engines close, the trainer runs as above, and rank 0 runs the peer
+    check last (no rank waits on it) and writes the report.
     """
     quiet_engines()
     rank, world = _launch_layout(opts)
-    console = Console(stderr=True)
+    rollout_dp = _rollout_dp(opts)
+    console = Console(stderr=True, quiet=rank != 0)
     out = Console()
     device = resolve_device(opts.device)
     if opts.seed + opts.num_prompts > 2**32:
@@ -348,17 +462,18 @@ def run_check(opts: CheckOptions) -> int:
 
         # the one read and validation of the checkpoint in this process: every engine below gets these
         hf_config, spec, state_dict = spec_and_state_dict(model_dir)
-    if opts.ep > 1:  # refuse before any engine starts
+    if opts.ep > 1 or opts.rollout_ep > 1:  # refuse before any engine starts
         from .backends.megatron.parallel import check_expert_layout
 
         check_expert_layout(spec, opts.ep, where=f"check --ep {opts.ep}")
-    if rank != 0:  # the trainer's other ranks: the rollout is rank 0's
+        check_expert_layout(spec, opts.rollout_ep, where=f"check --rollout-ep {opts.rollout_ep}")
+    if rank != 0 and rollout_dp == 1:  # the trainer's other ranks: the rollout is rank 0's
         _trainer_under_torchrun(opts, spec, state_dict, device, None)
         return 0
     if opts.cuda_graphs:  # refuse before any work (None/False need no check)
         from .backends.vllm.settings import cuda_graph_settings
 
-        cuda_graph_settings(spec, gpu=device == "cuda", cuda_graphs=True)
+        cuda_graph_settings(spec, gpu=device == "cuda", cuda_graphs=True, expert_parallel_size=opts.rollout_ep)
     if opts.max_new_tokens >= spec.max_position_embeddings:
         raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
                                  f"max_position_embeddings is {spec.max_position_embeddings}")
@@ -378,28 +493,41 @@ def run_check(opts: CheckOptions) -> int:
     timings["load"] = time.perf_counter() - t0
     console.log(f"{len(prompt_ids)} prompts, {sum(map(len, prompt_ids))} prompt tokens")
 
-    t0 = time.perf_counter()
-    with step("peer check against transformers"):
-        peer = peer_check(spec, state_dict, model_dir, prompt_ids[: opts.peer_prompts], opts.peer_tolerance,
-                          hf_config=hf_config)
-    timings["peer"] = time.perf_counter() - t0
-    console.log(f"peer max |logit diff| = {peer['max_abs_logit_diff']:.3g}, {peer['max_rel_logit_diff']:.3g} of the "
-                f"row's max |logit| {peer['logit_scale']:.3g} (tolerance {opts.peer_tolerance:g} relative, "
-                f"{peer['bound']:.3g} there)")
+    def run_peer_check() -> dict:
+        t0 = time.perf_counter()
+        with step("peer check against transformers"):
+            peer = peer_check(spec, state_dict, model_dir, prompt_ids[: opts.peer_prompts], opts.peer_tolerance,
+                              hf_config=hf_config)
+        timings["peer"] = time.perf_counter() - t0
+        console.log(f"peer max |logit diff| = {peer['max_abs_logit_diff']:.3g}, {peer['max_rel_logit_diff']:.3g} of "
+                    f"the row's max |logit| {peer['logit_scale']:.3g} (tolerance {opts.peer_tolerance:g} relative, "
+                    f"{peer['bound']:.3g} there)")
+        return peer
+
+    # at rollout DP > 1 every rank waits in the engines' collectives: the peer check runs last there
+    peer = run_peer_check() if rollout_dp == 1 else None
 
     from .backends.vllm.rollout import RolloutEngine, token_budget
 
     t0 = time.perf_counter()
-    with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
-        with _OutsideTorchrunStore(), RolloutEngine(spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
-                           max_model_len=max(map(len, prompt_ids)) + opts.max_new_tokens,
-                           max_num_seqs=opts.max_num_seqs or len(prompt_ids),
-                           max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
-                           cuda_graphs=opts.cuda_graphs) as engine:
-            rollout_fp = engine.contract_fingerprint()
-            ro = engine.generate(prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                                 temperature=opts.temperature, stop_at_eos=opts.stop_at_eos,
-                                 full_vocab_rows=opts.full_vocab_rows)
+    own_rollout_fp = None
+    if rollout_dp > 1:
+        with step(f"vLLM rollout, DP = {rollout_dp}, EP = {opts.rollout_ep} ({len(prompt_ids)} x "
+                  f"{opts.max_new_tokens} tokens)"):
+            ro, own_rollout_fp = _rollout_data_parallel(opts, spec, model_dir, state_dict, device, prompt_ids)
+            rollout_fp = own_rollout_fp
+    else:
+        with step(f"vLLM rollout ({len(prompt_ids)} x {opts.max_new_tokens} tokens)"):
+            with _OutsideTorchrunStore(), RolloutEngine(
+                    spec, model_dir, state_dict=state_dict, device=device, seed=opts.seed,
+                    max_model_len=max(map(len, prompt_ids)) + opts.max_new_tokens,
+                    max_num_seqs=opts.max_num_seqs or len(prompt_ids),
+                    max_num_batched_tokens=token_budget(prompt_ids, opts.max_new_tokens, device),
+                    cuda_graphs=opts.cuda_graphs) as engine:
+                rollout_fp = engine.contract_fingerprint()
+                ro = engine.generate(prompt_ids, max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+                                     temperature=opts.temperature, stop_at_eos=opts.stop_at_eos,
+                                     full_vocab_rows=opts.full_vocab_rows)
     timings["rollout"] = time.perf_counter() - t0
     n_gen = sum(len(c) for c in ro.completions)
     console.log(f"rollout: {n_gen} tokens in {timings['rollout']:.1f} s")
@@ -411,8 +539,11 @@ def run_check(opts: CheckOptions) -> int:
     with step(f"Megatron recompute ({n_gen} tokens)"):
         # the engine is closed first: its memory is free for the trainer (as in a colocated RL step)
         if world > 1 or opts.ep > 1:
-            tr, trainer_fp, layout = _trainer_under_torchrun(
-                opts, spec, state_dict, device, (prompt_ids, ro.completions, list(ro.full_row_keys), rollout_fp))
+            rollout = (prompt_ids, ro.completions, list(ro.full_row_keys), rollout_fp) if rank == 0 else None
+            res = _trainer_under_torchrun(opts, spec, state_dict, device, rollout, own_rollout_fp=own_rollout_fp)
+            if rank != 0:  # rollout DP > 1: rank 0 writes the report
+                return 0
+            tr, trainer_fp, layout = res
         else:
             with Trainer(spec, state_dict, device=device) as trainer:
                 from .consistency.fingerprint import compare
@@ -423,11 +554,17 @@ def run_check(opts: CheckOptions) -> int:
                                       full_rows_for=ro.full_row_keys)
     timings["trainer"] = time.perf_counter() - t0
     if layout is not None:
+        if rollout_dp > 1:
+            console.log(f"rollout: DP = {rollout_dp}, EP = {opts.rollout_ep}, "
+                        + ", ".join(f"rank {r['rank']}: prompts {r['rollout_prompts'][0]}-{r['rollout_prompts'][1]}"
+                                    for r in layout["ranks"]))
         console.log(f"trainer: EP = {layout['trainer_ep']} over {layout['processes']} processes "
                     + ", ".join(f"rank {r['rank']}: sequences {r['sequences'][0]}-{r['sequences'][1]}, experts "
                                 f"{r['experts'][0]}-{r['experts'][1]}" if r["experts"] else f"rank {r['rank']}"
                                 for r in layout["ranks"]))
 
+    if peer is None:
+        peer = run_peer_check()
     rollout_lp = torch.cat([torch.tensor(x, dtype=torch.float32) for x in ro.logprobs])
     trainer_lp = torch.cat([x.float().cpu() for x in tr.logprobs])
     diff = compare_logprobs(rollout_lp, trainer_lp)

@@ -55,10 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cuda-graphs", type=_on_off, default=None, metavar="{on,off}",
                    help="rollout decode steps in CUDA graphs (default: on for cuda with attention-only models; "
                         "hybrid models and the CPU run eagerly); the report says which ran")
-    c.add_argument("--ep", type=_positive(int), default=1,
-                   help="the trainer's expert-parallel size (Megatron's EP group); > 1 runs under "
-                        "torchrun --nproc-per-node N (N a multiple of EP): the rollout (EP = 1) on rank 0, "
-                        "the recompute's sequences split over the ranks, one merged report")
+    cpar = c.add_argument_group(
+        "scale-out (under torchrun --nproc-per-node N; docs/scale-out.md)",
+        "Under torchrun the recompute's prompts are split over the N ranks (contiguous blocks) and rank 0 "
+        "writes one merged report. By default rank 0 alone rolls out (vLLM at DP = 1); with --rollout-dp N "
+        "every rank runs its own engine on its block of prompts (request seeds by global prompt index: the "
+        "same tokens, logprob bits and rollout sha256 as one process).")
+    cpar.add_argument("--ep", type=_positive(int), default=1,
+                      help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
+                           "expert count; default 1)")
+    cpar.add_argument("--dp", type=_positive(int), default=None,
+                      help="trainer data-parallel size: N at TP = PP = CP = 1 (default N)")
+    cpar.add_argument("--rollout-dp", type=_positive(int), default=None,
+                      help="vLLM data_parallel_size: N (one engine per process, vLLM's external launcher) or 1 "
+                           "(default: one engine, on rank 0)")
+    cpar.add_argument("--rollout-ep", type=_positive(int), default=1,
+                      help="1: every engine holds every expert (default); N (with --rollout-dp N): vLLM expert "
+                           "parallel, each engine its block of experts")
     c.add_argument("--json", dest="json_out", help="write the report as JSON here")
     _add_plugin_flag(c)
 

@@ -79,7 +79,8 @@ def shard_sequences(num_sequences: int, rank: int, world_size: int) -> range:
     return range(rank * num_sequences // world_size, (rank + 1) * num_sequences // world_size)
 
 
-def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 30) -> None:
+def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 30,
+                         store_prefix: str | None = None) -> None:
     """Initialize ``torch.distributed`` if it is not initialized yet.
 
     Under a launcher (``torchrun``: ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
@@ -89,6 +90,11 @@ def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 3
 
     Args:
         backend: ``"gloo"`` / ``"nccl"``; default nccl when CUDA is available, else gloo.
+        store_prefix: under a launcher, the world's keys go under this prefix of the launcher's
+            store. Needed when this process already joined (and left) an ``env://`` world, e.g. a
+            vLLM engine at ``data_parallel_size`` > 1 (external launcher): torch names the new default
+            group as it named the old one, and gloo would read the old world's stale addresses.
+            Every rank must pass the same prefix.
     """
     global _CREATED_PROCESS_GROUP
     if dist.is_initialized():
@@ -99,7 +105,12 @@ def ensure_process_group(backend: str | None = None, *, timeout_minutes: int = 3
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        if store_prefix is None:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        else:
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(store_prefix, store), rank=rank,
+                                    world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     _CREATED_PROCESS_GROUP = True

@@ -57,7 +57,10 @@ def eos_token_ids(model_dir) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _select_keys(keys: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+def select_full_row_keys(keys: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """The whole rows compared: ``limit`` of ``keys`` (every sampled position, in prompt then position
+    order) spread evenly, key ``int(i * len(keys) / limit)`` for ``i < limit``; all of them when
+    ``limit`` is -1 or at least ``len(keys)``, none at 0."""
     if limit < 0 or limit >= len(keys):
         return keys
     if limit == 0:
@@ -276,7 +279,7 @@ class RolloutEngine:
                                            f"row it sampled from holds {float(row[t])!r}")
                     keys.append((i, pos))
                     full_rows[(i, pos)] = row
-        keep = keys if full_row_requests is not None else _select_keys(keys, full_vocab_rows)
+        keep = keys if full_row_requests is not None else select_full_row_keys(keys, full_vocab_rows)
         return RolloutResult(completions=completions, logprobs=logprobs, full_rows={k: full_rows[k] for k in keep},
                              full_row_keys=keep, engine=dict(self.settings))
 
