@@ -156,3 +156,17 @@ def test_gsm8k_needs_answers_and_resume_needs_a_checkpoint(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["rl", "--resume", str(tmp_path / "empty"), "--metrics", str(tmp_path / "m.jsonl")]) == 2
     assert "no training checkpoint" in capsys.readouterr().err
+
+
+def test_resume_with_a_broken_metrics_file_is_refused_before_any_engine(tmp_path, capsys):
+    """A run killed while writing its metrics line leaves a broken last line; ``--resume`` keeps the
+    file's earlier steps, so it is read (and refused, naming the line) before anything starts."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest_checkpointed_iteration.txt").write_text("1")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2, "trunc')
+    assert main(["rl", "--preset", "nemotron_h_tiny", "--resume", str(ck), "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics {metrics}:2: not JSON" in err and err.count("error:") == 1
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2, "trunc'  # untouched

@@ -106,6 +106,7 @@ def test_rl_deepseek_v4_trainer_ep2_diff_zero(tmp_path, rollout_ep):
     (2, {"use_rollout_logprobs": True}, "--use-rollout-logprobs is not supported under torchrun"),
     (2, {"ep": 2, "kl_coef": 0.1}, "--kl-coef > 0 with --ep > 1"),
     (2, {"tp": 2}, "rl --tp 2: tensor_model_parallel_size=2 is refused: tensor parallelism sums partial products"),
+    (1, {"rollout_ep": 2}, "with one process there is one engine: run under torchrun --nproc-per-node 2"),
 ])
 def test_bad_layouts_are_refused_before_any_engine(world, kw, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -115,8 +115,11 @@ def launch_layout(*, ep: int, dp: int | None, rollout_dp: int | None, rollout_ep
         raise ParallelismError(f"rl --ep {ep}: {world} process(es) do not split into expert-parallel groups of {ep}; "
                                f"run under torchrun --nproc-per-node {ep} (or a multiple)")
     if rollout_ep not in (1, rollout_dp):
+        where = (f"use --rollout-ep 1 or --rollout-ep {rollout_dp}" if world > 1 else
+                 f"with one process there is one engine: run under torchrun --nproc-per-node {rollout_ep} "
+                 "(vLLM data parallel) for --rollout-ep > 1")
         raise ParallelismError(f"rl --rollout-ep {rollout_ep}: vLLM shards experts over all of its data-parallel "
-                               f"ranks or none; use --rollout-ep 1 or --rollout-ep {rollout_dp}")
+                               f"ranks or none; {where}")
     if world > num_prompts_per_step:
         raise ParallelismError(f"rl: {world} processes for {num_prompts_per_step} prompts per step: every rank needs "
                                "at least one GRPO group; use more --num-prompts-per-step or fewer processes")

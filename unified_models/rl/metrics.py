@@ -13,7 +13,8 @@ Every line has at least (all floats in nats unless named otherwise):
 ``std_abs_diff``, ``k3_kl`` k3 KL estimator (:mod:`..consistency.metrics`)
 ``num_mismatched``          sampled tokens whose fp32 bits differ
 ``full_vocab_max_abs_diff`` max |Δ| over whole logprob rows
-                            (``full_vocab_rows`` of them)
+                            (``full_vocab_rows`` of them; None when none was
+                            compared)
 ``importance_ratio_max``    max and min of ρ = exp(trainer - old logprob) at
 ``importance_ratio_min``    the update (exactly 1 while diff = 0)
 ``entropy``                 mean policy entropy -Σ_v p log p over the sampled
@@ -33,7 +34,10 @@ Every line has at least (all floats in nats unless named otherwise):
 ``layout``                  under ``torchrun`` only: ``world``, ``trainer_ep``,
                             ``trainer_dp``, ``rollout_dp``, ``rollout_ep``
                             (:mod:`.distributed`); every other field is merged
-                            over all ranks (sync counts summed over the engines)
+                            over all ranks (sync counts and fingerprinted
+                            tensors summed over the engines; ``weight_fingerprint``
+                            is the SHA-256 of the engines' digests in rank order,
+                            which ``weight_fingerprint_ranks`` lists)
 ==========================  ==================================================
 """
 

@@ -114,6 +114,15 @@ def validate_options(opts: RLOptions) -> None:
         if latest_iteration(r) is None and not (r / "metadata.json").is_file():
             raise UnifiedModelsError(f"--resume {r}: no training checkpoint there (no "
                                      "latest_checkpointed_iteration.txt); write one with --save")
+    if opts.resume and Path(opts.metrics).is_file():  # its steps <= the checkpoint's are kept: read it now
+        from .metrics import read_metrics
+
+        try:
+            read_metrics(opts.metrics)
+        except ValueError as e:
+            raise UnifiedModelsError(f"--metrics {e}: a resumed run keeps this file's earlier steps; repair or "
+                                     "remove the broken line (a run killed while writing it), or pass another "
+                                     "--metrics") from None
     if opts.save:
         from ..backends.megatron.checkpoint import latest_iteration
 

@@ -8,6 +8,7 @@ The run holds one :class:`~..backends.vllm.rollout.RolloutEngine` and one
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -381,8 +382,10 @@ class RLRun:
                 merged = all_gather((trainer_N, full_vocab_of_pairs(pairs), len(pairs)), lay)
                 trainer_all_N = torch.cat([t for t, _, _ in merged])
                 row.update(compare_logprobs(rollout_all_N, trainer_all_N).as_dict())
-                row.update(full_vocab_max_abs_diff=max(f for _, f, _ in merged),
-                           full_vocab_rows=sum(n for _, _, n in merged))
+                rows_compared = sum(n for _, _, n in merged)
+                # None, not 0.0, when no whole row was compared (--full-vocab-rows 0)
+                row.update(full_vocab_max_abs_diff=max(f for _, f, _ in merged) if rows_compared else None,
+                           full_vocab_rows=rows_compared)
                 error = self._first_error(error, rollout_all_N, trainer_all_N, row["full_vocab_max_abs_diff"])
                 if error is not None:
                     raise error
@@ -410,8 +413,9 @@ class RLRun:
         if use_rollout:
             diff = compare_logprobs(rollout_all_N, torch.cat([p["trainer_N"] for p in up_parts]))
             row.update(diff.as_dict())
-            row.update(full_vocab_max_abs_diff=max(p["fv"] for p in up_parts),
-                       full_vocab_rows=sum(p["fv_rows"] for p in up_parts))
+            rows_compared = sum(p["fv_rows"] for p in up_parts)
+            row.update(full_vocab_max_abs_diff=max(p["fv"] for p in up_parts) if rows_compared else None,
+                       full_vocab_rows=rows_compared)
         n = max(int(rollout_all_N.numel()), 1)
         row.update(importance_ratio_max=max(p["importance_ratio_max"] for p in up_parts),
                    importance_ratio_min=min(p["importance_ratio_min"] for p in up_parts),
@@ -434,9 +438,15 @@ class RLRun:
         timer["sync"] = self._elapsed(t0)
         fields = self._sync_fields or self.verify_sync(rep, step)  # a sync() that did not verify (tests)
         if lay.distributed:  # copies and tensors checked over every rank (each engine holds its own copy)
-            synced = all_gather((len(rep.copied), rep.bytes_copied, fields["weight_fingerprint_tensors"]), lay)
-            row.update(sync_tensors_copied=sum(c for c, _, _ in synced), sync_bytes=sum(b for _, b, _ in synced))
-            fields = {**fields, "weight_fingerprint_tensors": sum(t for _, _, t in synced)}
+            synced = all_gather((len(rep.copied), rep.bytes_copied, fields["weight_fingerprint_tensors"],
+                                 fields["weight_fingerprint"]), lay)
+            row.update(sync_tensors_copied=sum(s[0] for s in synced), sync_bytes=sum(s[1] for s in synced))
+            digests = [s[3] for s in synced]
+            # one digest over the engines' (rank order); each rank's own is kept beside it
+            merged_digest = (hashlib.sha256("|".join(digests).encode()).hexdigest()
+                             if all(d is not None for d in digests) else None)
+            fields = {**fields, "weight_fingerprint": merged_digest, "weight_fingerprint_ranks": digests,
+                      "weight_fingerprint_tensors": sum(s[2] for s in synced)}
         else:
             row.update(sync_tensors_copied=len(rep.copied), sync_bytes=rep.bytes_copied)
         row.update(fields)
