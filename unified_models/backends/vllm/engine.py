@@ -160,7 +160,7 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         max_model_len, max_num_seqs: scheduler limits.
         gpu: False = CPU build of vLLM (sets ``VLLM_CPU_KVCACHE_SPACE``).
         cuda_graphs: capture decode steps in CUDA graphs (:func:`.settings.cuda_graph_settings`);
-            ``None`` = on where supported (GPU, no Mamba-2 layers).
+            ``None`` = on where supported (GPU, rollout EP = 1; hybrids included).
         block_size: KV-cache block size, a multiple of 16 (and of every compression ratio of the
             spec's compressed caches); ``None``: :func:`default_block_size`.
         max_num_batched_tokens: default ``max(max_model_len, max_num_seqs * 128)``.
