@@ -28,6 +28,15 @@ def _plugin_modules(argv: list[str]) -> list[str]:
     return known.plugin
 
 
+def _add_trainer_layout_flags(group) -> None:
+    """``--ep`` and ``--dp``: the trainer's Megatron layout under torchrun (``check`` and ``rl``)."""
+    group.add_argument("--ep", type=_positive(int), default=1,
+                       help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
+                            "expert count; default 1)")
+    group.add_argument("--dp", type=_positive(int), default=None,
+                       help="trainer data-parallel size: N at TP = PP = CP = 1 (default N)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``unified-models`` parser; build it after :func:`~.plugins.load_plugins` so plugin rewards are choices."""
     p = argparse.ArgumentParser(prog="unified-models", description=__doc__)
@@ -53,19 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--full-vocab-rows", type=_at_least(-1), default=-1,
                    help="how many sampled positions compare whole logprob rows (-1 = all)")
     c.add_argument("--cuda-graphs", type=_on_off, default=None, metavar="{on,off}",
-                   help="rollout decode steps in CUDA graphs (default: on for cuda with attention-only models; "
-                        "hybrid models and the CPU run eagerly); the report says which ran")
+                   help="rollout decode steps in CUDA graphs (default: on for cuda, hybrids included; the CPU "
+                        "and rollout expert parallelism run eagerly); the report says which ran")
     cpar = c.add_argument_group(
         "scale-out (under torchrun --nproc-per-node N; docs/scale-out.md)",
         "Under torchrun the recompute's prompts are split over the N ranks (contiguous blocks) and rank 0 "
         "writes one merged report. By default rank 0 alone rolls out (vLLM at DP = 1); with --rollout-dp N "
         "every rank runs its own engine on its block of prompts (request seeds by global prompt index: the "
         "same tokens, logprob bits and rollout sha256 as one process).")
-    cpar.add_argument("--ep", type=_positive(int), default=1,
-                      help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
-                           "expert count; default 1)")
-    cpar.add_argument("--dp", type=_positive(int), default=None,
-                      help="trainer data-parallel size: N at TP = PP = CP = 1 (default N)")
+    _add_trainer_layout_flags(cpar)
     cpar.add_argument("--rollout-dp", type=_positive(int), default=None,
                       help="vLLM data_parallel_size: N (one engine per process, vLLM's external launcher) or 1 "
                            "(default: one engine, on rank 0)")
@@ -200,11 +205,7 @@ def _add_rl_parser(sub) -> None:
     par.add_argument("--tp", type=_positive(int), default=1,
                      help="tensor parallel size: 1 only (a TP all-reduce sums across GPUs in an order the other "
                           "engine does not share; docs/scale-out.md)")
-    par.add_argument("--ep", type=_positive(int), default=1,
-                     help="trainer expert-parallel size (Megatron's EP groups; divides N and every MoE layer's "
-                          "expert count; default 1)")
-    par.add_argument("--dp", type=_positive(int), default=None,
-                     help="trainer data-parallel size: N at TP = PP = CP = 1 (default N)")
+    _add_trainer_layout_flags(par)
     par.add_argument("--rollout-dp", type=_positive(int), default=None,
                      help="vLLM data_parallel_size: one engine per process, so N (default N)")
     par.add_argument("--rollout-ep", type=_positive(int), default=1,
