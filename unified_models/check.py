@@ -248,32 +248,12 @@ def _launch_layout(opts: CheckOptions) -> tuple[int, int]:
             default: rank 0 rolls out alone) or the number of processes; ``--rollout-ep`` other than 1
             or ``--rollout-dp``; more processes than prompts (a rank would recompute nothing).
     """
-    from .dsl import ParallelismError
+    from .launch_layout import check_layout_flags, torchrun_place
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    hint = "run under torchrun --nproc-per-node N" if world == 1 else f"this job has {world} processes"
-    for flag, v in (("--ep", opts.ep), ("--dp", opts.dp), ("--rollout-dp", opts.rollout_dp),
-                    ("--rollout-ep", opts.rollout_ep)):
-        if v is not None and v < 1:
-            raise ParallelismError(f"check {flag} {v} must be >= 1")
-    if world % opts.ep:
-        raise ParallelismError(f"check --ep {opts.ep}: {world} process(es) do not split into EP groups of {opts.ep}; "
-                               f"run under torchrun --nproc-per-node {opts.ep} (or a multiple)")
-    if opts.dp is not None and opts.dp != world:
-        raise ParallelismError(f"check --dp {opts.dp}: the trainer's data-parallel size is the number of processes "
-                               f"at TP = PP = CP = 1 ({hint}); pass --dp {world} or leave it out")
-    rollout_dp = _rollout_dp(opts)
-    if rollout_dp not in (1, world):
-        raise ParallelismError(f"check --rollout-dp {rollout_dp}: one vLLM engine runs in every process (vLLM's "
-                               f"external_launcher data parallel), so --rollout-dp is the number of processes "
-                               f"({hint}); pass --rollout-dp {world}, or leave it out (rank 0 rolls out alone)")
-    if opts.rollout_ep not in (1, rollout_dp):
-        raise ParallelismError(f"check --rollout-ep {opts.rollout_ep}: vLLM shards experts over all of its "
-                               f"data-parallel ranks or none; use --rollout-ep 1 or --rollout-ep {rollout_dp}"
-                               + ("" if rollout_dp > 1 else " (with --rollout-dp N, N the number of processes)"))
-    if world > opts.num_prompts:
-        raise ParallelismError(f"check: {world} processes for {opts.num_prompts} prompts: every rank needs at least one "
-                               "sequence; use more --num-prompts or fewer processes")
+    rank, world = torchrun_place()
+    check_layout_flags("check", world, ep=opts.ep, dp=opts.dp, rollout_dp=_rollout_dp(opts), rollout_ep=opts.rollout_ep,
+                       rollout_dp_choices=(1, world), leave_rollout_dp_out=", or leave it out (rank 0 rolls out alone)",
+                       units=opts.num_prompts, units_name="prompts", unit="sequence", units_flag="--num-prompts")
     return rank, world
 
 

@@ -30,13 +30,13 @@ compared path):
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import torch
 
 from ..dsl import ParallelismError
+from ..launch_layout import check_layout_flags, torchrun_place
 
 __all__ = ["RLLayout", "launch_layout", "check_layout_for_spec", "all_gather", "rollout_weights"]
 
@@ -89,40 +89,21 @@ def launch_layout(*, ep: int, dp: int | None, rollout_dp: int | None, rollout_ep
 
     Raises:
         ParallelismError: naming the flag: ``--tp`` > 1 (its all-reduce sums partial products across
-            GPUs; ``docs/scale-out.md`` says what a bitwise TP would need), a size > 1 without as many processes under torchrun, a
-            ``--dp`` / ``--rollout-dp`` other than the number of processes, an ``--ep`` that does not
-            divide it, a ``--rollout-ep`` other than 1 or ``--rollout-dp``, more processes than
-            prompts per step, ``--use-rollout-logprobs`` or ``--kl-coef`` > 0 with ``--ep`` > 1.
+            GPUs; ``docs/scale-out.md`` says what a bitwise TP would need); the layout refusals of
+            :func:`~..launch_layout.check_layout_flags` (``--rollout-dp`` must be the number of
+            processes); ``--use-rollout-logprobs`` under more than one process or ``--kl-coef`` > 0
+            with ``--ep`` > 1.
     """
     from ..backends.megatron.parallel import check_parallel_sizes
 
     check_parallel_sizes(tensor_model_parallel_size=tp, where=f"rl --tp {tp}")
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    rank, world = torchrun_place()
     dp = world if dp is None else dp
     rollout_dp = world if rollout_dp is None else rollout_dp
-    hint = "run under torchrun --nproc-per-node N" if world == 1 else f"this job has {world} processes"
-    for flag, v in (("--ep", ep), ("--dp", dp), ("--rollout-dp", rollout_dp), ("--rollout-ep", rollout_ep)):
-        if v < 1:
-            raise ParallelismError(f"rl {flag} {v} must be >= 1")
-    if dp != world:
-        raise ParallelismError(f"rl --dp {dp}: the trainer's data-parallel size is the number of processes at "
-                               f"TP = PP = CP = 1 ({hint}); pass --dp {world} or leave it out")
-    if rollout_dp != world:
-        raise ParallelismError(f"rl --rollout-dp {rollout_dp}: one vLLM engine runs in every process (vLLM's "
-                               f"external_launcher data parallel), so --rollout-dp is the number of processes "
-                               f"({hint}); pass --rollout-dp {world} or leave it out")
-    if world % ep:
-        raise ParallelismError(f"rl --ep {ep}: {world} process(es) do not split into expert-parallel groups of {ep}; "
-                               f"run under torchrun --nproc-per-node {ep} (or a multiple)")
-    if rollout_ep not in (1, rollout_dp):
-        where = (f"use --rollout-ep 1 or --rollout-ep {rollout_dp}" if world > 1 else
-                 f"with one process there is one engine: run under torchrun --nproc-per-node {rollout_ep} "
-                 "(vLLM data parallel) for --rollout-ep > 1")
-        raise ParallelismError(f"rl --rollout-ep {rollout_ep}: vLLM shards experts over all of its data-parallel "
-                               f"ranks or none; {where}")
-    if world > num_prompts_per_step:
-        raise ParallelismError(f"rl: {world} processes for {num_prompts_per_step} prompts per step: every rank needs "
-                               "at least one GRPO group; use more --num-prompts-per-step or fewer processes")
+    check_layout_flags("rl", world, ep=ep, dp=dp, rollout_dp=rollout_dp, rollout_ep=rollout_ep,
+                       rollout_dp_choices=(world,), leave_rollout_dp_out=" or leave it out",
+                       units=num_prompts_per_step, units_name="prompts per step", unit="GRPO group",
+                       units_flag="--num-prompts-per-step")
     if world > 1 and use_rollout_logprobs:
         raise ParallelismError("rl --use-rollout-logprobs is not supported under torchrun yet: the only comparison "
                                "left would be inside the update, where one rank stopping would leave the others "

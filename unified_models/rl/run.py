@@ -201,18 +201,23 @@ class RLRun:
                     f"logprob agrees but the whole row ({phase}) differs, max |diff| {fv:.3g}",
                     diff=compare_logprobs(rollout_N, trainer_N), full_vocab=fv)
 
-    def _first_error(self, error: DiffNotZeroError | None, rollout_N: torch.Tensor, trainer_N: torch.Tensor,
-                     full_vocab: float | None) -> DiffNotZeroError | None:
-        """Every rank's error, the same on every rank: the lowest rank's, with the diff over all ranks'
-        tokens (``rollout_N`` / ``trainer_N`` global). One process: ``error`` itself."""
+    @staticmethod
+    def _error_info(error: DiffNotZeroError | None):
+        """What an all-gather carries of a rank's mismatch: ``(message, full_vocab)`` or None."""
+        return None if error is None else (str(error), error.full_vocab)
+
+    def _first_error(self, error: DiffNotZeroError | None, infos: list, rollout_N: torch.Tensor,
+                     trainer_N: torch.Tensor) -> DiffNotZeroError | None:
+        """The step's mismatch, the same on every rank: the lowest rank's (``infos``: every rank's
+        :meth:`_error_info`, all-gathered), with the diff over all ranks' tokens (``rollout_N`` /
+        ``trainer_N`` global). One process: ``error`` itself."""
         if not self.layout.distributed:
             return error
-        errors = all_gather(None if error is None else (str(error), error.full_vocab), self.layout)
-        first = next((e for e in errors if e is not None), None)
+        first = next((e for e in infos if e is not None), None)
         if first is None:
             return None
         diff = compare_logprobs(rollout_N, trainer_N) if trainer_N.numel() == rollout_N.numel() else None
-        return DiffNotZeroError(first[0], diff=diff, full_vocab=first[1] if first[1] is not None else full_vocab)
+        return DiffNotZeroError(first[0], diff=diff, full_vocab=first[1])
 
     # ------------------------------------------------------------------ trainer phases
 
@@ -379,14 +384,15 @@ class RLRun:
                                first)
                 except DiffNotZeroError as e:
                     error = e
-                merged = all_gather((trainer_N, full_vocab_of_pairs(pairs), len(pairs)), lay)
-                trainer_all_N = torch.cat([t for t, _, _ in merged])
+                merged = all_gather((trainer_N, full_vocab_of_pairs(pairs), len(pairs), self._error_info(error)),
+                                    lay)
+                trainer_all_N = torch.cat([m[0] for m in merged])
                 row.update(compare_logprobs(rollout_all_N, trainer_all_N).as_dict())
-                rows_compared = sum(n for _, _, n in merged)
+                rows_compared = sum(m[2] for m in merged)
                 # None, not 0.0, when no whole row was compared (--full-vocab-rows 0)
-                row.update(full_vocab_max_abs_diff=max(f for _, f, _ in merged) if rows_compared else None,
+                row.update(full_vocab_max_abs_diff=max(m[1] for m in merged) if rows_compared else None,
                            full_vocab_rows=rows_compared)
-                error = self._first_error(error, rollout_all_N, trainer_all_N, row["full_vocab_max_abs_diff"])
+                error = self._first_error(error, [m[3] for m in merged], rollout_all_N, trainer_all_N)
                 if error is not None:
                     raise error
                 old_N = trainer_N
@@ -395,14 +401,12 @@ class RLRun:
                              use_rollout, prompt_rows, first)
             timer["update"] = self._elapsed(t0)
             up_parts = all_gather({k: v for k, v in up.items() if k not in ("fv_pairs", "error")}
-                                  | {"error": None if up["error"] is None else (str(up["error"]), up["error"].full_vocab),
-                                     "fv": full_vocab_of_pairs(up["fv_pairs"]), "fv_rows": len(up["fv_pairs"])}, lay)
-            first_error = next((p["error"] for p in up_parts if p["error"] is not None), None)
-            if first_error is not None:
-                trainer_all_N = torch.cat([p["trainer_N"] for p in up_parts])
-                diff = (compare_logprobs(rollout_all_N, trainer_all_N)
-                        if trainer_all_N.numel() == rollout_all_N.numel() else None)
-                raise DiffNotZeroError(first_error[0], diff=diff, full_vocab=first_error[1])
+                                  | {"error": self._error_info(up["error"]), "fv": full_vocab_of_pairs(up["fv_pairs"]),
+                                     "fv_rows": len(up["fv_pairs"])}, lay)
+            error = self._first_error(up["error"], [p["error"] for p in up_parts], rollout_all_N,
+                                      torch.cat([p["trainer_N"] for p in up_parts]))
+            if error is not None:
+                raise error
         except DiffNotZeroError as e:
             if e.diff is not None:
                 row.update(e.diff.as_dict())

@@ -67,8 +67,8 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
         tokenizer = load_tokenizer(tok_dir)
     reward = None if (opts.reward == "target-token" and tid == AUTO) else \
         build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
-    return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids, rows=rows,
-                 tokenizer=tokenizer, reward=reward, reward_name=opts.reward,
+    return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids,
+                 rows=rows, tokenizer=tokenizer, reward=reward, reward_name=opts.reward,
                  target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
 
 
