@@ -3,6 +3,11 @@
 # stage, logging under $OUT.   usage: scripts/gpu-run.sh ops|check|train|rl|bench|all
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
 #   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|dense-bench-interleave|sync-audit|host-diag   (issue 8; not part of `all`)
+#   or: scripts/gpu-run.sh moe-kernels|hybrid-profile   (issue 18 item 3; not part of `all`)
+# moe-kernels: the MoE op tests natively (NVFP4 tiles == ModelOpt's dequantized bf16, bitwise) + benchmarks/moe_kernels.py
+#   (ours vs vLLM's fused_experts per token count, launch candidates with their bits; ~3 min). hybrid-profile:
+#   benchmarks/rollout_throughput.py --profile on nemotron_3_nano_reduced 128x2048/128 (prefill-bound), both engines,
+#   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD override; ~6 min).
 #   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
@@ -135,6 +140,20 @@ if [ "$stage" = deepseek-v4-bench ]; then
   python3 benchmarks/rollout_throughput.py --preset deepseek_v4_flash_reduced --workloads ${UM_DSV4_WORKLOADS:-64x128/256} \
     --engine-timeout-s 400 --json "$OUT/dsv4_rollout_throughput.json" > "$OUT/dsv4_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dsv4_bench.log" | tail -40
+fi
+if [ "$stage" = moe-kernels ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_moe.py tests/ops/test_nvfp4.py \
+    tests/ops/test_deepseek_moe.py 2>&1 | tee "$OUT/moe_ops.log" | grep -vE "DEBUG" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 300 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tee "$OUT/moe_kernels.log" | tail -12
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = hybrid-profile ]; then
+  p=${UM_PROFILE_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
+  python3 benchmarks/rollout_throughput.py --preset "$p" --workloads ${UM_PROFILE_WORKLOAD:-128x2048/128} --repeats 1 \
+    --profile --profile-max-tokens 2 --engine-timeout-s 400 --json "$OUT/profile/rollout_throughput.json" \
+    > "$OUT/hybrid_profile.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/hybrid_profile.log" | tail -12
+  for f in "$OUT"/profile/profile_*.txt; do [ -f "$f" ] && head -32 "$f"; done
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \

@@ -282,12 +282,11 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 mask_k = kk < K
-                mask_kn = mask_k[:, None] & mask_n[None, :]
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-                wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, kk, mask_kn, stride_ge, stride_gn, stride_gk,
-                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt)
-                wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, kk, mask_kn, stride_ue, stride_un, stride_uk,
-                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt)
+                wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, mask_n, k0, K, stride_ge, stride_gn, stride_gk,
+                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt, BLOCK_K)
+                wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, mask_n, k0, K, stride_ue, stride_un, stride_uk,
+                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt, BLOCK_K)
                 acc_g64 += interpreter_dot(a, wg)
                 acc_u64 += interpreter_dot(a, wu)
                 a_ptrs += BLOCK_K * stride_ak
@@ -299,12 +298,11 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 mask_k = kk < K
-                mask_kn = mask_k[:, None] & mask_n[None, :]
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-                wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, kk, mask_kn, stride_ge, stride_gn, stride_gk,
-                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt)
-                wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, kk, mask_kn, stride_ue, stride_un, stride_uk,
-                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt)
+                wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, mask_n, k0, K, stride_ge, stride_gn, stride_gk,
+                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt, BLOCK_K)
+                wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, mask_n, k0, K, stride_ue, stride_un, stride_uk,
+                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt, BLOCK_K)
                 if FP32_DOT:
                     af = a.to(tl.float32)
                     acc_g = tl.dot(af, wg.to(tl.float32), acc_g, input_precision="ieee")

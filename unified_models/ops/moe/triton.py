@@ -34,6 +34,8 @@ equals the CPU torch implementation (``ops.moe.moe_expert_outputs_torch``,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -60,11 +62,22 @@ else:
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def gemm_tiles(n: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` for a ``[N, K]`` expert weight: a function of the
-    weight shape and the device kind only (today one constant config)."""
+class MoeTiles(NamedTuple):
+    """One launch configuration of the grouped expert GEMM (rows, columns, reduction step, warps,
+    pipeline stages). Tiles change which program computes an output element, never the order of
+    its fp32 sum (full K in ``block_k`` steps)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_tiles(n: int, k: int) -> MoeTiles:
+    """The launch configuration for a ``[N, K]`` expert weight: a function of the weight shape and
+    the device kind only (today one constant config), never of the number of tokens."""
     del n, k
-    return BLOCK_M, BLOCK_N, BLOCK_K
+    return MoeTiles(BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
 
 
 @triton.jit
@@ -78,21 +91,31 @@ def _e2m1_to_f32(c):
 
 
 @triton.jit
-def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_kn, stride_we, stride_wn, stride_wk,
-            stride_se, stride_sn, stride_sk, NVFP4: tl.constexpr, dtype: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[e, n, k]^T`` in ``dtype`` (NVFP4 dequantized)."""
+def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn, stride_wk,
+            stride_se, stride_sn, stride_sk, NVFP4: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[e, n, k0:k0+BLOCK_K]^T`` in ``dtype`` (NVFP4 dequantized).
+
+    NVFP4: each code byte is loaded once and both its nibbles decoded (low nibble = even
+    ``k``), each e4m3 block scale once per 16 values and broadcast; the values are
+    ModelOpt's ``bf16(e2m1 * fp32(fp32(scale) * ws2))`` exactly as one scale per element
+    would give them (same fp32 products, one rounding). ``K`` is a multiple of 16 there.
+    """
     if NVFP4:
-        k2 = kk[:, None]
-        byte = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + (k2 // 2) * stride_wk,
-                       mask=mask_kn, other=0).to(tl.int32)
-        code = (byte >> ((k2 % 2) * 4)) & 15
-        sb = tl.load(ws_ptr + e64 * stride_se + offs_n[None, :] * stride_sn + (k2 // 16) * stride_sk,
-                     mask=mask_kn, other=0).to(tl.int32)
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + kb[None, :] * stride_wk,
+                       mask=mask_n[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)  # [BN, BK/2]
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sb = tl.load(ws_ptr + e64 * stride_se + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
+                     mask=mask_n[:, None] & (ks < K // 16)[None, :], other=0).to(tl.int32)  # [BN, BK/16]
         blk = e4m3_bits_to_f32(sb) * ws2
-        w = round_to(_e2m1_to_f32(code) * blk, dtype)
+        vals = tl.join(_e2m1_to_f32(byte & 15), _e2m1_to_f32(byte >> 4))  # [BN, BK/2, 2]: k = 2*kb + j
+        vals = tl.reshape(vals, (offs_n.shape[0], BLOCK_K // 16, 16))
+        w = tl.reshape(vals * blk[:, :, None], (offs_n.shape[0], BLOCK_K))
+        w = tl.trans(round_to(w, dtype))
     else:
+        kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=mask_kn, other=0.0)
+                    mask=(kk < K)[:, None] & mask_n[None, :], other=0.0)
     return w
 
 
@@ -138,8 +161,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
                 kk = k0 + offs_k
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_k[:, None] & mask_n[None, :],
-                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt)
+                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K,
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt, BLOCK_K)
                 acc64 += interpreter_dot(a, w)
                 a_ptrs += BLOCK_K * stride_ak
             acc = round_f64_to(acc64, tl.float32)
@@ -149,8 +172,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
                 kk = k0 + offs_k
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask_k[:, None] & mask_n[None, :],
-                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt)
+                w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K,
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt, BLOCK_K)
                 if FP32_DOT:
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                 else:
@@ -228,20 +251,22 @@ def _weight_args(w, what: str, dtype: torch.dtype):
     return w, w, w, w.stride(), (0, 0, 0), False
 
 
-def _launch(a, w, out, sorted_ids, tile_expert, n_tiles, R, E, topk, gather, scatter, relu2, what):
+def _launch(a, w, out, sorted_ids, tile_expert, n_tiles, R, E, topk, gather, scatter, relu2, what,
+            tiles: MoeTiles | None = None):
     N, K = w.shape[1], w.shape[2]
-    bm, bn, bk = gemm_tiles(N, K)
+    t = tiles or gemm_tiles(N, K)
     w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), nvfp4 = _weight_args(w, what, a.dtype)
-    grid = (n_tiles * triton.cdiv(N, bn),)
+    grid = (n_tiles * triton.cdiv(N, t.block_n),)
     _moe_gemm_kernel[grid](
         a, w_ptr, ws_ptr, ws2_ptr, out, sorted_ids, tile_expert, R, N, K, E,
         a.stride(0), a.stride(1), swe, swn, swk, sse, ssn, ssk, out.stride(0), out.stride(1),
         TOPK=topk, GATHER_A=gather, SCATTER_OUT=scatter, RELU2=relu2, NVFP4=nvfp4,
         FP32_DOT=INTERPRET or a.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up, down) -> torch.Tensor:
+def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up, down,
+                              tiles: tuple[MoeTiles, MoeTiles] | None = None) -> torch.Tensor:
     """fp32 ``[T*K, D]``: row ``t*K + k`` = ``fp32(round_x(relu(fp32(x_t up_e^T))^2) down_e^T)``,
     ``e = ids[t, k]``.
 
@@ -250,9 +275,11 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
         topk_ids_TK: ``[T, K]`` integer expert ids.
         up: ``[E, I, D]`` tensor in ``x``'s dtype or stacked :class:`NVFP4Weight`.
         down: ``[E, D, I]`` likewise.
+        tiles: ``(up, down)`` launch configurations with one ``block_m`` (benchmarks; default
+            :func:`gemm_tiles` of each weight shape).
 
     Raises:
-        ValueError: dtypes, shapes or devices do not match.
+        ValueError: dtypes, shapes or devices do not match; ``tiles`` with two ``block_m``.
     """
     if x_TD.dtype not in _DTYPES:
         raise ValueError(f"moe_triton: x must be bf16 or fp32, got {x_TD.dtype}")
@@ -271,12 +298,17 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
         return y
     if I == 0:
         return y.zero_()
-    sorted_ids, tile_expert, n_tiles = moe_plan(topk_ids_TK, E, BLOCK_M, exact=INTERPRET)
+    up_tiles, down_tiles = tiles or (gemm_tiles(I, D), gemm_tiles(D, I))
+    if up_tiles.block_m != down_tiles.block_m:
+        raise ValueError(f"moe_triton: up and down tiles need one block_m, got {up_tiles.block_m} and "
+                         f"{down_tiles.block_m}")
+    bm = up_tiles.block_m
+    sorted_ids, tile_expert, n_tiles = moe_plan(topk_ids_TK, E, bm, exact=INTERPRET)
     if n_tiles == 0:
         return y
-    h = torch.empty(n_tiles * BLOCK_M, I, dtype=x_TD.dtype, device=x_TD.device)
-    _launch(x_TD, up, h, sorted_ids, tile_expert, n_tiles, R, E, K, True, False, True, "up")
-    _launch(h, down, y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down")
+    h = torch.empty(n_tiles * bm, I, dtype=x_TD.dtype, device=x_TD.device)
+    _launch(x_TD, up, h, sorted_ids, tile_expert, n_tiles, R, E, K, True, False, True, "up", up_tiles)
+    _launch(h, down, y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down", down_tiles)
     return y
 
 
