@@ -9,6 +9,12 @@
 #   benchmarks/rollout_throughput.py --profile on nemotron_3_nano_reduced 128x2048/128 (prefill-bound), both engines,
 #   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD override; ~6 min).
 #   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
+#   or: scripts/gpu-run.sh decode-chunk   (issue 18 item 3; not part of `all`)
+# decode-chunk: benchmarks/decode_chunk_position.py: one Mamba-2 decode step of one layer at the
+#   nemotron_3_nano_reduced widths, chunk 128 and 256 (one process), B = 64 and 256, in-chunk positions
+#   0 1 Q/4 Q/2 3Q/4 Q-1, ours (decode-as-chunk) vs vLLM's selective_state_update + causal_conv1d_update,
+#   CUDA-graph timing, JSON $OUT/decode_chunk_position_h200.json; a bitwise guard (decode step == general
+#   chunked scan) at every position fails the stage (timeout 170 s). UM_DCP_ARGS adds flags (e.g. "--batch 8 64 256").
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -154,6 +160,11 @@ if [ "$stage" = hybrid-profile ]; then
     > "$OUT/hybrid_profile.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/hybrid_profile.log" | tail -12
   for f in "$OUT"/profile/profile_*.txt; do [ -f "$f" ] && head -32 "$f"; done
+fi
+if [ "$stage" = decode-chunk ]; then  # issue 18 item 3: decode-as-chunk cost by in-chunk position
+  timeout 170 python3 benchmarks/decode_chunk_position.py --chunk 128 256 ${UM_DCP_ARGS:-} \
+    --json "$OUT/decode_chunk_position_h200.json" 2>&1 | tee "$OUT/decode_chunk_position.log" \
+    | grep -vE "INFO|WARNING|DEBUG" | tail -32; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \
