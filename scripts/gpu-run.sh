@@ -15,6 +15,13 @@
 #   0 1 Q/4 Q/2 3Q/4 Q-1, ours (decode-as-chunk) vs vLLM's selective_state_update + causal_conv1d_update,
 #   CUDA-graph timing, JSON $OUT/decode_chunk_position_h200.json; a bitwise guard (decode step == general
 #   chunked scan) at every position fails the stage (timeout 170 s). UM_DCP_ARGS adds flags (e.g. "--batch 8 64 256").
+#   or: scripts/gpu-run.sh graph-soak   (issue 18 item 2; not part of `all`)
+# graph-soak: tests/gpu/test_graph_soak_gpu.py on nemotron_3_nano_reduced: 48 requests x 64 tokens (own seeds,
+#   logprobs=1) in 11 batch compositions over 3 engines with CUDA graphs on (FULL_DECODE_ONLY; max_num_seqs 32 with
+#   prefix caching + a shared one-block prefix, 64, and 13 with a 256-token step budget); every request's tokens and
+#   logprob bits must be equal in all of them, and every decode step must have replayed a graph. Report
+#   $OUT/graph_soak_<preset>.json (settings, capture sizes, schedule, replays, differences); ~5 min with the checkpoint
+#   build. UM_SOAK_K (pytest -k, default "not nvfp4") picks the preset: UM_SOAK_K=nvfp4 for the ModelOpt export.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -165,6 +172,13 @@ if [ "$stage" = decode-chunk ]; then  # issue 18 item 3: decode-as-chunk cost by
   timeout 170 python3 benchmarks/decode_chunk_position.py --chunk 128 256 ${UM_DCP_ARGS:-} \
     --json "$OUT/decode_chunk_position_h200.json" 2>&1 | tee "$OUT/decode_chunk_position.log" \
     | grep -vE "INFO|WARNING|DEBUG" | tail -32; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = graph-soak ]; then
+  soak_k=${UM_SOAK_K:-not nvfp4}
+  nano_checkpoint nemotron_3_nano_reduced
+  case "$soak_k" in *"not nvfp4"*) ;; *nvfp4*) nano_checkpoint nemotron_3_nano_reduced_nvfp4 ;; esac
+  timeout 480 python3 -m pytest -q -m gpu tests/gpu/test_graph_soak_gpu.py -s -p no:cacheprovider -k "$soak_k" 2>&1 \
+    | tee "$OUT/graph_soak.log" | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \
