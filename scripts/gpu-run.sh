@@ -4,6 +4,11 @@
 #   or: scripts/gpu-run.sh hybrid|hybrid-peer|hybrid-check|hybrid-bench   (issue 7; not part of `all`)
 #   or: scripts/gpu-run.sh perf-ops|graphs|dense-bench|dense-bench-interleave|sync-audit|host-diag   (issue 8; not part of `all`)
 #   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
+#   or: scripts/gpu-run.sh trainer-cost   (issue 18 item 5; not part of `all`)
+# trainer-cost: benchmarks/trainer_cost.py on nemotron_3_nano_reduced (hybrid: Megatron's MambaModel is recorded as
+#   not buildable without mamba_ssm) and nemotron_h_dense_bench (Megatron's GPTModel, local layers): our recompute vs
+#   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
+#   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"); JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -135,6 +140,17 @@ if [ "$stage" = deepseek-v4-bench ]; then
   python3 benchmarks/rollout_throughput.py --preset deepseek_v4_flash_reduced --workloads ${UM_DSV4_WORKLOADS:-64x128/256} \
     --engine-timeout-s 400 --json "$OUT/dsv4_rollout_throughput.json" > "$OUT/dsv4_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dsv4_bench.log" | tail -40
+fi
+if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (benchmarks/trainer_cost.py docstring)
+  nano_checkpoint nemotron_3_nano_reduced nemotron_h_dense_bench
+  d="$OUT/trainer_cost_logs"; mkdir -p "$d"
+  for preset in nemotron_3_nano_reduced nemotron_h_dense_bench; do
+    python3 benchmarks/trainer_cost.py --preset $preset --device cuda --timeout-s 240 ${UM_TC_ARGS:-} \
+      --json "$d/trainer_cost_$preset.json" > "$d/trainer_cost_$preset.log" 2>&1; rc=$((rc | $?))
+    cp "$d/trainer_cost_$preset.json" "$OUT/" 2>/dev/null
+    grep -vE "INFO|WARNING|DEBUG|warn" "$d/trainer_cost_$preset.log" | tail -24
+  done
+  tar -czf "$OUT/trainer_cost_logs.tgz" -C "$d" . && rm -rf "$d"  # one file: the device returns only a few
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \
