@@ -22,6 +22,11 @@
 #   logprob bits must be equal in all of them, and every decode step must have replayed a graph. Report
 #   $OUT/graph_soak_<preset>.json (settings, capture sizes, schedule, replays, differences); ~5 min with the checkpoint
 #   build. UM_SOAK_K (pytest -k, default "not nvfp4") picks the preset: UM_SOAK_K=nvfp4 for the ModelOpt export.
+#   or: scripts/gpu-run.sh trainer-cost   (issue 18 item 5; not part of `all`)
+# trainer-cost: benchmarks/trainer_cost.py on nemotron_3_nano_reduced (hybrid: Megatron's MambaModel is recorded as
+#   not buildable without mamba_ssm) and nemotron_h_dense_bench (Megatron's GPTModel, local layers): our recompute vs
+#   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
+#   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"); JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -179,6 +184,17 @@ if [ "$stage" = graph-soak ]; then
   case "$soak_k" in *"not nvfp4"*) ;; *nvfp4*) nano_checkpoint nemotron_3_nano_reduced_nvfp4 ;; esac
   timeout 480 python3 -m pytest -q -m gpu tests/gpu/test_graph_soak_gpu.py -s -p no:cacheprovider -k "$soak_k" 2>&1 \
     | tee "$OUT/graph_soak.log" | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (benchmarks/trainer_cost.py docstring)
+  nano_checkpoint nemotron_3_nano_reduced nemotron_h_dense_bench
+  d="$OUT/trainer_cost_logs"; mkdir -p "$d"
+  for preset in nemotron_3_nano_reduced nemotron_h_dense_bench; do
+    python3 benchmarks/trainer_cost.py --preset $preset --device cuda --timeout-s 240 ${UM_TC_ARGS:-} \
+      --json "$d/trainer_cost_$preset.json" > "$d/trainer_cost_$preset.log" 2>&1; rc=$((rc | $?))
+    cp "$d/trainer_cost_$preset.json" "$OUT/" 2>/dev/null
+    grep -vE "INFO|WARNING|DEBUG|warn" "$d/trainer_cost_$preset.log" | tail -24
+  done
+  tar -czf "$OUT/trainer_cost_logs.tgz" -C "$d" . && rm -rf "$d"  # one file: the device returns only a few
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_wide --workloads 64x128/128 256x128/512 \

@@ -1,0 +1,73 @@
+"""``benchmarks/trainer_cost.py`` on the CPU at tiny sizes: our trainer and Megatron's own GPTModel both
+run an optimizer step on ``nemotron_h_tiny``, with equal parameter counts (the widths match), and the
+report has its schema. Values only, no timing assertions (performance lives in benchmarks/). The vLLM
+native prefill side is left out here (its CPU engine start alone takes about a minute)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("trainer_cost", ROOT / "benchmarks" / "trainer_cost.py")
+tc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tc)
+
+TINY = ["--device", "cpu", "--sequences", "2", "--seq-len", "32", "--micro-batch-tokens", "32", "--repeats", "1",
+        "--in-process"]
+
+
+def test_ours_and_megatron_gpt_step_on_the_tiny_preset(tmp_path):
+    out = tmp_path / "tc.json"
+    report = tc.run(tc.parse_args(["--preset", "nemotron_h_tiny", "--sides", "ours,megatron", "--json", str(out),
+                                   *TINY]))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=str))
+    assert {"recompute", "step", "sides", "settings", "tokens_per_step", "versions"} <= set(report)
+    assert report["tokens_per_step"] == 2 * 32 and set(report["sides"]) == {"ours", "megatron"}
+    ours, meg = report["sides"]["ours"], report["sides"]["megatron"]
+    assert ours["error"] is None and meg["error"] is None, (ours.get("traceback"), meg.get("traceback"))
+    assert ours["micro_batches"] == 2 and meg["micro_batch_sequences"] == 1  # 32-token micro-batches: one sequence
+    for rec in (ours["recompute"], ours["backbone"], ours["step"], meg["step"]):
+        assert rec["tok_s"] > 0
+    for side in (ours, meg):
+        st = side["step"]
+        assert math.isfinite(st["loss"]) and 9.0 < st["loss"] < 12.0  # ~ln(32064) for random weights
+        assert math.isfinite(st["grad_norm"]) and st["grad_norm"] > 0 and st["update_successful"] is True
+        assert set(st["median_s"]) == set(tc.STEP_PHASES)
+        assert all(st["median_s"][p] > 0 for p in ("forward", "backward", "optimizer"))
+        assert side["optimizer_backend"] == "torch_adamw"  # the CPU path of build_optimizer, both sides
+    assert meg["model_class"] == "megatron.core.models.gpt.GPTModel" and meg["megatron_layers"] == 3
+    assert meg["parameters"] == ours["parameters"] == 18_581_248  # same widths: 3 x (attention + MLP) layers
+    assert report["step"]["same_parameter_count"] is True
+    assert report["step"]["ratio_tok_s_ours_over_megatron"] > 0
+    assert report["recompute"]["native_prefill_tok_s"] is None  # native not run
+    table = tc.format_table(report)
+    assert "GPTModel (18,581,248 params)" in table and "| backward |" in table and "| not run |" in table
+
+
+def test_megatron_mamba_model_failure_is_recorded(tmp_path):
+    report = tc.run(tc.parse_args(["--preset", "nemotron_h_hybrid_tiny", "--sides", "megatron",
+                                   "--json", str(tmp_path / "h.json"), *TINY]))
+    meg = report["sides"]["megatron"]
+    assert meg["model_class"] == "megatron.core.models.mamba.MambaModel"
+    assert set(meg["packages_importable"]) == set(tc.BLOCKER_PACKAGES)
+    if meg["packages_importable"]["mamba_ssm"]:
+        pytest.skip("mamba_ssm is installed: Megatron's MambaModel may build")
+    assert meg["error"].startswith("ImportError: MambaSSM is not installed") and "Traceback" in meg["traceback"]
+    assert f"error: {meg['error']}" in tc.format_table(report)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-len", "64", "--micro-batch-tokens", "32"], "a micro-batch holds whole sequences"),
+    (["--sides", "ours,trainer"], "--sides"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--preset", "no_such_preset"], "unknown preset"),
+])
+def test_bad_command_lines_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        tc.parse_args(["--device", "cpu", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
