@@ -226,6 +226,26 @@ def test_nvfp4_kernel_uses_modelopt_dequantization(dev, gen, inv):
     inv.assert_bitwise(a, c, "NVFP4Weight vs masters quantized on the fly")
 
 
+def test_nvfp4_experts_dequantized_once_equal_in_loop(device, gen, inv, monkeypatch):
+    """Large batches dequantize the NVFP4 experts once per call instead of in every row tile's K
+    loop (``NVFP4_DEQUANTIZE_ROWS_PER_EXPERT``): the dequantize kernel equals ModelOpt's rule bit for
+    bit, and the expert outputs of the two paths are bitwise equal (the batch size picks the path, so
+    a row's bits must not depend on it). The threshold is forced to 0 for the second call."""
+    from unified_models.ops.moe import triton as moe_triton
+
+    w, x = _weights(gen, dev=device), _x(gen, dev=device)
+    weights, ids = ops.moe_route(x, w["gate"], w["bias"], **ROUTE)
+    qu, qd = nvfp4_quantize(w["up"]), nvfp4_quantize(w["down"])
+    for q in (qu, qd):
+        inv.assert_bitwise(moe_triton.nvfp4_dequantize_experts_triton(q), nvfp4_dequantize(q),
+                           "dequantize kernel vs ModelOpt's rule")
+    assert T * K < moe_triton.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E  # the first call dequantizes in the K loop
+    in_loop = moe_triton.moe_expert_outputs_triton(x, ids, qu, qd)
+    monkeypatch.setattr(moe_triton, "NVFP4_DEQUANTIZE_ROWS_PER_EXPERT", 0)
+    once = moe_triton.moe_expert_outputs_triton(x, ids, qu, qd)
+    inv.assert_bitwise(once, in_loop, "NVFP4 experts dequantized once vs in the K loop")
+
+
 @pytest.mark.parametrize("nvfp4", [False, True])
 def test_moe_batch_invariant(nvfp4, backend, dev, gen, inv):
     """Each token's MoE output is bitwise the same whatever batch it is in (alone, prefixes, splits,

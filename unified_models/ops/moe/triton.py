@@ -61,6 +61,16 @@ else:
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
+NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = 4 * 64
+"""At ``T * top_k >= this * E`` assignments (4 row tiles per expert on average) the NVFP4 experts
+are dequantized once per call (:func:`nvfp4_dequantize_experts_triton`) instead of in every row
+tile's K loop. Why (H200, Nano widths, ``benchmarks/moe_kernels.py``, session 23): at T = 16,384
+tokens the in-loop path took 20.9 ms against 5.4 ms for the same GEMMs on bf16 experts, because
+each weight tile is dequantized once per row tile (12 per expert there); the dequantize pass adds
+one read of the codes and one bf16 write (2 x 1.3 GB per MoE layer; not yet timed). Decode batches
+(T <= 512, CUDA graphs) stay below the threshold and allocate nothing. The tests check that both
+paths give the same bits (the batch size picks the path)."""
+
 
 class MoeTiles(NamedTuple):
     """One launch configuration of the grouped expert GEMM (rows, columns, reduction step, warps,
@@ -117,6 +127,47 @@ def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn
         w = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=(kk < K)[:, None] & mask_n[None, :], other=0.0)
     return w
+
+
+@triton.jit
+def _nvfp4_dequantize_kernel(w_ptr, ws_ptr, ws2_ptr, out_ptr, N, K,
+                             stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                             stride_oe, stride_on, stride_ok,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One ``[BLOCK_N, BLOCK_K]`` tile of one expert's weight, dequantized by :func:`_w_tile` (the
+    grouped GEMM's own NVFP4 tile: the same values, element for element)."""
+    e64 = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k0 = tl.program_id(2) * BLOCK_K
+    ws2 = tl.load(ws2_ptr + e64)
+    w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_sk, True, out_ptr.dtype.element_ty, BLOCK_K)  # [BK, BN]
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + e64 * stride_oe + offs_n[None, :] * stride_on + kk[:, None] * stride_ok, w,
+             mask=(kk < K)[:, None] & mask_n[None, :])
+
+
+def nvfp4_dequantize_experts_triton(w: NVFP4Weight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Stacked NVFP4 experts ``[E, N, K/2]`` -> ``[E, N, K]`` in ``dtype``, the values the grouped GEMM
+    dequantizes in its K loop (ModelOpt's ``dtype(e2m1 * fp32(fp32(scale) * weight_scale_2))``, equal
+    to :func:`unified_models.ops.nvfp4.nvfp4_dequantize` bit for bit).
+
+    Raises:
+        ValueError: not a stacked ``[E, N, K/2]`` NVFP4 weight, or ``dtype`` not bf16/fp32.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"nvfp4_dequantize_experts_triton: dtype {dtype} must be bf16 or fp32")
+    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), _ = _weight_args(w, "experts", dtype)
+    E, N, K = w.shape
+    out = torch.empty(E, N, K, dtype=dtype, device=w.weight.device)
+    if out.numel() == 0:
+        return out
+    bn, bk = (16, 64) if INTERPRET else (64, 128)
+    _nvfp4_dequantize_kernel[(E, triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        w_ptr, ws_ptr, ws2_ptr, out, N, K, swe, swn, swk, sse, ssn, ssk, *out.stride(),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -299,6 +350,12 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
     if I == 0:
         return y.zero_()
     up_tiles, down_tiles = tiles or (gemm_tiles(I, D), gemm_tiles(D, I))
+    if R >= NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E:
+        # Large batches (prefill, the trainer's micro-batches): dequantize each NVFP4 expert once
+        # instead of once per row tile; the GEMM then reads the very bf16 tiles its K loop would
+        # have made (same values, same dot), so a row's bits do not depend on the path.
+        up, down = (nvfp4_dequantize_experts_triton(w, x_TD.dtype) if isinstance(w, NVFP4Weight) else w
+                    for w in (up, down))
     if up_tiles.block_m != down_tiles.block_m:
         raise ValueError(f"moe_triton: up and down tiles need one block_m, got {up_tiles.block_m} and "
                          f"{down_tiles.block_m}")
