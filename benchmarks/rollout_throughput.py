@@ -62,6 +62,7 @@ import re
 import select
 import signal
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,32 @@ NATIVE_ARCHS = (NATIVE_ARCH, "DeepseekV4ForCausalLM")
 """vLLM classes a checkpoint's ``config.json`` may name for the native side (its first architecture)."""
 PROMPT_ID_RANGE = (10, 32000)
 """Random prompt ids are drawn from here (ids of the bundled tokenizer, below any preset's vocab)."""
+
+
+def published_deepseek_v4(model_dir: str) -> tuple[str, str | None]:
+    """A DeepSeek-V4 checkpoint in DeepSeek's published layout, the one vLLM's native
+    ``DeepseekV4ForCausalLM`` loads (0.26 reads ``compress_ratios``, ``num_hash_layers``, ``kv_norm``,
+    ... from its own pass-through config class; a transformers-written config has ``compress_rates``
+    and failed with ``AttributeError: 'DeepseekV4Config' object has no attribute 'compress_ratios'``,
+    session 23). Both engines then load this same directory (ours reads either layout).
+
+    Returns ``(directory, note)``: ``model_dir`` itself when it is already published (note None), else
+    its conversion (:func:`unified_models.converters.deepseek_v4_layout.convert_checkpoint`, every
+    tensor bit for bit) in ``<model_dir>-published``, made once and reused.
+    """
+    from unified_models.converters import deepseek_v4_layout as layout
+
+    src = Path(model_dir)
+    if layout.is_official_config(json.loads((src / "config.json").read_text())):
+        return model_dir, None
+    dst = src.with_name(src.name + "-published")
+    if not (dst / "config.json").exists():
+        tmp = src.with_name(src.name + "-published.partial")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        layout.convert_checkpoint(src, tmp, to="official")
+        tmp.rename(dst)  # whole or absent: a killed conversion leaves only the .partial folder
+    return str(dst), f"checkpoint converted to DeepSeek's published layout for both engines: {dst}"
 
 
 def parse_workload(text: str) -> dict:
@@ -773,8 +800,12 @@ def main(argv=None) -> int:
     model_dir = str(Path(args.model).resolve()) if args.model else str(build_preset_checkpoint(preset))
     checkpoint_s = time.perf_counter() - t0
     hf = load_hf_config(model_dir)
-    spec = spec_from_hf_config(hf)
     archs = list(getattr(hf, "architectures", None) or [])
+    layout_note = None
+    if "DeepseekV4ForCausalLM" in archs:
+        model_dir, layout_note = published_deepseek_v4(model_dir)
+        hf = load_hf_config(model_dir)
+    spec = spec_from_hf_config(hf)
     native_arch = archs[0] if archs and archs[0] in NATIVE_ARCHS else NATIVE_ARCH
     if native_arch not in archs:
         print(f"warning: {model_dir}/config.json names {archs}, not {native_arch}; "
@@ -812,6 +843,8 @@ def main(argv=None) -> int:
     n_params = sum(torch.Size(s).numel() for s in spec.parameter_shapes().values())
     print(f"model {model_dir} (pattern {spec.extra.get('pattern')}, {n_params / 1e9:.3f}B params, "
           f"checkpoint ready in {checkpoint_s:.1f} s), device {device}", flush=True)
+    if layout_note:
+        print(layout_note, flush=True)
 
     rounds_res: dict[str, list[dict]] = {which: [] for which in engines}
     with tempfile.TemporaryDirectory(prefix="um-bench-") as td:
@@ -854,7 +887,7 @@ def main(argv=None) -> int:
         "engine_start_s": {which: (engines_res.get(which) or {}).get("start_s") for which in ENGINES},
         "settings": settings, "engines": engines_res,
         "sampling": "temperature 1.0, per-request seeds (seed + i)" if args.request_seeds else "temperature 1.0",
-        "checkpoint_s": round(checkpoint_s, 2),
+        "checkpoint_s": round(checkpoint_s, 2), "checkpoint_layout": layout_note,
     }
     for r in engines_res.values():
         for rr in (r, r.get("first_attempt_with_default_settings") or {}):
