@@ -54,6 +54,12 @@ else:
     NUM_WARPS, NUM_STAGES = 4, 2
     SSD_NUM_WARPS = 8  # [64 x 128] operand tiles per program
 
+STATE_STAGES_LONG_CHUNK = 1
+"""Pipeline stages of the chunk-state kernel for chunks longer than 128 rows. With 2 stages a
+256-row chunk asked for 298,004 bytes of shared memory on the H200 (limit 232,448; session 23,
+``benchmarks/decode_chunk_position.py --chunk 256``); stages change only how loads overlap, never
+the values or the order of a sum. Whether 1 stage fits is not yet measured on the H200."""
+
 _MIN_DOT = 1 if INTERPRET else 16
 """Smallest tile dim fed to ``tl.dot`` (16 on tensor cores)."""
 
@@ -487,7 +493,7 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
             meta.state_seqs, meta.seq_item_ptr, meta.seq_entry_ptr, meta.item_chunk, *common,
             H, P, N, H // G, *x_str, *sss,
             Q=Q, BLOCK_P=BPS, BLOCK_N=BN, HAS_STATE=has_state, FP32_DOT=fp32_dot, OP=op, COMMIT=commit,
-            num_warps=SSD_NUM_WARPS, num_stages=NUM_STAGES)
+            num_warps=SSD_NUM_WARPS, num_stages=STATE_STAGES_LONG_CHUNK if Q > 128 else NUM_STAGES)
 
     # decode (meta.uniform_decode): every item starts at the slot's boundary state, so the scan
     # reads no entry and runs first; the state kernel then commits completed chunks in place.
