@@ -6,7 +6,9 @@ bf16 and NVFP4 dequantized into bf16 tiles in-kernel). At a preset's MoE widths 
 token count ``T`` (decode- to prefill-sized), it times
 
 * **ours**: ``ops.moe.triton.moe_expert_outputs_triton`` (up and down grouped GEMMs) followed by
-  ``moe_combine_triton`` (the weighted top-k sum), with bf16 and with NVFP4 expert weights, for
+  ``moe_combine_triton`` (the weighted top-k sum), with bf16 and with NVFP4 expert weights (the row
+  says which NVFP4 path the batch size picks, and times both forced: dequantized in the K loop and
+  once per call, each compared bit for bit with the default), for
   the current launch configuration and every candidate in ``CANDIDATES``; each candidate's output
   is compared bit for bit with the current configuration's (a configuration may only replace the
   current one, or be chosen by ``T``, if it gives the same bits: every row's sum runs over the full
@@ -117,6 +119,19 @@ def main(argv=None) -> int:
                 return moe.moe_combine_triton(y, tw, None, torch.bfloat16)
 
             ref = ours()
+            once = fmt == "nvfp4" and T * K >= moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E
+            path = {"ours_path": ("dequantize once + bf16 GEMM" if once else "dequantize in the K loop")
+                    if fmt == "nvfp4" else "bf16 GEMM"}
+            if fmt == "nvfp4":  # both NVFP4 paths, forced, timed and compared bit for bit
+                saved = moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT
+                try:
+                    for name, threshold in (("in_loop", 1 << 40), ("once", 0)):
+                        moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = threshold
+                        out = ours()
+                        path[f"{name}_ms"] = graph_time_ms(ours, args.iters)
+                        path[f"{name}_bitwise_equal_to_default"] = bool(torch.equal(out, ref))
+                finally:
+                    moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = saved
             cells = {}
             for name, cfg in CANDIDATES.items():
                 if args.only and name not in args.only:
@@ -128,13 +143,17 @@ def main(argv=None) -> int:
                                    "bitwise_equal_to_current": bool(torch.equal(out, ref))}
                 except Exception as e:  # a config that does not compile is a result too
                     cells[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            row["ours"][fmt] = {"current_ms": graph_time_ms(ours, args.iters), "configs": cells}
+            row["ours"][fmt] = {"current_ms": graph_time_ms(ours, args.iters), **path, "configs": cells}
             timed = [(n, c["ms"]) for n, c in cells.items() if "ms" in c and c["bitwise_equal_to_current"]]
             best = min(timed, key=lambda c: c[1]) if timed else (None, None)
             row["ours"][fmt]["best_same_bits"] = best[0]
             nat = row["native"].get("bf16_ms")
             ratio = (nat / row["ours"][fmt]["current_ms"]) if nat else None
-            print(f"T={T:6d} {fmt:5s} ours {row['ours'][fmt]['current_ms']:.3f} ms (best same-bits {best[0]} "
+            print(f"T={T:6d} {fmt:5s} [{path['ours_path']}"
+                  + (f"; in loop {path['in_loop_ms']:.3f} ms, once {path['once_ms']:.3f} ms, bits equal "
+                     f"{path['in_loop_bitwise_equal_to_default'] and path['once_bitwise_equal_to_default']}"
+                     if fmt == "nvfp4" else "") + "] "
+                  f"ours {row['ours'][fmt]['current_ms']:.3f} ms (best same-bits {best[0]} "
                   f"{best[1] if best[1] is None else round(best[1], 3)} ms) native bf16 "
                   f"{nat if nat is None else round(nat, 3)} ms  native/ours {ratio if ratio is None else round(ratio, 3)} | "
                   + " ".join(f"{n}={c['ms']:.3f}{'' if c['bitwise_equal_to_current'] else '*'}"

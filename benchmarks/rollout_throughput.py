@@ -90,20 +90,37 @@ def published_deepseek_v4(model_dir: str) -> tuple[str, str | None]:
 
     Returns ``(directory, note)``: ``model_dir`` itself when it is already published (note None), else
     its conversion (:func:`unified_models.converters.deepseek_v4_layout.convert_checkpoint`, every
-    tensor bit for bit) in ``<model_dir>-published``, made once and reused.
+    tensor bit for bit) in ``<model_dir>-published``. The conversion is reused only while its stamp
+    (the source's config.json and each safetensors file's name, size and mtime) matches the source.
+
+    Raises:
+        CheckpointError / SpecError: the converter's refusals (a config with no published form).
+        OSError: the folder beside ``model_dir`` is not writable.
     """
+    import hashlib
+
     from unified_models.converters import deepseek_v4_layout as layout
 
     src = Path(model_dir)
-    if layout.is_official_config(json.loads((src / "config.json").read_text())):
+    config_text = (src / "config.json").read_text()
+    if layout.is_official_config(json.loads(config_text)):
         return model_dir, None
+    stamp = hashlib.sha256(config_text.encode())
+    for f in sorted(src.glob("*.safetensors")):
+        st = f.stat()
+        stamp.update(f"{f.name} {st.st_size} {st.st_mtime_ns}".encode())
+    stamp = stamp.hexdigest()
     dst = src.with_name(src.name + "-published")
-    if not (dst / "config.json").exists():
-        tmp = src.with_name(src.name + "-published.partial")
+    stamp_file = dst / "converted_from.sha256"
+    if not (stamp_file.exists() and stamp_file.read_text().strip() == stamp):
+        tmp = src.with_name(f"{src.name}-published.partial-{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
         layout.convert_checkpoint(src, tmp, to="official")
-        tmp.rename(dst)  # whole or absent: a killed conversion leaves only the .partial folder
+        (tmp / "converted_from.sha256").write_text(stamp + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)  # whole or absent: a killed conversion leaves only its .partial folder
     return str(dst), f"checkpoint converted to DeepSeek's published layout for both engines: {dst}"
 
 
@@ -802,9 +819,13 @@ def main(argv=None) -> int:
     hf = load_hf_config(model_dir)
     archs = list(getattr(hf, "architectures", None) or [])
     layout_note = None
-    if "DeepseekV4ForCausalLM" in archs:
-        model_dir, layout_note = published_deepseek_v4(model_dir)
-        hf = load_hf_config(model_dir)
+    if "DeepseekV4ForCausalLM" in archs and "native" in engines:
+        try:
+            model_dir, layout_note = published_deepseek_v4(model_dir)
+            hf = load_hf_config(model_dir)
+        except Exception as e:  # ours reads either layout: measure it on the original, say why native may fail
+            layout_note = (f"no published-layout copy for native ({type(e).__name__}: {e}); both engines load "
+                           f"{model_dir} as it is")
     spec = spec_from_hf_config(hf)
     native_arch = archs[0] if archs and archs[0] in NATIVE_ARCHS else NATIVE_ARCH
     if native_arch not in archs:

@@ -25,9 +25,9 @@ decide every bit. Checked
   scores); the whole MoE layer (router GEMM, shared expert, grouped experts, ordered combine)
   row-invariant for x[:m], m = 1, 5, 64, 300, single rows, splits and random compositions with
   padding, for bf16 and NVFP4 expert weights; NVFP4: the kernel's in-K-loop tile dequantization
-  == ``nvfp4_dequantize`` bit for bit (a probe kernel calling the GEMM's own ``_w_tile``), and
-  the experts with NVFP4Weight == with the dequantized bf16 stacks == masters quantized on the
-  fly. Against the fp64 oracle (the kernel's routing, NVFP4 weights dequantized to the bf16 the
+  == ``nvfp4_dequantize`` bit for bit (``nvfp4_dequantize_experts_triton``, which calls the GEMM's
+  own ``_w_tile``), and the experts with NVFP4Weight (dequantized in the K loop, and once per call)
+  == with the dequantized bf16 stacks == masters quantized on the fly. Against the fp64 oracle (the kernel's routing, NVFP4 weights dequantized to the bf16 the
   kernel computes with): relative L2 error ``< 8e-3`` (as tests/ops/test_moe.py: bf16 h and the
   bf16 output rounding); router weights ``|err| <= 1e-4 |ref| + 1e-6``, and the selected experts
   are the fp64 top-k up to near-ties within 1e-5.
@@ -74,7 +74,7 @@ from unified_models.ops.mamba2 import (causal_conv1d_reference, gated_rms_norm_r
                                        ssd_reference)
 from unified_models.ops.moe import moe_select
 from unified_models.ops.nvfp4 import NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, nvfp4_scale_2
-from unified_models.ops.moe.triton import _w_tile
+from unified_models.ops.moe import triton as moe_triton
 
 _OPS_TESTS = str(Path(__file__).resolve().parents[1] / "ops")
 if _OPS_TESTS not in sys.path:
@@ -541,50 +541,37 @@ def test_moe_batch_invariant(kind, moe_case, gen):
     Inv.assert_bitwise(fn(x2)[64:], full[64:], f"moe {kind}: rows 64.. with other rows 0..63")
 
 
-@triton.jit
-def _dequant_probe_kernel(w_ptr, ws_ptr, ws2_ptr, e_ptr, out_ptr, N, K,
-                          stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_on, stride_ok,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The grouped GEMM's own NVFP4 tile dequantization (``_w_tile``), tiles written out ``[N, K]``."""
-    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # int32, as the GEMM's K offsets
-    mask = (kk[:, None] < K) & (offs_n[None, :] < N)
-    e64 = tl.load(e_ptr).to(tl.int64)
-    ws2 = tl.load(ws2_ptr + e64)
-    w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, kk, mask, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, True, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_n[None, :] * stride_on + kk[:, None] * stride_ok, w, mask=mask)
-
-
-def _probe_dequant(q: NVFP4Weight, e: int) -> torch.Tensor:
-    E, N, K = q.shape
-    out = torch.full((N, K), float("nan"), dtype=BF16, device=q.device)
-    s = q.weight_scale.view(torch.uint8)
-    bn, bk = 64, 64
-    _dequant_probe_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        q.weight, s, q.weight_scale_2, torch.tensor([e], dtype=torch.int32, device=q.device), out, N, K,
-        *q.weight.stride(), *s.stride(), *out.stride(), BLOCK_N=bn, BLOCK_K=bk)
-    return out
-
-
-def test_moe_nvfp4_in_kernel_dequantization(moe_case):
-    """(a) the GEMM's tile dequantizer == ``nvfp4_dequantize`` (ModelOpt's rule) on whole Nano
-    expert weights; (b) experts with NVFP4Weight == with the dequantized bf16 stacks == masters
-    quantized on the fly, and the same for the shared expert."""
+def test_moe_nvfp4_in_kernel_dequantization(moe_case, monkeypatch):
+    """(a) the GEMM's tile dequantizer (``_w_tile``, through ``nvfp4_dequantize_experts_triton``) ==
+    ``nvfp4_dequantize`` (ModelOpt's rule) on whole Nano expert weights; (b) experts with
+    NVFP4Weight, dequantized in the GEMM's K loop == with the dequantized bf16 stacks == dequantized
+    once per call (the large-batch path, forced here) == masters quantized on the fly, and the same
+    for the shared expert. The batch size picks the NVFP4 path, so (b) is what keeps a row's bits
+    independent of the batch it is in."""
     m = moe_case
     for name in ("up", "down"):
+        deq = moe_triton.nvfp4_dequantize_experts_triton(m["q"][name])
         for e in (0, 77, N_EXPERTS - 1):
-            Inv.assert_bitwise(_probe_dequant(m["q"][name], e), m["deq"][name][e], f"tile dequant {name} expert {e}")
+            Inv.assert_bitwise(deq[e], m["deq"][name][e], f"tile dequant {name} expert {e}")
     x = m["x"]
     weights, ids = ops.moe_route(x, m["w"]["gate"], m["w"]["bias"], **ROUTE)
-    a = ops.moe_experts(x, ids, weights, m["q"]["up"], m["q"]["down"])
+
+    def paths(fn):
+        monkeypatch.setattr(moe_triton, "NVFP4_DEQUANTIZE_ROWS_PER_EXPERT", 1 << 40)
+        in_loop = fn()
+        monkeypatch.setattr(moe_triton, "NVFP4_DEQUANTIZE_ROWS_PER_EXPERT", 0)
+        return in_loop, fn()
+
+    a, a_once = paths(lambda: ops.moe_experts(x, ids, weights, m["q"]["up"], m["q"]["down"]))
     b = ops.moe_experts(x, ids, weights, m["deq"]["up"], m["deq"]["down"])
     c = ops.moe_experts(x, ids, weights, m["w"]["up"], m["w"]["down"], nvfp4=True)
-    Inv.assert_bitwise(a, b, "experts: NVFP4Weight vs dequantized bf16 stacks")
+    Inv.assert_bitwise(a, b, "experts: NVFP4Weight (K-loop dequantization) vs dequantized bf16 stacks")
+    Inv.assert_bitwise(a_once, a, "experts: NVFP4 dequantized once per call vs in the K loop")
     Inv.assert_bitwise(a, c, "experts: NVFP4Weight vs masters quantized on the fly")
-    sa = ops.moe_shared_expert(x, m["q"]["sup"], m["q"]["sdown"])
+    sa, sa_once = paths(lambda: ops.moe_shared_expert(x, m["q"]["sup"], m["q"]["sdown"]))
     sb = ops.moe_shared_expert(x, m["deq"]["sup"], m["deq"]["sdown"])
     Inv.assert_bitwise(sa, sb, "shared expert: NVFP4Weight vs dequantized bf16")
+    Inv.assert_bitwise(sa_once, sa, "shared expert: NVFP4 dequantized once vs in the K loop")
     assert not torch.equal(a, ops.moe_experts(x, ids, weights, m["w"]["up"], m["w"]["down"]))  # NVFP4 really used
 
 

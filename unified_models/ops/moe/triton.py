@@ -68,8 +68,9 @@ tile's K loop. Why (H200, Nano widths, ``benchmarks/moe_kernels.py``, session 23
 tokens the in-loop path took 20.9 ms against 5.4 ms for the same GEMMs on bf16 experts, because
 each weight tile is dequantized once per row tile (12 per expert there); the dequantize pass adds
 one read of the codes and one bf16 write (2 x 1.3 GB per MoE layer; not yet timed). Decode batches
-(T <= 512, CUDA graphs) stay below the threshold and allocate nothing. The tests check that both
-paths give the same bits (the batch size picks the path)."""
+of the routed experts (T <= 512, CUDA graphs) stay below the threshold and allocate nothing. The tests check that both
+paths give the same bits (the batch size picks the path). With few experts (a shared expert is one
+expert, top-1) the threshold is met at a few hundred tokens."""
 
 
 class MoeTiles(NamedTuple):
@@ -350,12 +351,6 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
     if I == 0:
         return y.zero_()
     up_tiles, down_tiles = tiles or (gemm_tiles(I, D), gemm_tiles(D, I))
-    if R >= NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E:
-        # Large batches (prefill, the trainer's micro-batches): dequantize each NVFP4 expert once
-        # instead of once per row tile; the GEMM then reads the very bf16 tiles its K loop would
-        # have made (same values, same dot), so a row's bits do not depend on the path.
-        up, down = (nvfp4_dequantize_experts_triton(w, x_TD.dtype) if isinstance(w, NVFP4Weight) else w
-                    for w in (up, down))
     if up_tiles.block_m != down_tiles.block_m:
         raise ValueError(f"moe_triton: up and down tiles need one block_m, got {up_tiles.block_m} and "
                          f"{down_tiles.block_m}")
@@ -363,9 +358,18 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
     sorted_ids, tile_expert, n_tiles = moe_plan(topk_ids_TK, E, bm, exact=INTERPRET)
     if n_tiles == 0:
         return y
+    # Large batches (prefill, the trainer's micro-batches): each NVFP4 weight is dequantized once
+    # instead of once per row tile, one at a time (one bf16 copy alive); the GEMM then reads the
+    # very bf16 tiles its K loop would have made (same values, same dot): a row's bits do not
+    # depend on the path.
+    once = R >= NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E
+
+    def weight(w):
+        return nvfp4_dequantize_experts_triton(w, x_TD.dtype) if once and isinstance(w, NVFP4Weight) else w
+
     h = torch.empty(n_tiles * bm, I, dtype=x_TD.dtype, device=x_TD.device)
-    _launch(x_TD, up, h, sorted_ids, tile_expert, n_tiles, R, E, K, True, False, True, "up", up_tiles)
-    _launch(h, down, y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down", down_tiles)
+    _launch(x_TD, weight(up), h, sorted_ids, tile_expert, n_tiles, R, E, K, True, False, True, "up", up_tiles)
+    _launch(h, weight(down), y, sorted_ids, tile_expert, n_tiles, R, E, K, False, True, False, "down", down_tiles)
     return y
 
 
