@@ -61,16 +61,16 @@ else:
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
-NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = 4 * 64
+NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = 4 * BLOCK_M
 """At ``T * top_k >= this * E`` assignments (4 row tiles per expert on average) the NVFP4 experts
 are dequantized once per call (:func:`nvfp4_dequantize_experts_triton`) instead of in every row
 tile's K loop. Why (H200, Nano widths, ``benchmarks/moe_kernels.py``, session 23): at T = 16,384
 tokens the in-loop path took 20.9 ms against 5.4 ms for the same GEMMs on bf16 experts, because
 each weight tile is dequantized once per row tile (12 per expert there); the dequantize pass adds
-one read of the codes and one bf16 write (2 x 1.3 GB per MoE layer; not yet timed). Decode batches
-of the routed experts (T <= 512, CUDA graphs) stay below the threshold and allocate nothing. The tests check that both
-paths give the same bits (the batch size picks the path). With few experts (a shared expert is one
-expert, top-1) the threshold is met at a few hundred tokens."""
+one read of the codes and one bf16 write (2 x 1.3 GB per MoE layer; not yet timed). Decode
+batches of the routed experts (T <= 512, CUDA graphs) stay below the threshold and allocate
+nothing; with few experts (a shared expert is one expert, top-1) it is met at a few hundred
+tokens. The tests check that both paths give the same bits (the batch size picks the path)."""
 
 
 class MoeTiles(NamedTuple):
@@ -157,6 +157,8 @@ def nvfp4_dequantize_experts_triton(w: NVFP4Weight, dtype: torch.dtype = torch.b
     Raises:
         ValueError: not a stacked ``[E, N, K/2]`` NVFP4 weight, or ``dtype`` not bf16/fp32.
     """
+    if not isinstance(w, NVFP4Weight):
+        raise ValueError(f"nvfp4_dequantize_experts_triton: expected an NVFP4Weight, got {type(w).__name__}")
     if dtype not in _DTYPES:
         raise ValueError(f"nvfp4_dequantize_experts_triton: dtype {dtype} must be bf16 or fp32")
     w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), _ = _weight_args(w, "experts", dtype)
