@@ -89,6 +89,5 @@ def test_graph_soak_nano(preset, tmp_path):
                 report_path=out / f"graph_soak_{preset}.json")
     for cfg in CONFIGS:
         soak.run(cfg)  # writes the report after each engine
-    soak.report()  # final report file
     print("\n" + soak.summary_text(preset, time.perf_counter() - t0))
     soak.assert_schedule_and_bits(expect_graphs=True, chunked_engine="chunked", prefix_engine="prefix")
