@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import acc
+from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
 from .common import FP8_E4M3_MAX, FP8Weight, _scale, fp8_quantize_weight, fp8_weight_scale
 from .dispatch import fp8_linear_forward, fp8_quantize_activation
@@ -73,10 +73,10 @@ class Fp8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if nx:
             w_dq = w_q.to(dt) * s_w.to(dt)
-            dx = ((g @ w_dq) * fp8_clamp_mask(x, s_x)).to(x.dtype)
+            dx = (grad_matmul(g_TN, w_dq) * fp8_clamp_mask(x, s_x)).to(x.dtype)
         if nw:
             x_dq = fp8_quantize_activation(x.detach(), s_x).to(dt) * s_x.to(dt)
-            dw = (g.t() @ x_dq).to(ctx.master_dtype)
+            dw = grad_matmul(g_TN.t(), x_dq).to(ctx.master_dtype)
         if nb and ctx.bias_dtype is not None:
             db = g.sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None

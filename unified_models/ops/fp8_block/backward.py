@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import acc
+from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
 from .common import BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_quantize_activation, fp8_block_quantize_weight
 from .dispatch import fp8_block_linear_forward
@@ -42,11 +42,11 @@ class Fp8BlockLinearFn(torch.autograd.Function):
         g = acc(g_TN)
         dx = dw = db = None
         if nx:
-            dx = (g @ fp8_block_dequantize(w_q, s, g.dtype)).to(x.dtype)
+            dx = grad_matmul(g_TN, fp8_block_dequantize(w_q, s, g.dtype)).to(x.dtype)
         if nw and ctx.master_dtype is not None:
             xq, sx = fp8_block_quantize_activation(x.detach())
             x_dq = xq.to(g.dtype) * sx.to(g.dtype).repeat_interleave(BLOCK, 1)
-            dw = (g.t() @ x_dq).to(ctx.master_dtype)
+            dw = grad_matmul(g_TN.t(), x_dq).to(ctx.master_dtype)
         if nb and ctx.bias_dtype is not None:
             db = g.sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None

@@ -22,3 +22,87 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """True when grad mode is on and one of ``tensors`` requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two bf16 (or two fp16) 2-D tensors with fp32 accumulation and an fp32 result, on
+    tensor cores (``torch.mm(..., out_dtype=torch.float32)``, cuBLAS). Every product of two bf16 values
+    is exact in fp32, so this is an fp32 GEMM of the upcasts up to summation order."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # a torch without mm's out_dtype on CUDA
+        global _MM_FALLBACK_WARNED
+        if not _MM_FALLBACK_WARNED:
+            import warnings
+
+            warnings.warn(f"torch.mm(out_dtype=float32) is unavailable ({type(e).__name__}: {e}); the backward's "
+                          "GEMMs run in fp32 on CUDA cores (slow)", RuntimeWarning, stacklevel=3)
+            _MM_FALLBACK_WARNED = True
+        return a.float() @ b.float()
+
+
+_MM_FALLBACK_WARNED = False
+
+
+def _bf16_terms(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` as a sum of bf16 tensors: itself when half precision; else ``hi + lo`` with
+    ``hi = bf16(t)``, ``lo = bf16(t - hi)`` (16 significant bits of each fp32 value; the rest, below
+    ``2^-16`` of it, is dropped)."""
+    if t.dtype in _HALF:
+        return [t]
+    hi = t.to(torch.bfloat16)
+    return [hi, (t - hi.float()).to(torch.bfloat16)]
+
+
+def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = False, mm=None) -> torch.Tensor:
+    """``a @ b`` -> fp32 ``[M, N]``, for a backward's GEMMs (``dX = dY W``, ``dW = dY^T X``, ...).
+
+    With an fp64 operand: the fp64 product. On the CPU: ``acc(a) @ acc(b)`` (fp32), as every backward did before.
+
+    On CUDA with fp32 / bf16 / fp16 operands, on tensor cores (an fp32 GEMM runs on the H200's CUDA
+    cores, ~1/10 of the bf16 rate: it made our optimizer step's backward 9x Megatron's,
+    ``benchmarks/results/h200_session24/trainer_cost_nemotron_h_dense_bench.json``):
+
+    * a bf16 (or fp16) operand is used as it is;
+    * an fp32 operand beside a half-precision one (or, with ``split_fp32``, beside another fp32 one)
+      is split into ``hi + lo``, two bf16 tensors (16 significant bits);
+    * two fp32 operands without ``split_fp32`` give the fp32 GEMM (an fp32 model's gradients keep
+      fp32 accuracy; a bf16 model's backward passes ``split_fp32`` for its fp32 intermediates);
+    * the result is the fp32 sum of the bf16 GEMMs of the term pairs, dropping ``lo x lo`` (1 GEMM for
+      two half operands, 2 for one fp32 operand, 3 for two), each accumulated in fp32 with exact
+      products (:func:`_mm_fp32_out`).
+
+    The error against the fp32 GEMM is below ``2^-15`` of ``|a| @ |b|`` per element (Megatron-core's
+    backward rounds both operands to bf16: ``2^-8``). Gradients are not bitwise across layouts
+    anyway (DESIGN.md rule 11); the forward's logprob bits do not depend on this function.
+
+    Args:
+        a_MK, b_KN: 2-D tensors on one device (any strides); ``split_fp32``: split two fp32
+            operands too (above); ``mm``: the half-precision GEMM with
+            fp32 output (default :func:`_mm_fp32_out`; tests pass an emulation to run the CUDA
+            path's splitting on the CPU).
+
+    Raises:
+        ValueError: operands that are not 2-D or whose inner sizes differ.
+    """
+    if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(f"grad_matmul: {list(a_MK.shape)} @ {list(b_KN.shape)} is not a 2-D matrix product")
+    if torch.float64 in (a_MK.dtype, b_KN.dtype):
+        return a_MK.double() @ b_KN.double()
+    if mm is None and not a_MK.is_cuda:
+        return acc(a_MK) @ acc(b_KN)
+    if a_MK.dtype == b_KN.dtype == torch.float32 and not split_fp32:
+        return a_MK @ b_KN
+    mm = mm or _mm_fp32_out
+    if a_MK.dtype == b_KN.dtype and a_MK.dtype in _HALF:
+        return mm(a_MK, b_KN)
+    # bf16 stays one term; fp32 (and fp16 beside another dtype, via its exact fp32) becomes hi + lo
+    ta, tb = (_bf16_terms(t if t.dtype in (torch.bfloat16, torch.float32) else t.float()) for t in (a_MK, b_KN))
+    parts = [mm(x, y) for i, x in enumerate(ta) for j, y in enumerate(tb) if i + j < 2]  # lo x lo dropped
+    out = parts.pop()  # the smallest terms first: (hi lo + lo hi) + hi hi
+    while parts:
+        out = out.add_(parts.pop())
+    return out

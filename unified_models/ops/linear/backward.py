@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import acc, needs_grad
+from ..grad.helpers import acc, grad_matmul, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 
@@ -27,10 +27,9 @@ class LinearFn(torch.autograd.Function):
         check_stamps("linear", ctx.stamps)
         (x,) = ctx.saved_tensors
         w, b = ctx.weight, ctx.bias
-        g = acc(g_TN)
-        dx = (g @ acc(w)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        dw = (g.t() @ acc(x)).to(w.dtype) if ctx.needs_input_grad[1] else None
-        db = g.sum(0).to(b.dtype) if b is not None and ctx.needs_input_grad[2] else None
+        dx = grad_matmul(g_TN, w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = grad_matmul(g_TN.t(), x).to(w.dtype) if ctx.needs_input_grad[1] else None
+        db = acc(g_TN).sum(0).to(b.dtype) if b is not None and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
 

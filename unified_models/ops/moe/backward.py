@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import acc
+from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
 from ..nvfp4 import nvfp4_quantize
 from . import dispatch
@@ -116,6 +116,7 @@ class ExpertsFn(torch.autograd.Function):
         x, wts = x_in.to(dt), w_in.to(dt)
         E, I, D = up.shape
         T, K = ids.shape
+        half = x_in.dtype in (torch.bfloat16, torch.float16)  # a bf16 model: its fp32 intermediates split too
         # per-expert weights are dequantized/upcast one expert at a time (no [E, I, D] fp32 copy);
         # weight gradients go straight into buffers of the masters' dtype
         dx = torch.zeros_like(x) if nx else None
@@ -125,24 +126,25 @@ class ExpertsFn(torch.autograd.Function):
         if nx or nw or nu or nd:
             for e, rows in expert_rows(ids, E):
                 tok, slot = rows // K, rows % K
-                wu = expert_weight(up, e, x_in.dtype).to(dt)
-                wd = expert_weight(down, e, x_in.dtype).to(dt)
-                xe, ge = x[tok], g[tok]
-                u = xe @ wu.t()
+                # GEMM operands in their stored dtype (bf16 on tensor cores, fp32 accumulation: grad_matmul)
+                wu = expert_weight(up, e, x_in.dtype)
+                wd = expert_weight(down, e, x_in.dtype)
+                xe, ge = x_in[tok], g[tok]
+                u = grad_matmul(xe, wu.t()).to(dt)
                 r = torch.relu(u)
                 h = r * r
                 if nw:
-                    dw[tok, slot] = (ge * (h @ wd.t())).sum(-1)
+                    dw[tok, slot] = (ge * grad_matmul(h, wd.t()).to(dt)).sum(-1)
                 if nx or nu or nd:
                     dy = ge * wts[tok, slot][:, None]
                     if nd:
-                        ddown[e] = (dy.t() @ h).to(ddown.dtype)
+                        ddown[e] = grad_matmul(dy.t(), h, split_fp32=half).to(ddown.dtype)
                     if nx or nu:
-                        du = (dy @ wd) * (2.0 * r)
+                        du = grad_matmul(dy, wd).to(dt) * (2.0 * r)
                         if nu:
-                            dup[e] = (du.t() @ xe).to(dup.dtype)
+                            dup[e] = grad_matmul(du.t(), xe).to(dup.dtype)
                         if nx:
-                            dx.index_add_(0, tok, du @ wu)
+                            dx.index_add_(0, tok, grad_matmul(du, wu).to(dt))
         return (dx.to(x_in.dtype) if nx else None,
                 dw.to(w_in.dtype) if nw else None,
                 g_TD.to(ctx.shared_dtype) if ns else None,

@@ -61,16 +61,17 @@ else:
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
-NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = 4 * BLOCK_M
-"""At ``T * top_k >= this * E`` assignments (4 row tiles per expert on average) the NVFP4 experts
+NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = BLOCK_M
+"""At ``T * top_k >= this * E`` assignments (one row tile per expert on average) the NVFP4 experts
 are dequantized once per call (:func:`nvfp4_dequantize_experts_triton`) instead of in every row
-tile's K loop. Why (H200, Nano widths, ``benchmarks/moe_kernels.py``, session 23): at T = 16,384
-tokens the in-loop path took 20.9 ms against 5.4 ms for the same GEMMs on bf16 experts, because
-each weight tile is dequantized once per row tile (12 per expert there); the dequantize pass adds
-one read of the codes and one bf16 write (2 x 1.3 GB per MoE layer; not yet timed). Decode
-batches of the routed experts (T <= 512, CUDA graphs) stay below the threshold and allocate
-nothing; with few experts (a shared expert is one expert, top-1) it is met at a few hundred
-tokens. The tests check that both paths give the same bits (the batch size picks the path)."""
+tile's K loop. Below it most experts have one row tile, whose K loop dequantizes each weight tile
+exactly once; above it the second and later row tiles of an expert repeat that work. Measured on
+the H200 (Nano widths, 128 experts, top-6, ``benchmarks/moe_kernels.py``; session 24,
+``benchmarks/results/h200_session24/moe_kernels.json``), in-loop vs once: T = 256 (12 rows per
+expert) 1.92 vs 2.15 ms; T = 2,048 (96) 3.68 vs 2.47 ms; T = 16,384 (768) 21.0 vs 6.9 ms. Routed
+decode batches (T <= 512 with top-6 of 128: <= 24 rows per expert) stay below the threshold and
+allocate nothing. The tests check that both paths give the same bits (the batch size picks the
+path)."""
 
 
 class MoeTiles(NamedTuple):
