@@ -309,12 +309,15 @@ def _local_hybrid_stack_spec(num_experts: int | None):
     from megatron.core.transformer import transformer_layer as tl
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    def submodules(spec):  # a ModuleSpec, or (megatron-core 0.19's MLP) a functools.partial(module, submodules=...)
+        return spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
+
     dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     norm, mlp = dense.input_layernorm, dense.mlp
     subs = dict(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             norm=norm, mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
-                in_proj=mlp.submodules.linear_fc1, out_proj=mlp.submodules.linear_fc2)),
+                in_proj=submodules(mlp).linear_fc1, out_proj=submodules(mlp).linear_fc2)),
             mamba_bda=dense.self_attn_bda)),
         attention_layer=ModuleSpec(module=tl.TransformerLayer, submodules=tl.TransformerLayerSubmodules(
             input_layernorm=norm, self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda)),
