@@ -32,7 +32,10 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tensor cores (``torch.mm(..., out_dtype=torch.float32)``, cuBLAS). Every product of two bf16 values
     is exact in fp32, so this is an fp32 GEMM of the upcasts up to summation order."""
     try:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except RuntimeError:  # a layout cuBLAS's mixed-dtype path does not take: retry with dense operands
+            return torch.mm(a.contiguous(), b.contiguous(), out_dtype=torch.float32)
     except (RuntimeError, TypeError, NotImplementedError) as e:  # a torch without mm's out_dtype on CUDA
         global _MM_FALLBACK_WARNED
         if not _MM_FALLBACK_WARNED:
