@@ -63,3 +63,23 @@ def test_gpu_gradients_match_fp64_reference(dtype, tiny_checkpoint):
     worst = max(errs, key=errs.get)
     print(f"GPU GRAD-ERR {dtype}: worst {errs[worst]:.3e} ({worst})")
     assert errs[worst] <= TOL[dtype], f"{worst}: rel. error {errs[worst]:.3e}"
+
+
+@pytest.mark.parametrize("da,db", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                   (torch.bfloat16, torch.float32)])
+def test_grad_matmul_runs_on_tensor_cores(da, db):
+    """The backward's GEMM on CUDA takes ``torch.mm(out_dtype=float32)`` (no fallback warning) on
+    transposed views as the backwards pass them, within its documented bound of the fp64 product."""
+    import warnings
+
+    from unified_models.ops.grad.helpers import grad_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn(512, 384, generator=g, device="cuda").to(da)
+    b = torch.randn(256, 384, generator=g, device="cuda").to(db).t()  # [384, 256], a transposed view
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = grad_matmul(a, b, split_fp32=True)
+    exact = a.double() @ b.double()
+    err = float(((out.double() - exact).abs() / (a.double().abs() @ b.double().abs())).max())
+    assert out.dtype == torch.float32 and err <= 2 ** -15, err
