@@ -58,7 +58,8 @@ STATE_STAGES_LONG_CHUNK = 1
 """Pipeline stages of the chunk-state kernel for chunks longer than 128 rows. With 2 stages a
 256-row chunk asked for 298,004 bytes of shared memory on the H200 (limit 232,448; session 23,
 ``benchmarks/decode_chunk_position.py --chunk 256``); stages change only how loads overlap, never
-the values or the order of a sum. Whether 1 stage fits is not yet measured on the H200."""
+the values or the order of a sum. With 1 stage the 256-row chunk runs on the H200 and its decode
+steps equal the general chunked scan bit for bit (session 24, ``benchmarks/RESULTS.md``)."""
 
 _MIN_DOT = 1 if INTERPRET else 16
 """Smallest tile dim fed to ``tl.dot`` (16 on tensor cores)."""
