@@ -44,7 +44,6 @@ ratio a layer type has two of).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -432,27 +431,6 @@ def official_scale_dtype(cfg: Mapping) -> torch.dtype:
     ``expert_dtype`` is ``fp4`` (DeepSeek-V4-Flash), else float32 (``fp8``, Flash-Base: vLLM 0.32's
     ``DeepseekV4FP8Config.is_scale_e8m0``)."""
     return torch.float8_e8m0fnu if cfg.get("expert_dtype") == "fp4" else torch.float32
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_config_class():
-    """transformers' ``DeepseekV4Config``, made to read DeepSeek's published ``config.json`` too: its
-    ``from_dict`` runs :func:`official_config_to_hf` on a published dict first (the same fold as
-    transformers' own for ratios 4 and 128, and any other HCA ratio, which transformers' own refuses),
-    so an engine that parses the directory itself (vLLM) reads either layout. The class itself is
-    kept (not a subclass): transformers' model classes and ``AutoModelForCausalLM`` look it up exactly.
-    Patched once per process."""
-    from transformers import DeepseekV4Config
-
-    original = DeepseekV4Config.from_dict.__func__
-
-    def from_dict(cls, config_dict, **kwargs):
-        if is_official_config(config_dict):
-            config_dict = official_config_to_hf(config_dict)
-        return original(cls, config_dict, **kwargs)
-
-    DeepseekV4Config.from_dict = classmethod(from_dict)
-    return DeepseekV4Config
 
 
 def read_config_dict(model_dir: str | os.PathLike) -> dict:
