@@ -44,7 +44,6 @@ ratio a layer type has two of).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -291,13 +290,39 @@ def _e8m0_from_float32(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float8_e8m0fnu)
 
 
+def official_name_to_canonical(name: str, *, mxfp4_expert: bool = False) -> str:
+    """One published-layout tensor name -> its canonical name (names only: no tensor is read); a
+    canonical name passes unchanged.
+
+    Args:
+        name: the name as stored (with or without a ``model.`` prefix; ``mtp.*`` keep their names).
+        mxfp4_expert: ``name`` is the ``.scale`` of a routed expert stored in MXFP4 (``expert_dtype:
+            fp4``): renamed ``.weight_scale``; any other ``.scale`` is a block-FP8 ``.weight_scale_inv``.
+            The name alone cannot tell the two apart: the caller knows from the weight's dtype
+            (:func:`official_to_canonical`) or from the spec (:func:`official_names_to_canonical`).
+    """
+    if name.endswith(PUBLISHED_SCALE):
+        base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
+        return base + (MXFP4_SCALE if mxfp4_expert else CANONICAL_SCALE)
+    return _canonical_name(name)
+
+
+def routed_expert_of_scale(name: str) -> str | None:
+    """The canonical linear name (``model.layers.{i}.ffn.experts.{e}.w{1,2,3}``) of a published
+    routed expert's ``.scale``, else None: the only scales that may be MXFP4 ones."""
+    if not name.endswith(PUBLISHED_SCALE):
+        return None
+    base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
+    return base if _EXPERT_LINEAR.search(base) else None
+
+
 def official_tensor_to_canonical(name: str, t: torch.Tensor, *, mxfp4_expert: bool = False) -> tuple[str, torch.Tensor]:
     """One published-layout tensor -> ``(canonical name, tensor)``; a canonical name passes unchanged.
 
     Args:
         name, t: the tensor as stored.
         mxfp4_expert: a ``.scale`` of a routed expert stored in MXFP4 (``expert_dtype: fp4``): renamed
-            ``.weight_scale`` (else a block-FP8 ``.weight_scale_inv``).
+            ``.weight_scale`` (else a block-FP8 ``.weight_scale_inv``): :func:`official_name_to_canonical`.
 
     Returns:
         The canonical name and the tensor: the int32 ``tid2eid`` widened to int64, a float32 scale
@@ -307,10 +332,9 @@ def official_tensor_to_canonical(name: str, t: torch.Tensor, *, mxfp4_expert: bo
     Raises:
         CheckpointError: a ``.scale`` that is not a power-of-two float32 or float8_e8m0fnu tensor.
     """
+    new = official_name_to_canonical(name, mxfp4_expert=mxfp4_expert)
     if name.endswith(PUBLISHED_SCALE):
-        base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
-        return base + (MXFP4_SCALE if mxfp4_expert else CANONICAL_SCALE), _e8m0_from_float32(name, t)
-    new = _canonical_name(name)
+        return new, _e8m0_from_float32(name, t)
     if new.endswith(".ffn.gate.tid2eid") and t.dtype == torch.int32:
         t = t.to(torch.int64)
     if name.endswith(".weight") and t.dtype in _PACKED_FP4 and _EXPERT_LINEAR.search(name[: -len(".weight")]):
@@ -323,11 +347,28 @@ def official_stream_to_canonical(weights, is_mxfp4_expert) -> Any:
     time (:func:`official_tensor_to_canonical`). ``is_mxfp4_expert(canonical linear name) -> bool`` says
     which ``.scale`` tensors are MXFP4 experts' (the spec knows: their ``weight_scale`` field)."""
     for name, t in weights:
-        mx = False
-        if name.endswith(PUBLISHED_SCALE):
-            base = _canonical_name(name[: -len(PUBLISHED_SCALE)] + ".weight")[: -len(".weight")]
-            mx = bool(_EXPERT_LINEAR.search(base)) and bool(is_mxfp4_expert(base))
-        yield official_tensor_to_canonical(name, t, mxfp4_expert=mx)
+        lin = routed_expert_of_scale(name)
+        yield official_tensor_to_canonical(name, t, mxfp4_expert=lin is not None and bool(is_mxfp4_expert(lin)))
+
+
+def official_names_to_canonical(names, is_mxfp4_expert) -> dict[str, str]:
+    """Published-layout tensor names -> ``{stored name: canonical name}`` without reading a tensor (a
+    checkpoint's safetensors headers): the names :func:`official_stream_to_canonical` gives the tensors,
+    ``is_mxfp4_expert`` as there.
+
+    Raises:
+        CheckpointError: two stored names that map to one canonical name (both named).
+    """
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for name in names:
+        lin = routed_expert_of_scale(name)
+        new = official_name_to_canonical(name, mxfp4_expert=lin is not None and bool(is_mxfp4_expert(lin)))
+        if new in seen:
+            raise CheckpointError(f"published DeepSeek-V4 checkpoint: {seen[new]} and {name} both map to {new}")
+        seen[new] = name
+        out[name] = new
+    return out
 
 
 def official_to_canonical(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -390,27 +431,6 @@ def official_scale_dtype(cfg: Mapping) -> torch.dtype:
     ``expert_dtype`` is ``fp4`` (DeepSeek-V4-Flash), else float32 (``fp8``, Flash-Base: vLLM 0.32's
     ``DeepseekV4FP8Config.is_scale_e8m0``)."""
     return torch.float8_e8m0fnu if cfg.get("expert_dtype") == "fp4" else torch.float32
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_config_class():
-    """transformers' ``DeepseekV4Config``, made to read DeepSeek's published ``config.json`` too: its
-    ``from_dict`` runs :func:`official_config_to_hf` on a published dict first (the same fold as
-    transformers' own for ratios 4 and 128, and any other HCA ratio, which transformers' own refuses),
-    so an engine that parses the directory itself (vLLM) reads either layout. The class itself is
-    kept (not a subclass): transformers' model classes and ``AutoModelForCausalLM`` look it up exactly.
-    Patched once per process."""
-    from transformers import DeepseekV4Config
-
-    original = DeepseekV4Config.from_dict.__func__
-
-    def from_dict(cls, config_dict, **kwargs):
-        if is_official_config(config_dict):
-            config_dict = official_config_to_hf(config_dict)
-        return original(cls, config_dict, **kwargs)
-
-    DeepseekV4Config.from_dict = classmethod(from_dict)
-    return DeepseekV4Config
 
 
 def read_config_dict(model_dir: str | os.PathLike) -> dict:

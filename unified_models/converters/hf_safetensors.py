@@ -74,30 +74,44 @@ def checkpoint_layout(raw_config: dict) -> Any:
     return None
 
 
-def canonical_tensors(model_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` of ``model_dir`` under the spec's (canonical) names: unchanged for a canonical
-    checkpoint, converted by its layout module (:func:`checkpoint_layout`) otherwise.
+def tensor_layout(model_dir: str | os.PathLike, names) -> Any:
+    """The layout module of the checkpoint in ``model_dir`` whose tensors are ``names`` (an iterable of
+    stored names, or a dict keyed by them): :func:`checkpoint_layout` of its ``config.json``, after
+    checking that the tensor names are in the same layout; None for a canonical checkpoint (or no
+    readable ``config.json``: the config's own reader reports that).
 
     Raises:
         CheckpointError: the config and the tensor names disagree on the layout (a published
-            config with transformers' tensor names or the reverse), or the layout's own errors.
+            config with transformers' tensor names or the reverse).
     """
     d = Path(model_dir)
     try:
         raw = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return tensors
+        return None
     if raw.get("model_type") != "deepseek_v4":
-        return tensors
+        return None
     from . import deepseek_v4_layout
 
-    by_config = deepseek_v4_layout.is_official_config(raw)
-    by_names = deepseek_v4_layout.is_official_tensor_names(tensors)
+    layout = checkpoint_layout(raw)
+    by_config, by_names = layout is not None, deepseek_v4_layout.is_official_tensor_names(names)
     if by_config != by_names:
         say = {True: "DeepSeek's published layout", False: "the transformers layout"}
         raise CheckpointError(f"checkpoint {d}: config.json is in {say[by_config]} but the tensor names are in "
                               f"{say[by_names]}; convert one of them (unified_models.converters.deepseek_v4_layout)")
-    return deepseek_v4_layout.official_to_canonical(tensors) if by_config else tensors
+    return layout
+
+
+def canonical_tensors(model_dir: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` of ``model_dir`` under the spec's (canonical) names: unchanged for a canonical
+    checkpoint, converted by its layout module (:func:`tensor_layout`) otherwise.
+
+    Raises:
+        CheckpointError: the config and the tensor names disagree on the layout (a published
+            config with transformers' tensor names or the reverse), or the layout's own errors.
+    """
+    layout = tensor_layout(model_dir, tensors)
+    return layout.official_to_canonical(tensors) if layout is not None else tensors
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:

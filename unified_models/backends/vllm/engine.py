@@ -82,7 +82,11 @@ def validate_checkpoint(model_dir: str | os.PathLike, spec=None) -> None:
     """Check config, tensor names and shapes of a checkpoint without loading data.
 
     Reads only the safetensors headers, so a bad checkpoint fails in milliseconds
-    with an error naming the file and tensors, before vLLM starts.
+    with an error naming the file and tensors, before vLLM starts. A checkpoint in a
+    family's other layout (DeepSeek's published DeepSeek-V4 layout) is checked under the
+    canonical names its tensors load as (:func:`~unified_models.converters.hf_safetensors.tensor_layout`,
+    the layout module's ``official_names_to_canonical``: the names the loader gives them; an
+    MXFP4 routed expert's ``.scale`` is told by the spec declaring ``<linear>.weight_scale``).
 
     Args:
         model_dir: HF checkpoint directory.
@@ -90,12 +94,13 @@ def validate_checkpoint(model_dir: str | os.PathLike, spec=None) -> None:
             ``model_dir``'s config).
 
     Raises:
-        CheckpointError / SpecError: unreadable config or file; missing,
-            unexpected or mis-shaped tensors (all listed).
+        CheckpointError / SpecError: unreadable config or file; a config and tensor names in
+            different layouts; missing, unexpected or mis-shaped tensors (all listed, under
+            their canonical names).
     """
     from safetensors import SafetensorError, safe_open
 
-    from ...converters.hf_safetensors import safetensors_files, validate_state_dict
+    from ...converters.hf_safetensors import safetensors_files, tensor_layout, validate_state_dict
 
     spec = spec if spec is not None else _spec(model_dir)
     meta: dict[str, torch.Tensor] = {}
@@ -110,6 +115,11 @@ def validate_checkpoint(model_dir: str | os.PathLike, spec=None) -> None:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    layout = tensor_layout(model_dir, meta)
+    if layout is not None:
+        expected = spec.parameter_shapes()
+        names = layout.official_names_to_canonical(meta, lambda lin: f"{lin}{layout.MXFP4_SCALE}" in expected)
+        meta = {names[n]: t for n, t in meta.items()}
     validate_state_dict(meta, spec, source=str(model_dir), check_finite=False)
 
 

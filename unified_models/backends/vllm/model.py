@@ -114,25 +114,29 @@ _SPECS: dict[tuple[str, str], ModelSpec] = {}
 
 
 def spec_of_config(hf_config, dtype: torch.dtype | None) -> ModelSpec:
-    """The spec of a transformers config, built once per process per distinct config and dtype.
+    """The spec of the config vLLM parsed, built once per process per distinct config and dtype.
 
     vLLM hands the model class, and the hybrid class methods it calls before the model
-    exists, only its own copy of the config; building the spec is deterministic in the
-    config's content, so equal contents (``to_json_string``) share one spec. A config
-    that cannot be serialized is built every time.
+    exists, only its own copy of the config: transformers' class, or for a DeepSeek-V4
+    checkpoint in DeepSeek's published layout vLLM's own pass-through class, read through
+    :func:`.config_classes.transformers_config` (the same spec as the transformers-layout copy).
+    Building the spec is deterministic in the config's content, so equal contents
+    (``to_json_string``) share one spec. A config that cannot be serialized is built every time.
 
     Raises:
-        SpecError / CheckpointError: as :func:`unified_models.models.spec_from_hf_config`.
+        SpecError / CheckpointError: as :func:`unified_models.models.spec_from_hf_config` and
+            :func:`.config_classes.transformers_config`.
     """
     from ...models import spec_from_hf_config
+    from .config_classes import transformers_config
 
     try:
         key = (f"{type(hf_config).__name__}:{hf_config.to_json_string(use_diff=False)}", str(dtype))
     except (TypeError, ValueError, AttributeError):  # not serializable: no memo
-        return spec_from_hf_config(hf_config, dtype=dtype)
+        return spec_from_hf_config(transformers_config(hf_config), dtype=dtype)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = spec_from_hf_config(hf_config, dtype=dtype)
+        spec = spec_from_hf_config(transformers_config(hf_config), dtype=dtype)
         if len(_SPECS) >= 8:
             _SPECS.clear()
         _SPECS[key] = spec

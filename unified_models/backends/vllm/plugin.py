@@ -74,7 +74,9 @@ def native_hf_overrides(hf_config):
     """vLLM ``hf_overrides`` callable: a checkpoint of a family we serve loads with our class.
 
     A config whose ``architectures`` names a family's native class (:func:`native_architectures`)
-    gets :func:`model_architecture` of its spec (hybrid variant iff it has Mamba-2 layers) and a
+    gets :func:`model_architecture` of its spec (hybrid variant iff it has Mamba-2 layers; the spec
+    of :func:`.config_classes.transformers_config`, so vLLM's own config of a published DeepSeek-V4
+    checkpoint is read too) and a
     ModelOpt ``quantization_config`` moved out of vLLM's way, exactly what
     ``engine.make_llm`` passes as ``hf_overrides``. Any other config is returned unchanged.
     """
@@ -95,7 +97,9 @@ def native_hf_overrides(hf_config):
     if qc is not None:
         hf_config.quantization_config = None
         setattr(hf_config, QUANT_CONFIG_ATTR, qc)
-    hf_config.architectures = [model_architecture(spec_from_hf_config(hf_config))]
+    from .config_classes import transformers_config
+
+    hf_config.architectures = [model_architecture(spec_from_hf_config(transformers_config(hf_config)))]
     return hf_config
 
 
@@ -119,23 +123,37 @@ def install_native_override() -> None:
     EngineArgs.create_model_config = create_model_config
 
 
-TRANSFORMERS_CONFIG_CLASSES = {"deepseek_v4": ("unified_models.converters.deepseek_v4_layout",
-                                               "transformers_config_class")}
-"""Model types whose config vLLM must parse with transformers' class (here: a factory of it that also
-reads DeepSeek's published layout), not its own."""
+LAYOUT_CONFIG_CLASSES = {"deepseek_v4": ("unified_models.backends.vllm.config_classes", "DeepseekV4ConfigByLayout")}
+"""Model types whose ``config.json`` vLLM must parse by layout: model type -> (module, class) of a
+factory class that keeps the class vLLM registered (its ``published_class``) for the checkpoint
+layout vLLM's own model reads and uses transformers' class for the transformers layout."""
 
 
 def use_transformers_configs() -> None:
-    """Make vLLM parse the model types of :data:`TRANSFORMERS_CONFIG_CLASSES` with transformers' config class.
+    """Let vLLM parse a transformers-written ``config.json`` of the model types of
+    :data:`LAYOUT_CONFIG_CLASSES` with transformers' config class, and DeepSeek's published layout
+    with the class vLLM registered for it, as vLLM does without our package.
 
-    vLLM 0.32 registers its own ``DeepseekV4Config`` for ``deepseek_v4``
-    (``vllm/transformers_utils/configs/deepseek_v4.py``): a generic ``PreTrainedConfig`` that
-    does not fold ``compress_ratios`` / ``num_hash_layers`` and whose inherited validation
-    accepts only ``("sparse", "dense")`` ``mlp_layer_types``, so a transformers-written config
-    (``hash_moe`` / ``moe``) fails to load, and vLLM registers that class into ``AutoConfig``
-    for the rest of the process. Our declaration (:mod:`unified_models.models.deepseek_v4`)
-    reads transformers' class, the same on both engines. Idempotent; a vLLM without such a
-    registry entry is left alone.
+    vLLM registers its own ``DeepseekV4Config`` for ``deepseek_v4`` (``_CONFIG_REGISTRY``,
+    ``vllm/transformers_utils/configs/deepseek_v4.py``, 0.26 and 0.32): a pass-through
+    ``PreTrainedConfig`` that keeps DeepSeek's published keys (``compress_ratios``,
+    ``num_hash_layers``, ``rope_scaling``, ...) as attributes, which vLLM's native
+    ``DeepseekV4ForCausalLM`` reads, and whose inherited validation accepts only
+    ``("sparse", "dense")`` ``mlp_layer_types``, so a transformers-written config (``hash_moe`` /
+    ``moe``) fails to load. This plugin runs in every vLLM process (a user's native run too), so
+    the registry entry becomes
+    :class:`~unified_models.backends.vllm.config_classes.DeepseekV4ConfigByLayout` (also registered
+    into ``AutoConfig``, as vLLM itself does with its registry classes): a published ``config.json``
+    is parsed by the class vLLM had registered, exactly as native vLLM does, a transformers-written
+    one by transformers' class. Our model class reads either through
+    :func:`~unified_models.backends.vllm.config_classes.transformers_config`.
+
+    vLLM's generic RoPE readers also learn transformers' two rope labels (``"main"`` /
+    ``"compress"``, added to ``ALLOWED_LAYER_TYPES``; a published config's flat ``rope_scaling`` has
+    neither key, so what vLLM reads from it is unchanged).
+
+    Idempotent (an entry that is already ours keeps the class it wraps); a vLLM without such a
+    registry, or without an entry for the model type, is left alone.
     """
     import importlib
 
@@ -153,10 +171,14 @@ def use_transformers_configs() -> None:
     allowed = getattr(vllm_config, "ALLOWED_LAYER_TYPES", None)
     if isinstance(allowed, tuple) and "compress" not in allowed:
         vllm_config.ALLOWED_LAYER_TYPES = allowed + ("main", "compress")
-    for model_type, (module, name) in TRANSFORMERS_CONFIG_CLASSES.items():
-        if model_type in registry:
-            cls = getattr(importlib.import_module(module), name)()
+    for model_type, (module, name) in LAYOUT_CONFIG_CLASSES.items():
+        if model_type not in registry:
+            continue
+        cls = getattr(importlib.import_module(module), name)
+        current = registry[model_type]  # vLLM's LazyConfigDict imports its class here
+        if current is not cls:
+            cls.published_class = current
             registry[model_type] = cls
-            from transformers import AutoConfig
+        from transformers import AutoConfig
 
-            AutoConfig.register(model_type, cls, exist_ok=True)
+        AutoConfig.register(model_type, cls, exist_ok=True)

@@ -102,7 +102,8 @@ class WeightLoading:
         unknown: list[str] = []
         layout = self._checkpoint_layout()
         if layout is not None:  # e.g. DeepSeek's published layout: canonical names, tensor by tensor
-            weights = layout.official_stream_to_canonical(weights, lambda lin: f"{lin}.weight_scale" in self._shapes)
+            weights = layout.official_stream_to_canonical(
+                weights, lambda lin: f"{lin}{layout.MXFP4_SCALE}" in self._shapes)
         try:
             foreign = self.foreign_experts
             for name, tensor in weights:
