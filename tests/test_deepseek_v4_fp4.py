@@ -35,19 +35,13 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     import os
+    from unittest import mock
 
     from unified_models.presets import build_preset_checkpoint
 
     root = tmp_path_factory.mktemp("um_cache_fp4")
-    old = os.environ.get("UNIFIED_MODELS_CACHE")
-    os.environ["UNIFIED_MODELS_CACHE"] = str(root)
-    try:
+    with mock.patch.dict(os.environ, UNIFIED_MODELS_CACHE=str(root)):  # the bf16 base is built there too
         quantized = build_preset_checkpoint(PRESET)
-    finally:
-        if old is None:
-            os.environ.pop("UNIFIED_MODELS_CACHE")
-        else:
-            os.environ["UNIFIED_MODELS_CACHE"] = old
     (base,) = [p for p in root.iterdir() if p.name.startswith(f"{PRESET}-bf16-")]
     return root, base, quantized
 

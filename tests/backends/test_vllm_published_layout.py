@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from unittest import mock
 import re
 
 import pytest
@@ -40,15 +41,8 @@ def checkpoints(tmp_path_factory):
 
     def get(preset: str):
         if preset not in built:
-            old = os.environ.get("UNIFIED_MODELS_CACHE")
-            os.environ["UNIFIED_MODELS_CACHE"] = str(root)
-            try:
+            with mock.patch.dict(os.environ, UNIFIED_MODELS_CACHE=str(root)):  # quantized presets' bases too
                 hf = build_preset_checkpoint(preset)
-            finally:
-                if old is None:
-                    os.environ.pop("UNIFIED_MODELS_CACHE")
-                else:
-                    os.environ["UNIFIED_MODELS_CACHE"] = old
             built[preset] = hf, layout.convert_checkpoint(hf, root / f"{preset}-published", to="official")
         return built[preset]
 
