@@ -86,7 +86,9 @@ def published_deepseek_v4(model_dir: str) -> tuple[str, str | None]:
     ``DeepseekV4ForCausalLM`` loads (0.26 reads ``compress_ratios``, ``num_hash_layers``, ``kv_norm``,
     ... from its own pass-through config class; a transformers-written config has ``compress_rates``
     and failed with ``AttributeError: 'DeepseekV4Config' object has no attribute 'compress_ratios'``,
-    session 23). Both engines then load this same directory (ours reads either layout).
+    session 23; in session 24 the published copy failed the same way because our plugin replaced
+    vLLM's config class, fixed since: :mod:`unified_models.backends.vllm.config_classes`). Both
+    engines then load this same directory (ours reads either layout).
 
     Returns ``(directory, note)``: ``model_dir`` itself when it is already published (note None), else
     its conversion (:func:`unified_models.converters.deepseek_v4_layout.convert_checkpoint`, every
