@@ -240,8 +240,9 @@ def test_a_vision_tower_in_vllms_config_is_refused(checkpoints, vllm_config):
 
 
 def test_make_llm_on_the_published_copy_samples_what_the_original_does(checkpoints):
-    """End to end: the published copy loads through vLLM's own config class, our model class, the
-    pre-flight and the loader's name mapping, and samples the original's tokens and logprobs bitwise."""
+    """End to end: the published copy loads through make_llm's overrides (transformers' form of its
+    config), our model class, the pre-flight and the loader's name mapping, gets the original's engine
+    settings, and samples the original's tokens and logprobs bitwise."""
     from vllm import SamplingParams
 
     from unified_models.backends.vllm import engine
@@ -250,14 +251,22 @@ def test_make_llm_on_the_published_copy_samples_what_the_original_does(checkpoin
     prompt = {"prompt_token_ids": [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889, 3750, 338,
                                    278, 29871, 29896, 29945, 29900]}
     params = SamplingParams(max_tokens=4, temperature=1.0, seed=3, logprobs=0, detokenize=False)
-    runs = {}
+    runs, settings = {}, {}
     for d in (pub, hf):
         llm = engine.make_llm(d, max_model_len=128, max_num_seqs=2, skip_tokenizer_init=True, max_logprobs=1)
         try:
+            # vLLM sees transformers' config of either layout (engine_hf_overrides), so it derives the
+            # same settings: from its pass-through class it would take the model for MLA and turn
+            # prefix caching and chunked prefill off on the CPU
             cfg = llm.llm_engine.model_config.hf_config
-            assert (getattr(cfg, "compress_ratios", None) == [0, 4, 16, 4]) == (d == pub)
+            assert type(cfg).__name__ == "DeepseekV4Config" and list(cfg.layer_types) and not hasattr(
+                cfg, "compress_ratios"), type(cfg)
+            vc = llm.llm_engine.vllm_config
+            settings[d] = (vc.cache_config.enable_prefix_caching, vc.scheduler_config.max_num_batched_tokens,
+                           vc.scheduler_config.enable_chunked_prefill, llm.llm_engine.model_config.use_mla)
             out = llm.generate([prompt], params)[0].outputs[0]
         finally:
             engine.shutdown_llm(llm)
         runs[d] = list(out.token_ids), [next(iter(lp.values())).logprob for lp in out.logprobs]
     assert len(runs[pub][0]) == 4 and runs[pub] == runs[hf]
+    assert settings[pub] == settings[hf] and settings[hf][0] is True and settings[hf][3] is False, settings

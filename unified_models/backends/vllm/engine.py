@@ -46,6 +46,7 @@ Why each pin (integration manual sections in brackets):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -139,6 +140,21 @@ def quantization_overrides(model_dir: str | os.PathLike) -> dict[str, Any]:
     if qc is None and (d / "hf_quant_config.json").is_file():
         qc = json.loads((d / "hf_quant_config.json").read_text())
     return {} if qc is None else {"quantization_config": None, QUANT_CONFIG_ATTR: qc}
+
+
+def engine_hf_overrides(overrides: dict[str, Any], hf_config):
+    """``make_llm``'s ``hf_overrides`` (bound with :func:`functools.partial`: picklable): set
+    ``overrides`` (architecture, :func:`quantization_overrides`) on vLLM's config, then hand vLLM
+    :func:`.config_classes.transformers_config` of it. For a DeepSeek-V4 checkpoint in DeepSeek's
+    published layout that is transformers' config of the same model, so vLLM derives the same engine
+    settings from either layout (from its own pass-through class it would treat the model as MLA:
+    on the CPU that forces prefix caching and chunked prefill off and replaces the token budget);
+    any other config comes back as it is, the overrides set."""
+    from .config_classes import transformers_config
+
+    for k, v in overrides.items():
+        setattr(hf_config, k, v)
+    return transformers_config(hf_config)
 
 
 def default_block_size(spec) -> int:
@@ -271,7 +287,8 @@ def make_llm(model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int 
         tokenizer=model_dir,
         skip_tokenizer_init=skip_tokenizer_init,
         trust_remote_code=False,
-        hf_overrides={"architectures": [architecture], **quantization_overrides(model_dir)},
+        hf_overrides=functools.partial(engine_hf_overrides,
+                                       {"architectures": [architecture], **quantization_overrides(model_dir)}),
         model_impl="vllm",
         # The spec decides the dtype (from the checkpoint config), and the trainer
         # builds from the same spec: both engines always compute in one dtype.

@@ -99,7 +99,8 @@ def native_hf_overrides(hf_config):
         setattr(hf_config, QUANT_CONFIG_ATTR, qc)
     from .config_classes import transformers_config
 
-    hf_config.architectures = [model_architecture(spec_from_hf_config(transformers_config(hf_config)))]
+    hf_config = transformers_config(hf_config)  # as make_llm's overrides: one form for either layout
+    hf_config.architectures = [model_architecture(spec_from_hf_config(hf_config))]
     return hf_config
 
 
