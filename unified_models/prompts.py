@@ -43,7 +43,7 @@ def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PromptError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
+                raise PromptError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             if isinstance(row, str):
                 text = row
             elif isinstance(row, dict):

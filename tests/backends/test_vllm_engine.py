@@ -226,6 +226,8 @@ def test_vllm_inplace_update_rejects_bad_state_dict(llm, trainer):
         model.load_weights([("backbone.layers.0.mixer.nope.weight", torch.zeros(1))])
     with pytest.raises(CheckpointError, match="expects"):
         model.load_weights([(name, torch.zeros(3, 3, dtype=torch.bfloat16))])
+    with pytest.raises(CheckpointError, match="int32, the spec stores a floating-point"):
+        model.load_weights([(name, sd[name].to(torch.int32))])  # integers for a weight: refused, not cast
     assert torch.equal(model.params()[name], sd[name])
 
 

@@ -83,7 +83,35 @@ def test_unknown_layer_type_in_checkpoint_config(ckpt_copy):
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
     from unified_models.dsl import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"config\.json is not a valid transformers config"):
+    with pytest.raises(CheckpointError, match=r"config\.json is not a valid transformers config") as e:
+        spec_and_state_dict(ckpt_copy)
+    assert "bogus_mixer" in str(e.value), str(e.value)  # the reason, not only transformers' heading line
+
+
+def test_config_field_of_the_wrong_type_or_a_config_that_is_not_an_object(ckpt_copy):
+    from unified_models.dsl import CheckpointError
+
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    (ckpt_copy / "config.json").write_text(json.dumps({**cfg, "hidden_size": str(cfg["hidden_size"])}))
+    with pytest.raises(CheckpointError, match="hidden_size") as e:
+        spec_and_state_dict(ckpt_copy)
+    assert "\n" not in str(e.value) and "expected int" in str(e.value), str(e.value)
+    (ckpt_copy / "config.json").write_text(json.dumps([cfg]))
+    with pytest.raises(CheckpointError, match="must hold a JSON object, not a list"):
+        spec_and_state_dict(ckpt_copy)
+
+
+def test_integer_tensor_for_a_float_weight_is_refused(ckpt_copy):
+    """A float parameter stored as integers is corruption, not a cast (both loaders name it)."""
+    from safetensors.torch import load_file as load, save_file
+
+    from unified_models.dsl import CheckpointError
+
+    f = ckpt_copy / "model.safetensors"
+    sd = load(str(f))
+    name = next(n for n, t in sd.items() if n.endswith("norm.weight"))
+    save_file({**sd, name: sd[name].to(torch.int32)}, str(f))
+    with pytest.raises(CheckpointError, match=rf"{name}: stored torch.int32, expected a floating-point dtype"):
         spec_and_state_dict(ckpt_copy)
 
 

@@ -40,6 +40,8 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
         raw = json.loads((d / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{d}/config.json must hold a JSON object, not a {type(raw).__name__}")
     try:
         layout = checkpoint_layout(raw)
         if layout is not None:  # a family's other layout (DeepSeek-V4's published one): its config, translated
@@ -50,8 +52,9 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
     except SpecError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many (validation) types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{d}/config.json is not a valid transformers config: {first}") from None
+        # transformers' validation errors span lines ("Validation error for field 'x':" then the reason)
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        raise CheckpointError(f"{d}/config.json is not a valid transformers config: {why[:600]}") from None
     from ..models import check_declared_layer_count
 
     check_declared_layer_count(config, raw, source=f"{d}/config.json")
@@ -185,13 +188,17 @@ def cast_to_stored_dtypes(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, 
 
     Raises:
         CheckpointError: a quantized code tensor (uint8 / float8_e4m3fn) stored
-            in another dtype, or a float tensor stored as codes.
+            in another dtype, a float tensor stored as codes, or a floating-point
+            parameter stored as integers or booleans (every such tensor listed).
     """
     dtypes = spec.parameter_dtypes()
     out = {}
     bad = []
     for name, want in dtypes.items():
         t = tensors[name]
+        if want.is_floating_point and want not in _CODE_DTYPES and not t.is_floating_point():  # int/bool: corrupt
+            bad.append(f"{name}: stored {t.dtype}, expected a floating-point dtype ({want})")
+            continue
         if (want in _CODE_DTYPES or t.dtype in _CODE_DTYPES) and t.dtype != want:
             bad.append(f"{name}: stored {t.dtype}, expected {want}")
             continue

@@ -64,6 +64,8 @@ class WeightLoading:
         want = self._foreign_dtypes[name] if foreign else self._dtypes[name]
         if (want in _CODE_DTYPES or tensor.dtype in _CODE_DTYPES) and tensor.dtype != want:
             return f"tensor {name} has dtype {tensor.dtype}, the spec stores {want}"
+        if want.is_floating_point and not tensor.is_floating_point():  # int / bool for a weight: corruption
+            return f"tensor {name} has dtype {tensor.dtype}, the spec stores a floating-point {want}"
         return None
 
     def _checkpoint_layout(self):
