@@ -101,6 +101,17 @@ def test_config_field_of_the_wrong_type_or_a_config_that_is_not_an_object(ckpt_c
         spec_and_state_dict(ckpt_copy)
 
 
+@pytest.mark.parametrize("field, value", [("num_attention_heads", -4), ("hidden_size", 0)])
+def test_a_size_field_below_one_is_named(ckpt_copy, field, value):
+    """Named as the config field, not as the tensor shapes derived from it."""
+    from unified_models.dsl import CheckpointError, SpecError
+
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    (ckpt_copy / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises((SpecError, CheckpointError), match=rf"{field}={value} must be an integer >= 1"):
+        spec_and_state_dict(ckpt_copy)
+
+
 def test_integer_tensor_for_a_float_weight_is_refused(ckpt_copy):
     """A float parameter stored as integers is corruption, not a cast (both loaders name it)."""
     from safetensors.torch import load_file as load, save_file

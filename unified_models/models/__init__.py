@@ -38,14 +38,27 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, **kwar
     Nemotron-H's ``quant_config``, go to it).
 
     Raises:
-        SpecError: the model type has no declaration here.
+        SpecError: the model type has no declaration here, or a size field of :data:`SIZE_FIELDS`
+            that is not an integer >= 1 (named, before any shape is derived from it).
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in _FAMILIES:
         raise SpecError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
         )
+    for name in SIZE_FIELDS:
+        v = getattr(config, name, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise SpecError(f"{model_type} config: {name}={v!r} must be an integer >= 1")
     return _FAMILIES[model_type](config, dtype=dtype, **kwargs)
+
+
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "moe_intermediate_size", "vocab_size", "num_hidden_layers", "n_routed_experts",
+               "num_experts_per_tok", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+               "conv_kernel", "chunk_size")
+"""Config fields that are sizes in every family that has them: refused unless an integer >= 1, so a
+negative or zero size is named as the field, not as the tensor shapes derived from it."""
 
 
 def architectures() -> dict[str, str]:
