@@ -113,16 +113,16 @@ class ExpertsFn(torch.autograd.Function):
         dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
         g = g.to(dt)
         up, down = ctx.up, ctx.down
-        x, wts = x_in.to(dt), w_in.to(dt)
+        wts = w_in.to(dt)
         E, I, D = up.shape
         T, K = ids.shape
         half = x_in.dtype in (torch.bfloat16, torch.float16)  # a bf16 model: its fp32 intermediates split too
         # per-expert weights are dequantized/upcast one expert at a time (no [E, I, D] fp32 copy);
         # weight gradients go straight into buffers of the masters' dtype
-        dx = torch.zeros_like(x) if nx else None
+        dx = torch.zeros(x_in.shape, dtype=dt, device=x_in.device) if nx else None
         dw = torch.zeros_like(wts) if nw else None
-        dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x.device) if nu else None
-        ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x.device) if nd else None
+        dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x_in.device) if nu else None
+        ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x_in.device) if nd else None
         if nx or nw or nu or nd:
             for e, rows in expert_rows(ids, E):
                 tok, slot = rows // K, rows % K
