@@ -110,20 +110,20 @@ def work_model(spec, B: int, p: int, triton_path: bool, model_bytes: int = 2) ->
         from unified_models.ops.mamba2 import triton as mt
         from unified_models.ops.triton._common import next_pow2
 
-        BL = max(mt._MIN_DOT, min(mt.BLOCK_L, Q))
+        BL = max(mt._MIN_DOT, min(mt.DECODE_SCAN_LAUNCH["block_l"], Q))
         BPS = max(mt._MIN_DOT, min(mt.BLOCK_PS, max(mt._MIN_DOT, next_pow2(P))))
         trips = p // BL + 1
         out["tiles"] = {"BLOCK_L": BL, "BLOCK_P_state": BPS}
+        out["scan_launch"] = dict(mt.DECODE_SCAN_LAUNCH)
         out["programs"] = {
             "conv": math.ceil(B / mt.CONV_BLOCK_T) * math.ceil(C / mt.CONV_BLOCK_C),
             "conv_tail": B * math.ceil(C / 256),
             "dt": math.ceil(B / 64),
             "cumsum": B * H,
-            "scan": B * H * (Q // BL),
+            "scan": B * H,  # one program per (sequence, head): the row block holding the token
             "state_commit": B * H * math.ceil(P / BPS),
             "pending_rows": B * H,
         }
-        out["scan_busy_programs"] = B * H  # the row block holding the token; the other Q/BL - 1 exit at once
         out["scan_source_blocks_per_busy_program"] = trips  # source-loop trips, BL rows and 2 dots each
         out["state_commit_chunk_passes"] = B * H * math.ceil(P / BPS) if commit else 0  # programs with a loop trip
         out["ours_ssd_bytes_read_per_seq_head"] = (
@@ -403,6 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-backend", choices=["triton", "torch"], default="triton",
                     help="CPU: Triton interpreter (the GPU's decode path) or the CPU engines' torch path")
     ap.add_argument("--no-native", action="store_true", help="skip vLLM's kernels")
+    ap.add_argument("--scan-candidates", nargs="+", default=None, metavar="BL:WARPS:STAGES",
+                    help="also run the decode scan with these launches (row block, warps, pipeline stages; "
+                         "ops/mamba2/triton.DECODE_SCAN_LAUNCH) after the current one: each row records its "
+                         "launch and whether its bits equal the general chunked scan's (the current launch's)")
     ap.add_argument("--json", dest="json_out", default=None,
                     help="default benchmarks/results/decode_chunk_position_{h200,cpu}.json")
     args = ap.parse_args(argv)
@@ -416,6 +420,15 @@ def main(argv=None) -> int:
 
         if not INTERPRET:
             ap.error("--cpu-backend triton: Triton was imported without TRITON_INTERPRET=1")
+    candidates = []
+    for c in args.scan_candidates or []:
+        try:
+            bl, warps, stages = (int(v) for v in c.split(":"))
+        except ValueError:
+            ap.error(f"--scan-candidates: {c!r} is not BL:WARPS:STAGES (three integers)")
+        if bl < 1 or bl & (bl - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+            ap.error(f"--scan-candidates: {c!r}: BL must be a power of two, WARPS 1/2/4/8/16, STAGES >= 1")
+        candidates.append({"block_l": bl, "num_warps": warps, "num_stages": stages})
     model, spec = preset_mamba_spec(args.preset)
     over = {field: getattr(args, flag) for flag, field in WIDTH_FLAGS.items() if getattr(args, flag) is not None}
     rows, ok = [], True
@@ -433,10 +446,32 @@ def main(argv=None) -> int:
                                label=args.preset + (f" {over_q}" if over_q else ""))
         rows += rows_q
         ok &= ok_q
+        if candidates:
+            from unified_models.ops.mamba2 import triton as mt
+
+            current = dict(mt.DECODE_SCAN_LAUNCH)
+            try:
+                for cand in candidates:
+                    mt.DECODE_SCAN_LAUNCH.update(cand)
+                    print(f"decode scan launch {cand} (current {current})", flush=True)
+                    rows_c, _ = measure(spec_q, model, args.batch, positions, chunk_index=args.chunk_index,
+                                        iters=args.iters, wall_iters=args.wall_iters, native=False,
+                                        cpu_backend=args.cpu_backend, label=f"{args.preset} scan {cand}")
+                    for r in rows_c:
+                        r["scan_candidate"] = True
+                    rows += rows_c  # a candidate whose guard fails is a finding, not a failed run
+            finally:
+                mt.DECODE_SCAN_LAUNCH.clear()
+                mt.DECODE_SCAN_LAUNCH.update(current)
     json_out = args.json_out or str(HERE / "results" / f"decode_chunk_position_{'h200' if cuda else 'cpu'}.json")
     finish(rows, json_out, "(ms per decode step of one Mamba-2 layer; growth = ours(p) / ours(smallest p); "
            "guard = decode step == general chunked scan, bit for bit)")
     print(f"wrote {json_out}")
+    if candidates:
+        print("decode scan launches (ssm ms by B and p; guard = the general chunked scan's bits):")
+        for r in rows:
+            print(f"  {r['work'].get('scan_launch')} B={r['batch']} p={r['p']}: ssm {r['ours_ssm_ms']:.4f} ms "
+                  f"guard {'ok' if r['guard_bitwise'] else 'DIFFERENT BITS'}")
     if not ok:
         print("GUARD FAILED: the decode step's bits differ from the general chunked scan", flush=True)
         return 1

@@ -26,7 +26,7 @@
 # trainer-cost: benchmarks/trainer_cost.py on nemotron_3_nano_reduced (hybrid: Megatron's MambaModel is recorded as
 #   not buildable without mamba_ssm) and nemotron_h_dense_bench (Megatron's GPTModel, local layers): our recompute vs
 #   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
-#   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"); JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
+#   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"), UM_TC_PRESETS narrows the presets; JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -186,9 +186,10 @@ if [ "$stage" = graph-soak ]; then
     | tee "$OUT/graph_soak.log" | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (benchmarks/trainer_cost.py docstring)
-  nano_checkpoint nemotron_3_nano_reduced nemotron_h_dense_bench
+  presets=${UM_TC_PRESETS:-nemotron_3_nano_reduced nemotron_h_dense_bench}
+  nano_checkpoint $presets
   d="$OUT/trainer_cost_logs"; mkdir -p "$d"
-  for preset in nemotron_3_nano_reduced nemotron_h_dense_bench; do
+  for preset in $presets; do
     python3 benchmarks/trainer_cost.py --preset $preset --device cuda --timeout-s 240 ${UM_TC_ARGS:-} \
       --json "$d/trainer_cost_$preset.json" > "$d/trainer_cost_$preset.log" 2>&1; rc=$((rc | $?))
     cp "$d/trainer_cost_$preset.json" "$OUT/" 2>/dev/null

@@ -34,7 +34,7 @@ def test_two_positions_rows_and_guard(tmp_path, capsys):
         assert r["guard_bitwise"] is True and r["guard"] and all(r["guard"].values()), r["guard"]
         assert "scan_out_vs_chunk_prefix" in r["guard"] and "state_ssm_vs_chunk_prefix" in r["guard"]
         assert r["native_unavailable"] == "--no-native"
-        assert r["work"]["programs"]["scan"] == 2 * 2 * (16 // r["work"]["tiles"]["BLOCK_L"])
+        assert r["work"]["programs"]["scan"] == 2 * 2  # one program per (sequence, head) on a decode step
     # p = 15 completes the chunk: every program of the state kernel folds it once; p = 5 folds nothing
     assert rows[1]["work"]["state_commit_chunk_passes"] == rows[1]["work"]["programs"]["state_commit"] > 0
     assert rows[0]["work"]["state_commit_chunk_passes"] == 0

@@ -54,6 +54,14 @@ else:
     NUM_WARPS, NUM_STAGES = 4, 2
     SSD_NUM_WARPS = 8  # [64 x 128] operand tiles per program
 
+DECODE_SCAN_LAUNCH = {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES}
+"""Row block and launch of ``_ssd_scan_kernel`` on a decode step (``meta.uniform_decode``). A
+decode step launches one program per (sequence, head) for the row block that holds its token.
+A row's value depends on the K order of its dots (source rows in blocks from row 0, in steps of
+16 on tensor cores; rows past the token are exact zeros) and not on how many rows or warps a
+program holds, so the candidates of ``benchmarks/decode_chunk_position.py --scan-candidates``
+are kept only where the H200 gives the general chunked scan's bits for every position."""
+
 STATE_STAGES_LONG_CHUNK = 1
 """Pipeline stages of the chunk-state kernel for chunks longer than 128 rows. With 2 stages a
 256-row chunk asked for 298,004 bytes of shared memory on the H200 (limit 232,448; session 23,
@@ -349,14 +357,20 @@ def _ssd_scan_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, c_ptr, acum_
                      stride_ss, stride_sh, stride_sp, stride_sn,
                      stride_ot, stride_oh, stride_op,
                      Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HAS_STATE: tl.constexpr, HAS_D: tl.constexpr, FP32_DOT: tl.constexpr, OP: tl.constexpr):
+                     HAS_STATE: tl.constexpr, HAS_D: tl.constexpr, FP32_DOT: tl.constexpr, OP: tl.constexpr,
+                     ONE_ROW_BLOCK: tl.constexpr = False):
+    # ONE_ROW_BLOCK (decode steps): one program per (item, head), for the row block holding the
+    # sequence's only row (p0 - k*Q); otherwise one program per row block (program_id 2).
     u = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    lb = tl.program_id(2)
     b = tl.load(item_seq_ptr + u).to(tl.int64)
     k = tl.load(item_chunk_ptr + u).to(tl.int64)
     rank = tl.load(item_rank_ptr + u).to(tl.int64)
     p0 = tl.load(p0_ptr + b).to(tl.int64)
+    if ONE_ROW_BLOCK:
+        lb = (tl.minimum(tl.maximum(p0 - k * Q, 0), Q - 1) // BLOCK_L).to(tl.int32)
+    else:
+        lb = tl.program_id(2)
     L = tl.load(len_ptr + b).to(tl.int64)
     c0 = tl.load(cu_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -478,7 +492,10 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
     op = tl_dtype(x_THP.dtype)
     BP = max(_MIN_DOT, next_pow2(P))
     BN = max(_MIN_DOT, next_pow2(N))
-    BL = max(_MIN_DOT, min(BLOCK_L, Q))
+    decode = meta.uniform_decode
+    launch = DECODE_SCAN_LAUNCH if decode else {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS,
+                                                "num_stages": NUM_STAGES}
+    BL = max(_MIN_DOT, min(launch["block_l"], Q))
     if Q % BL:
         raise ValueError(f"ssd_chunk_scan_triton: chunk_size {Q} is smaller than the row block {BL}")
     BPS = max(_MIN_DOT, min(BLOCK_PS, BP))
@@ -500,12 +517,13 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
     # reads no entry and runs first; the state kernel then commits completed chunks in place.
     if meta.state_seqs.numel() and not meta.uniform_decode:
         chunk_states(commit=False)
-    _ssd_scan_kernel[(U, H, Q // BL)](
+    _ssd_scan_kernel[(U, H, 1 if decode else Q // BL)](
         x_THP, px, dt_TH, pdt, B_TGN, pb, C_TGN, acum, ssm, ent_arg, D_H if D_H is not None else A_log_H, out,
         meta.item_seq, meta.item_chunk, meta.item_rank, meta.seq_entry_ptr, *common,
         H, P, N, H // G, *x_str, *C_TGN.stride(), *sss, *out.stride(),
         Q=Q, BLOCK_L=BL, BLOCK_P=BP, BLOCK_N=BN, HAS_STATE=has_state, HAS_D=D_H is not None,
-        FP32_DOT=fp32_dot, OP=op, num_warps=SSD_NUM_WARPS, num_stages=NUM_STAGES)
+        FP32_DOT=fp32_dot, OP=op, ONE_ROW_BLOCK=decode, num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"])
     if meta.state_seqs.numel() and meta.uniform_decode:
         chunk_states(commit=True)
     return out, entries
