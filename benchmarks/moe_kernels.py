@@ -106,7 +106,8 @@ def main(argv=None) -> int:
         x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
         ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices.to(torch.int32)
         tw = torch.rand(T, K, device="cuda", generator=g).float()
-        row = {"preset": args.preset, **w, "T": T, "current": current._asdict(), "native": {}, "ours": {}}
+        row = {"preset": args.preset, **w, "T": T, "current": current._asdict(),
+               "current_nvfp4_in_loop": moe.NVFP4_IN_LOOP_TILES._asdict(), "native": {}, "ours": {}}
         try:
             row["native"]["bf16_ms"] = graph_time_ms(_native(x, up, down, tw, ids), args.iters)
         except Exception as e:  # native's exact error is a result
