@@ -54,7 +54,8 @@ else:
     NUM_WARPS, NUM_STAGES = 4, 2
     SSD_NUM_WARPS = 8  # [64 x 128] operand tiles per program
 
-DECODE_SCAN_LAUNCH = {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES}
+DECODE_SCAN_LAUNCH = ({"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES} if INTERPRET
+                      else {"block_l": 16, "num_warps": 4, "num_stages": 1})
 """Row block and launch of ``_ssd_scan_kernel`` on a decode step (``meta.uniform_decode``). A
 decode step launches one program per (sequence, head) for the row block that holds its token.
 A row's value depends on the K order of its dots (source rows in blocks from row 0, in steps of
