@@ -61,7 +61,11 @@ decode step launches one program per (sequence, head) for the row block that hol
 A row's value depends on the K order of its dots (source rows in blocks from row 0, in steps of
 16 on tensor cores; rows past the token are exact zeros) and not on how many rows or warps a
 program holds, so the candidates of ``benchmarks/decode_chunk_position.py --scan-candidates``
-are kept only where the H200 gives the general chunked scan's bits for every position."""
+are kept only where the H200 gives the general chunked scan's bits for every position. Session 25
+(``benchmarks/results/h200_session25/dcp_candidates.json``, Nano widths): every candidate from
+64 x 8 x 2 down to 16 x 2 x 1 gave those bits at B = 64 and 256, p = 0, 64, 127; 16 rows x 4 warps
+x 1 stage took 0.539 / 0.775 ms at B = 256, p = 0 / 64, against 1.762 / 2.422 ms for the general
+scan's 64 x 8 x 2 (native ``selective_state_update``: 0.276 ms)."""
 
 STATE_STAGES_LONG_CHUNK = 1
 """Pipeline stages of the chunk-state kernel for chunks longer than 128 rows. With 2 stages a
