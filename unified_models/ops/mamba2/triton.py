@@ -54,8 +54,10 @@ else:
     NUM_WARPS, NUM_STAGES = 4, 2
     SSD_NUM_WARPS = 8  # [64 x 128] operand tiles per program
 
-DECODE_SCAN_LAUNCH = ({"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES} if INTERPRET
-                      else {"block_l": 16, "num_warps": 4, "num_stages": 1})
+SCAN_LAUNCH = {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES}
+"""Row block and launch of ``_ssd_scan_kernel`` on prefill, chunked prefill and mixed steps."""
+
+DECODE_SCAN_LAUNCH = dict(SCAN_LAUNCH) if INTERPRET else {"block_l": 16, "num_warps": 4, "num_stages": 1}
 """Row block and launch of ``_ssd_scan_kernel`` on a decode step (``meta.uniform_decode``). A
 decode step launches one program per (sequence, head) for the row block that holds its token.
 A row's value depends on the K order of its dots (source rows in blocks from row 0, in steps of
@@ -498,8 +500,7 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
     BP = max(_MIN_DOT, next_pow2(P))
     BN = max(_MIN_DOT, next_pow2(N))
     decode = meta.uniform_decode
-    launch = DECODE_SCAN_LAUNCH if decode else {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS,
-                                                "num_stages": NUM_STAGES}
+    launch = DECODE_SCAN_LAUNCH if decode else SCAN_LAUNCH
     BL = max(_MIN_DOT, min(launch["block_l"], Q))
     if Q % BL:
         raise ValueError(f"ssd_chunk_scan_triton: chunk_size {Q} is smaller than the row block {BL}")
