@@ -111,7 +111,7 @@ def work_model(spec, B: int, p: int, triton_path: bool, model_bytes: int = 2) ->
         from unified_models.ops.triton._common import next_pow2
 
         BL = max(mt._MIN_DOT, min(mt.DECODE_SCAN_LAUNCH["block_l"], Q))
-        BPS = max(mt._MIN_DOT, min(mt.BLOCK_PS, max(mt._MIN_DOT, next_pow2(P))))
+        BPS = max(mt._MIN_DOT, min(mt.STATE_LAUNCH["block_p"], max(mt._MIN_DOT, next_pow2(P))))
         trips = p // BL + 1
         out["tiles"] = {"BLOCK_L": BL, "BLOCK_P_state": BPS}
         out["scan_launch"] = dict(mt.DECODE_SCAN_LAUNCH)

@@ -107,7 +107,9 @@ def main(argv=None) -> int:
         ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices.to(torch.int32)
         tw = torch.rand(T, K, device="cuda", generator=g).float()
         row = {"preset": args.preset, **w, "T": T, "current": current._asdict(),
-               "current_nvfp4_in_loop": moe.NVFP4_IN_LOOP_TILES._asdict(), "native": {}, "ours": {}}
+               "current_nvfp4_in_loop": moe.NVFP4_IN_LOOP_TILES._asdict(),
+               "current_large_batch": moe.LARGE_BATCH_TILES._asdict(),
+               "large_batch_tier": T * K >= moe.LARGE_BATCH_ROWS_PER_EXPERT * E, "native": {}, "ours": {}}
         try:
             row["native"]["bf16_ms"] = graph_time_ms(_native(x, up, down, tw, ids), args.iters)
         except Exception as e:  # native's exact error is a result

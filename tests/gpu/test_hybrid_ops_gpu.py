@@ -575,6 +575,36 @@ def test_moe_nvfp4_in_kernel_dequantization(moe_case, monkeypatch):
     assert not torch.equal(a, ops.moe_experts(x, ids, weights, m["w"]["up"], m["w"]["down"]))  # NVFP4 really used
 
 
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_moe_large_batch_tiles_same_bits(kind, moe_case, monkeypatch):
+    """The large-batch launch (``LARGE_BATCH_TILES``: 128-row tiles, picked by the batch's rows per
+    expert) gives the default launch's bits, so a row's bits do not depend on the batch size: the
+    300-token batch with the tier forced on equals it with the tier off (NVFP4: dequantized once, as
+    the large batches that take the tier are), and 2,048 tokens (96 rows per expert, the tier's own
+    side) equal their rows computed in 300-token slices (the default tier)."""
+    m = moe_case
+    up, down, _, _ = _moe_weights_of(m, kind)
+    x = m["x"]
+    weights, ids = ops.moe_route(x, m["w"]["gate"], m["w"]["bias"], **ROUTE)
+    assert moe_triton.LARGE_BATCH_TILES.block_m != moe_triton.BLOCK_M  # the tier is a real change of launch
+    if kind == "nvfp4":
+        monkeypatch.setattr(moe_triton, "NVFP4_DEQUANTIZE_ROWS_PER_EXPERT", 0)
+    monkeypatch.setattr(moe_triton, "LARGE_BATCH_ROWS_PER_EXPERT", 1 << 40)
+    small = ops.moe_experts(x, ids, weights, up, down)
+    monkeypatch.setattr(moe_triton, "LARGE_BATCH_ROWS_PER_EXPERT", 0)
+    large = ops.moe_experts(x, ids, weights, up, down)
+    Inv.assert_bitwise(large, small, f"moe {kind}: 128-row large-batch tiles vs the default 64-row tiles")
+    monkeypatch.undo()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    xl = torch.randn(2048, HIDDEN, generator=g, device=DEV).to(BF16)
+    wl, il = ops.moe_route(xl, m["w"]["gate"], m["w"]["bias"], **ROUTE)
+    assert 2048 * TOP_K >= moe_triton.LARGE_BATCH_ROWS_PER_EXPERT * N_EXPERTS  # the default picks the tier
+    whole = ops.moe_experts(xl, il, wl, up, down)
+    parts = torch.cat([ops.moe_experts(xl[i:i + 300], il[i:i + 300], wl[i:i + 300], up, down)
+                       for i in range(0, 2048, 300)])
+    Inv.assert_bitwise(whole, parts, f"moe {kind}: 2,048 tokens (large tier) vs 300-token slices")
+
+
 def _moe_oracle(x, ids, wts, up, down, shared):
     """fp64: ``shared + sum_k w_k down_e(relu(up_e x)^2)``, per expert over its assigned rows."""
     T, K = ids.shape

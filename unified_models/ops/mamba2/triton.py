@@ -54,8 +54,15 @@ else:
     NUM_WARPS, NUM_STAGES = 4, 2
     SSD_NUM_WARPS = 8  # [64 x 128] operand tiles per program
 
-SCAN_LAUNCH = {"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES}
-"""Row block and launch of ``_ssd_scan_kernel`` on prefill, chunked prefill and mixed steps."""
+SCAN_LAUNCH = ({"block_l": BLOCK_L, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES} if INTERPRET
+               else {"block_l": 64, "num_warps": 4, "num_stages": 1})
+"""Row block and launch of ``_ssd_scan_kernel`` on prefill, chunked prefill and mixed steps. Picked
+on the H200 by ``benchmarks/mamba_prefill.py --scan-candidates`` (session 26,
+``benchmarks/results/h200_session26/mamba_prefill.json``, Nano widths, one layer's dt + SSD): 64 rows
+x 4 warps x 1 stage took 1.307 ms on 8 x 2,048 tokens and 1.493 ms on 64 x 256 against 2.236 / 2.460
+ms for the earlier 64 x 8 x 2 (native ``mamba_chunk_scan_combined_varlen``: 0.955 / 0.793 ms), with
+the same bits (scan output, chunk states, committed slots). Not every launch keeps them: 32 rows x
+8 warps x 2 stages changed the scan output there, so a launch is only taken after that comparison."""
 
 DECODE_SCAN_LAUNCH = dict(SCAN_LAUNCH) if INTERPRET else {"block_l": 16, "num_warps": 4, "num_stages": 1}
 """Row block and launch of ``_ssd_scan_kernel`` on a decode step (``meta.uniform_decode``). A
@@ -68,6 +75,14 @@ are kept only where the H200 gives the general chunked scan's bits for every pos
 64 x 8 x 2 down to 16 x 2 x 1 gave those bits at B = 64 and 256, p = 0, 64, 127; 16 rows x 4 warps
 x 1 stage took 0.539 / 0.775 ms at B = 256, p = 0 / 64, against 1.762 / 2.422 ms for the general
 scan's 64 x 8 x 2 (native ``selective_state_update``: 0.276 ms)."""
+
+STATE_LAUNCH = {"block_p": BLOCK_PS, "num_warps": SSD_NUM_WARPS, "num_stages": NUM_STAGES}
+"""Head-dim block (``x`` columns per program) and launch of ``_ssd_state_kernel``: the chunk
+states of prefill, chunked prefill and mixed steps, and a decode step's COMMIT (chunks longer than
+128 rows take at most :data:`STATE_STAGES_LONG_CHUNK` stages). A state element ``[p, n]`` is one
+dot over the chunk's rows in a fixed order; the head-dim block only decides which program holds
+column ``p``. ``benchmarks/mamba_prefill.py --state-candidates`` times candidates and compares
+their bits with this launch's."""
 
 STATE_STAGES_LONG_CHUNK = 1
 """Pipeline stages of the chunk-state kernel for chunks longer than 128 rows. With 2 stages a
@@ -504,7 +519,7 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
     BL = max(_MIN_DOT, min(launch["block_l"], Q))
     if Q % BL:
         raise ValueError(f"ssd_chunk_scan_triton: chunk_size {Q} is smaller than the row block {BL}")
-    BPS = max(_MIN_DOT, min(BLOCK_PS, BP))
+    BPS = max(_MIN_DOT, min(STATE_LAUNCH["block_p"], BP))
     common = (meta.cu_seqlens, meta.start_pos, meta.seq_len, meta.slot)
     _ssd_cumsum_kernel[(U, H)](
         dt_TH, pdt, A_log_H, acum, meta.item_seq, meta.item_chunk, *common,
@@ -517,7 +532,8 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
             meta.state_seqs, meta.seq_item_ptr, meta.seq_entry_ptr, meta.item_chunk, *common,
             H, P, N, H // G, *x_str, *sss,
             Q=Q, BLOCK_P=BPS, BLOCK_N=BN, HAS_STATE=has_state, FP32_DOT=fp32_dot, OP=op, COMMIT=commit,
-            num_warps=SSD_NUM_WARPS, num_stages=STATE_STAGES_LONG_CHUNK if Q > 128 else NUM_STAGES)
+            num_warps=STATE_LAUNCH["num_warps"],
+            num_stages=min(STATE_LAUNCH["num_stages"], STATE_STAGES_LONG_CHUNK) if Q > 128 else STATE_LAUNCH["num_stages"])
 
     # decode (meta.uniform_decode): every item starts at the slot's boundary state, so the scan
     # reads no entry and runs first; the state kernel then commits completed chunks in place.

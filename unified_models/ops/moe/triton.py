@@ -94,14 +94,36 @@ H200 (session 24, ``benchmarks/results/h200_session24/moe_kernels.json``, Nano w
 1.50 vs 1.84 ms, T = 256: 1.56 vs 1.92 ms, the same bits as the default launch."""
 
 
-def gemm_tiles(n: int, k: int, nvfp4_in_loop: bool = False) -> MoeTiles:
+LARGE_BATCH_TILES = (MoeTiles(BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES) if INTERPRET
+                     else MoeTiles(128, 256, 64, 8, 3))
+"""Launch of the bf16 GEMM (bf16 experts, or NVFP4 experts dequantized once per call) on large
+batches: at least :data:`LARGE_BATCH_ROWS_PER_EXPERT` rows per expert on average (prefill, the
+trainer's micro-batches). 128-row tiles pad each expert's run to 128 rows, which only pays when
+most experts have more than one 64-row tile. The K step (64) and so the order of every row's fp32
+sum are the default launch's; the H200 gave the default launch's bits at every T measured (session
+24, ``benchmarks/results/h200_session24/moe_kernels.json``, Nano widths: candidate
+``128x256x64_w8_s3``, bf16 and NVFP4 at T = 64 ... 16,384), and
+``tests/gpu/test_hybrid_ops_gpu.py::test_moe_large_batch_tiles_same_bits`` checks it. Times there,
+default vs this launch: bf16 T = 2,048 (96 rows per expert) 1.043 vs 0.950 ms, T = 16,384 5.554 vs
+4.448 ms; NVFP4 dequantized once, T = 16,384: 6.861 vs 6.204 ms."""
+
+LARGE_BATCH_ROWS_PER_EXPERT = 64
+"""At ``T * top_k >= this * E`` assignments the bf16 GEMMs take :data:`LARGE_BATCH_TILES`
+(the same threshold as :data:`NVFP4_DEQUANTIZE_ROWS_PER_EXPERT`: one 64-row tile per expert on
+average). Below it (decode batches) the default 64-row tiles waste less padding."""
+
+
+def gemm_tiles(n: int, k: int, nvfp4_in_loop: bool = False, large_batch: bool = False) -> MoeTiles:
     """The launch configuration for a ``[N, K]`` expert weight: a function of the weight shape,
-    its format (NVFP4 dequantized in the K loop: :data:`NVFP4_IN_LOOP_TILES`) and the device kind
-    only, never of the number of tokens. Every configuration has the same ``block_m`` and
-    ``block_k``."""
+    its format (NVFP4 dequantized in the K loop: :data:`NVFP4_IN_LOOP_TILES`), the batch tier
+    (``large_batch``: :data:`LARGE_BATCH_TILES`) and the device kind. Every configuration has the
+    same ``block_k``, so the order of each row's sum, and its bits, do not depend on the tier
+    (checked on the GPU by the tests named in :data:`LARGE_BATCH_TILES`)."""
     del n, k
     if nvfp4_in_loop:
         return NVFP4_IN_LOOP_TILES
+    if large_batch:
+        return LARGE_BATCH_TILES
     return MoeTiles(BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
 
 
@@ -371,8 +393,9 @@ def moe_expert_outputs_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, up,
     # very bf16 tiles its K loop would have made (same values, same dot): a row's bits do not
     # depend on the path.
     once = R >= NVFP4_DEQUANTIZE_ROWS_PER_EXPERT * E
-    up_tiles, down_tiles = tiles or (gemm_tiles(I, D, isinstance(up, NVFP4Weight) and not once),
-                                     gemm_tiles(D, I, isinstance(down, NVFP4Weight) and not once))
+    in_loop = [isinstance(w, NVFP4Weight) and not once for w in (up, down)]
+    large = R >= LARGE_BATCH_ROWS_PER_EXPERT * E and not any(in_loop)
+    up_tiles, down_tiles = tiles or (gemm_tiles(I, D, in_loop[0], large), gemm_tiles(D, I, in_loop[1], large))
     if up_tiles.block_m != down_tiles.block_m:
         raise ValueError(f"moe_triton: up and down tiles need one block_m, got {up_tiles.block_m} and "
                          f"{down_tiles.block_m}")
