@@ -42,10 +42,10 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
 
     model = build_preset_checkpoint("nemotron_h_hybrid_tiny", out_dir=tmp_path / "hybrid")  # MoE layers, 8 experts
     ck = tmp_path / "ck"
-    _rl(model, tmp_path, "--steps", "5", "--ep", "2", "--save", str(ck), "--metrics", str(tmp_path / "ep2.jsonl"),
+    _rl(model, tmp_path, "--steps", "3", "--ep", "2", "--save", str(ck), "--metrics", str(tmp_path / "ep2.jsonl"),
         procs=2)
     rows = read_metrics(tmp_path / "ep2.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert all(r[f] == 0 for f in DIFF_FIELDS), r
         assert r["tokens"] == r["tokens_compared"] == 64 and r["full_vocab_rows"] == 64
@@ -53,10 +53,10 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
         assert r["layout"] == {"world": 2, "trainer_ep": 2, "trainer_dp": 2, "rollout_dp": 2, "rollout_ep": 1}
 
     # the rollout at EP = 2 too (each engine its block of experts, vLLM's EP group): the same trajectory
-    _rl(model, tmp_path, "--steps", "3", "--ep", "2", "--rollout-ep", "2", "--metrics", str(tmp_path / "rep2.jsonl"),
+    _rl(model, tmp_path, "--steps", "2", "--ep", "2", "--rollout-ep", "2", "--metrics", str(tmp_path / "rep2.jsonl"),
         procs=2)
     rep2 = read_metrics(tmp_path / "rep2.jsonl")
-    assert [r["rollout_sha256"] for r in rep2] == [r["rollout_sha256"] for r in rows[:3]]
+    assert [r["rollout_sha256"] for r in rep2] == [r["rollout_sha256"] for r in rows[:2]]
     assert all(all(r[f] == 0 for f in DIFF_FIELDS) and r["layout"]["rollout_ep"] == 2 for r in rep2)
     # each engine fingerprinted only what it holds: fewer tensors than two full copies
     assert rep2[0]["weight_fingerprint_tensors"] < rows[0]["weight_fingerprint_tensors"]
@@ -69,21 +69,23 @@ def test_rl_trainer_ep2_rollout_dp2_diff_zero_and_resume_at_another_layout(tmp_p
     # each engine verified every tensor it holds: both hold all of them at rollout EP = 1
     assert all(r["weight_fingerprint_tensors"] == 2 * one[0]["weight_fingerprint_tensors"] > 0 for r in rows)
 
-    # resume the EP = 2 checkpoint at EP = 1 (one process) and at EP = 2: the same step 6
-    _rl(model, tmp_path, "--steps", "6", "--resume", str(ck), "--metrics", str(tmp_path / "r1.jsonl"))
-    _rl(model, tmp_path, "--steps", "6", "--resume", str(ck), "--ep", "2", "--metrics", str(tmp_path / "r2.jsonl"),
+    # resume the EP = 2 checkpoint at EP = 1 (one process) and at EP = 2: the same step 4
+    _rl(model, tmp_path, "--steps", "4", "--resume", str(ck), "--metrics", str(tmp_path / "r1.jsonl"))
+    _rl(model, tmp_path, "--steps", "4", "--resume", str(ck), "--ep", "2", "--metrics", str(tmp_path / "r2.jsonl"),
         procs=2)
     r1, r2 = read_metrics(tmp_path / "r1.jsonl"), read_metrics(tmp_path / "r2.jsonl")
-    assert r1[-1]["step"] == r2[-1]["step"] == 6
+    assert r1[-1]["step"] == r2[-1]["step"] == 4
     assert r1[-1]["rollout_sha256"] == r2[-1]["rollout_sha256"]
     assert all(r1[-1][f] == 0 and r2[-1][f] == 0 for f in DIFF_FIELDS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout_ep", [1, 2])
+@pytest.mark.parametrize("rollout_ep", [2])
 def test_rl_deepseek_v4_trainer_ep2_diff_zero(tmp_path, rollout_ep):
     """DeepSeek-V4's SwiGLU experts (the routing weight applied before the down projection travels with
-    its row) through the trainer's all-to-alls, and at rollout EP = 2 through vLLM's too."""
+    its row) through the trainer's all-to-alls and, at rollout EP = 2, through vLLM's too. Rollout
+    EP = 1 beside trainer EP = 2 (the layout change alone) is the hybrid test's above; one DeepSeek-V4
+    run of about 70 s covers both all-to-alls."""
     from unified_models.presets import build_preset_checkpoint
 
     model = build_preset_checkpoint("deepseek_v4_tiny", out_dir=tmp_path / "dsv4")
