@@ -15,6 +15,11 @@
 #   0 1 Q/4 Q/2 3Q/4 Q-1, ours (decode-as-chunk) vs vLLM's selective_state_update + causal_conv1d_update,
 #   CUDA-graph timing, JSON $OUT/decode_chunk_position_h200.json; a bitwise guard (decode step == general
 #   chunked scan) at every position fails the stage (timeout 170 s). UM_DCP_ARGS adds flags (e.g. "--batch 8 64 256").
+#   or: scripts/gpu-run.sh mamba-prefill   (issue 18 item 3; not part of `all`)
+# mamba-prefill: benchmarks/mamba_prefill.py: one Mamba-2 layer's prefill (conv + dt + SSD) at the nemotron_3_nano_reduced
+#   widths, 8x2048 and 64x256 tokens, ours vs vLLM's causal_conv1d_fn + mamba_chunk_scan_combined_varlen; UM_MP_ARGS adds
+#   flags (e.g. "--scan-candidates 64:4:2 --state-candidates 64:4:2 32:4:2": each compared bit for bit with the current
+#   launch); JSON $OUT/mamba_prefill.json (~2 min).
 #   or: scripts/gpu-run.sh graph-soak   (issue 18 item 2; not part of `all`)
 # graph-soak: tests/gpu/test_graph_soak_gpu.py on nemotron_3_nano_reduced: 48 requests x 64 tokens (own seeds,
 #   logprobs=1) in 11 batch compositions over 3 engines with CUDA graphs on (FULL_DECODE_ONLY; max_num_seqs 32 with
@@ -177,6 +182,10 @@ if [ "$stage" = decode-chunk ]; then  # issue 18 item 3: decode-as-chunk cost by
   timeout 170 python3 benchmarks/decode_chunk_position.py --chunk 128 256 ${UM_DCP_ARGS:-} \
     --json "$OUT/decode_chunk_position_h200.json" 2>&1 | tee "$OUT/decode_chunk_position.log" \
     | grep -vE "INFO|WARNING|DEBUG" | tail -32; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = mamba-prefill ]; then  # issue 18 item 3: one Mamba-2 layer's prefill vs native, launch candidates
+  timeout 240 python3 benchmarks/mamba_prefill.py ${UM_MP_ARGS:-} --json "$OUT/mamba_prefill.json" 2>&1 \
+    | tee "$OUT/mamba_prefill.log" | grep -viE "warn" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = graph-soak ]; then
   soak_k=${UM_SOAK_K:-not nvfp4}
