@@ -148,6 +148,11 @@ PEER_CASES = {
 }
 
 
+EXPERT_FLIP_BOUND = 0.5
+"""Largest |logprob error| at one position that a near-tied expert flipped in bf16 causes in the MoE
+cases (the comment in :func:`test_reference_fp32_matches_transformers`)."""
+
+
 @pytest.mark.parametrize("case", sorted(PEER_CASES))
 def test_reference_fp32_matches_transformers(case, tmp_path):
     """Our fp32 reference (the families' oracles) vs transformers' own class in fp32, from the same
@@ -186,7 +191,11 @@ def test_reference_fp32_matches_transformers(case, tmp_path):
     hf16 = cls.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
     with torch.no_grad():
         hf_err = (hf16(ids[None]).logits[0].float().log_softmax(-1) - truth).abs().amax(-1)
-    # bf16 activations: not exact; about as accurate as transformers' own bf16 forward (MoE layers flip
-    # near-tied experts in bf16 on both sides: single positions err by up to ~0.5 there)
-    assert 0 < err.mean() <= 1.5 * hf_err.mean() + 1e-3 and err.max() <= 2 * hf_err.max() + 1e-3, \
-        (case, float(err.mean()), float(hf_err.mean()), float(err.max()), float(hf_err.max()))
+    # bf16 activations: not exact; about as accurate as transformers' own bf16 forward on average. The
+    # worst position is not a fair comparison alone: an MoE layer flips a near-tied expert in bf16, which
+    # moves that position by up to ~0.5, and whether transformers' bf16 flips one depends on the host's
+    # bf16 GEMM kernels (on an AMD EPYC host with avx512_bf16 it flipped none: max 0.037, ours 0.21
+    # with one flip). So the worst position is bounded by the larger of 2x transformers' and one flip.
+    assert 0 < err.mean() <= 1.5 * hf_err.mean() + 1e-3, (case, float(err.mean()), float(hf_err.mean()))
+    assert err.max() <= max(2 * hf_err.max(), EXPERT_FLIP_BOUND) + 1e-3, \
+        (case, float(err.max()), float(hf_err.max()))
