@@ -20,6 +20,11 @@
 #   widths, 8x2048 and 64x256 tokens, ours vs vLLM's causal_conv1d_fn + mamba_chunk_scan_combined_varlen; UM_MP_ARGS adds
 #   flags (e.g. "--scan-candidates 64:4:2 --state-candidates 64:4:2 32:4:2": each compared bit for bit with the current
 #   launch); JSON $OUT/mamba_prefill.json (~2 min).
+#   or: scripts/gpu-run.sh nano-interleave   (issue 18's bar; not part of `all`)
+# nano-interleave: benchmarks/rollout_throughput.py --interleave on UM_BENCH_PRESET (default nemotron_3_nano_reduced;
+#   nemotron_3_nano_reduced_nvfp4 for the ModelOpt export), 256x128/512 64x256/2048 128x2048/128, UM_BENCH_REPEATS
+#   (default 3) timed repeats per engine alternating, host ms per step by phase; JSON $OUT/<preset>_interleaved.json
+#   (~7-8 min with the checkpoint build).
 #   or: scripts/gpu-run.sh graph-soak   (issue 18 item 2; not part of `all`)
 # graph-soak: tests/gpu/test_graph_soak_gpu.py on nemotron_3_nano_reduced: 48 requests x 64 tokens (own seeds,
 #   logprobs=1) in 11 batch compositions over 3 engines with CUDA graphs on (FULL_DECODE_ONLY; max_num_seqs 32 with
@@ -128,6 +133,13 @@ if [ "$stage" = dense-bench-interleave ]; then  # both engines alive, repeats al
     --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
     --json "$OUT/rollout_throughput_interleaved.json" > "$OUT/dense_bench_interleaved.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench_interleaved.log" | tail -20
+fi
+if [ "$stage" = nano-interleave ]; then  # issue 18's bar: the three workloads, both engines alive, repeats alternate
+  p=${UM_BENCH_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
+  python3 benchmarks/rollout_throughput.py --preset "$p" --workloads 256x128/512 64x256/2048 128x2048/128 \
+    --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 560 \
+    --json "$OUT/${p}_interleaved.json" > "$OUT/${p}_interleaved.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/${p}_interleaved.log" | tail -24
 fi
 if [ "$stage" = host-diag ]; then  # 256x128/512, step timing: both engines, then ours with prefix caching off and
   # with block size 1024; UM_DIAG_ARGS="--engines ours --profile" runs that instead, with a chrome trace
