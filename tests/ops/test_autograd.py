@@ -341,3 +341,78 @@ def test_no_grad_path_is_the_kernel(gen, inv):
         y = ops.linear(x, w)
     assert y.grad_fn is None
     inv.assert_bitwise(y, kernel(x, w.detach()), "no-grad linear")
+
+
+# ------------------------------------------------------- attention: the fused half-precision recompute
+
+# The fused recompute (FlashAttention-2's backward: probabilities and score gradients rounded to bf16
+# inside) adds about one more bf16 rounding per term to the gradient's own rounding: 2 x 2^-8.
+TOL_FUSED_BF16 = 8e-3
+
+
+@pytest.mark.parametrize("lens", [[5, 17, 9], [33]], ids=["packed", "one"])
+def test_paged_attention_fused_recompute(lens, gen, inv, monkeypatch):
+    """The backward's fused path (on CUDA for half-precision self-attention; forced here on the
+    CPU, where SDPA runs the same math in bf16): every sequence of a whole-prompt packed batch
+    takes it, and q/k/v gradients are within 2 x 2^-8 of fp64 autograd."""
+    from unified_models.ops.attention import backward as attn_backward
+
+    taken = []
+    real = attn_backward._fused_causal_grads
+    monkeypatch.setattr(attn_backward, "fused_recompute_eligible", lambda q, plan, sink: q.dtype == torch.bfloat16)
+    monkeypatch.setattr(attn_backward, "_fused_causal_grads", lambda *a: taken.append(a[0].shape[0]) or real(*a))
+    layout = _paged_layout(lens, gen)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, E, generator=gen).to(torch.bfloat16) for h in (H, G, G))
+    g = torch.randn(t, H, E, generator=gen).to(torch.bfloat16)
+
+    def ref(q64, k64, v64):
+        cuts = torch.tensor([0, *lens]).cumsum(0).tolist()
+        return torch.cat([dense_causal_attention_reference(q64[a:b], k64[a:b], v64[a:b], E ** -0.5)
+                          for a, b in zip(cuts[:-1], cuts[1:])])
+
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = _attention(*xs, *layout)
+    with torch.no_grad():
+        inv.assert_bitwise(out.detach(), _attention(q, k, v, *layout), "fused-path forward vs no-grad")
+    out.backward(g)
+    assert sorted(taken) == sorted(lens), f"sequences on the fused path: {taken}, expected {lens}"
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref(*x64).backward(g.double())
+    for name, x, r in zip("qkv", xs, x64):
+        assert x.grad.dtype == torch.bfloat16
+        err = _rel(x.grad, r.grad)
+        print(f"GRAD-ERR fused paged_attention d{name}: {err:.3e}")
+        assert err <= TOL_FUSED_BF16, f"d{name} rel. error {err:.3e}"
+
+
+def test_fused_recompute_skips_continued_chunks(gen, monkeypatch):
+    """A continued chunk (queries at positions 6..13 over keys 0..13) is not self-attention:
+    the plan marks it ineligible and the backward takes the fp32 recompute."""
+    from unified_models.ops.attention import backward as attn_backward
+
+    monkeypatch.setattr(attn_backward, "fused_recompute_eligible", lambda q, plan, sink: True)
+    monkeypatch.setattr(attn_backward, "_fused_causal_grads",
+                        lambda *a: pytest.fail("a continued chunk took the fused path"))
+    n0, n1 = 6, 8
+    n_blocks, table, _, _, _ = _paged_layout([n0 + n1], gen)
+    pos = torch.arange(n0 + n1)
+    slots = table[0].long()[pos // S] * S + pos % S
+    kc = torch.zeros(n_blocks, S, G, E, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    with torch.no_grad():
+        ops.write_kv_cache(torch.randn(n0, G, E).bfloat16(), torch.randn(n0, G, E).bfloat16(), kc, vc, slots[:n0])
+    q = torch.randn(n1, H, E, generator=gen).bfloat16().requires_grad_()
+    k1 = torch.randn(n1, G, E, generator=gen).bfloat16().requires_grad_()
+    ops.write_kv_cache(k1, k1, kc, vc, slots[n0:])
+    out = ops.paged_attention(q, kc, vc, table, torch.zeros(n1, dtype=torch.int32), pos[n0:], E ** -0.5)
+    out.float().sum().backward()
+    assert q.grad is not None and k1.grad is not None and float(q.grad.float().abs().sum()) > 0
+
+
+def test_fused_causal_grads_refuses_bad_shapes():
+    from unified_models.ops.attention.backward import _fused_causal_grads
+
+    q = torch.zeros(4, 3, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fused causal attention gradients"):
+        _fused_causal_grads(q, torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), q, 0.3)

@@ -19,6 +19,16 @@ backward, and the cache write is an in-place copy that carries no graph. So:
   the backward, one sequence at a time, so no attention graph is kept
   between forward and backward (only q, the taped K/V and index vectors).
 
+Precision of the recomputation: fp32 (``acc``), except for a half-precision model's full
+causal self-attention of a sequence on CUDA (every query row is a key row, keys from position 0,
+no window, no sink, K/V read back in the query's dtype): there it runs fused in the operands'
+own dtype (:func:`_fused_causal_grads`, ``scaled_dot_product_attention(is_causal=True)`` on
+FlashAttention-2's kernels: fp32 accumulation, probabilities and score gradients rounded to
+bf16 inside, as FlashAttention's and Megatron-core's backward do). The fp32 form materialized a
+``[H, T, T]`` fp32 score matrix per sequence and ran on CUDA cores: it made our optimizer step's
+backward 1.8x Megatron's (``benchmarks/results/h200_session27/trainer_cost_nemotron_h_dense_bench.json``).
+The forward's values never depend on this (the visible output is the kernel's).
+
 The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``;
 for an FP8 cache the write-and-read round trip
 ``q.dtype(fp32(e4m3(clamp(k / k_scale))) * k_scale)`` of
@@ -177,6 +187,8 @@ class _Plan:
         self.writes = writes
         self.cache_dtype = k_cache.dtype
         self.k_scale, self.v_scale, self.read_dtype = k_scale, v_scale, read_dtype
+        self.kv_read_dtype = k_cache.dtype if k_scale is None else read_dtype
+        self.self_attention: list[bool] = []  # per group: queries == keys 0..P-1 in order (fused-eligible)
 
     def read_const(self, codes: torch.Tensor, which: int) -> torch.Tensor:
         """Cache contents (earlier chunks) as the kernel reads them."""
@@ -190,7 +202,10 @@ class _Plan:
             return x.to(self.cache_dtype)
         return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
 
-    def build(self) -> None:
+    def build(self, fused_dtype: torch.dtype | None = None) -> None:
+        """Resolve every key's source (one host sync per sequence). With ``fused_dtype`` (the
+        query's dtype when :func:`fused_recompute_eligible`), also mark the groups whose queries
+        are exactly their keys ``0..P-1`` in order (:attr:`self_attention`)."""
         kc, vc = self.k_cache, self.v_cache
         dev, s = kc.device, kc.shape[1]
         n_slots = kc.shape[0] * s
@@ -205,6 +220,8 @@ class _Plan:
             p = torch.arange(lo, int(pos[tok].max()) + 1, device=dev)
             key_slots.append(self.block_table[b].long()[p // s] * s + p % s)
             self.groups.append((tok, pos[tok], start, p.shape[0], lo))
+            self.self_attention.append(fused_dtype is not None and lo == 0 and n == p.shape[0]
+                                       and bool(torch.equal(pos[tok], p)))
             start += p.shape[0]
         kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
         # constants (earlier chunks): the cache rows no taped write covers
@@ -266,6 +283,59 @@ def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_wi
     return (torch.einsum("grtp,pge->tgre", pw, v_PGE) + torch.einsum("grtk,tkge->tgre", pc, c_TKGE)).reshape(t, h, e)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def fused_recompute_eligible(q_THE: torch.Tensor, plan: "_Plan", sink_H: torch.Tensor | None) -> bool:
+    """Whether the backward may recompute a sequence's attention fused in ``q``'s dtype
+    (:func:`_fused_causal_grads`): a half-precision query on CUDA, K/V read back in that dtype
+    (so the fused kernel sees exactly the values the forward's kernel read), no sliding window,
+    no sink, no compressed entries. Which sequences qualify is decided per sequence in
+    :meth:`_Plan.build` (queries == keys ``0..P-1``: a whole prompt, the trainer's case)."""
+    return (q_THE.is_cuda and q_THE.dtype in _HALF and plan.kv_read_dtype == q_THE.dtype
+            and plan.sliding_window is None and sink_H is None and plan.compressed is None)
+
+
+def _fused_causal_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor, g_THE: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one sequence's causal self-attention ``softmax(q k^T * scale) v`` (query row i
+    attends keys 0..i) w.r.t. ``q``, ``k``, ``v``, recomputed in ``q``'s dtype by
+    ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on ``[1, H, T, E]``
+    (FlashAttention-2's forward and backward on CUDA; fp32 accumulation, the probabilities and
+    score gradients rounded to the operand dtype inside the kernel, as in FlashAttention-2,
+    Dao 2023, Algorithm 2).
+
+    Args:
+        q_THE: ``[T, H, E]`` half precision; ``k_TGE``, ``v_TGE``: ``[T, G, E]`` (any float dtype whose
+            values are exact in ``q``'s dtype: the cache's read-back), G dividing H (GQA: query
+            head h reads kv head ``h // (H/G)``); ``g_THE``: ``[T, H, E]`` upstream gradient;
+            ``scale``: the softmax scale.
+
+    Returns:
+        ``(dq [T, H, E], dk [T, G, E], dv [T, G, E])`` in ``q``'s dtype (GQA: each kv head's gradient
+        summed over its query heads, in fp32, then rounded).
+
+    Raises:
+        ValueError: mismatched shapes, or H not a multiple of G.
+    """
+    t, h, e = q_THE.shape
+    if k_TGE.shape != v_TGE.shape or k_TGE.shape[0] != t or k_TGE.shape[2] != e or g_THE.shape != q_THE.shape \
+            or h % k_TGE.shape[1]:
+        raise ValueError(f"fused causal attention gradients: q {list(q_THE.shape)}, k {list(k_TGE.shape)}, "
+                         f"v {list(v_TGE.shape)}, g {list(g_THE.shape)}")
+    dt, rep = q_THE.dtype, h // k_TGE.shape[1]
+    with torch.enable_grad():
+        q = q_THE.detach().to(dt).transpose(0, 1).unsqueeze(0).requires_grad_()
+        k = k_TGE.detach().to(dt).repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0).requires_grad_()
+        v = v_TGE.detach().to(dt).repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0).requires_grad_()
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        gq, gk, gv = torch.autograd.grad(o, (q, k, v), g_THE.to(dt).transpose(0, 1).unsqueeze(0))
+    g = k_TGE.shape[1]
+    gk = gk[0].float().view(g, rep, t, e).sum(1).transpose(0, 1).to(dt)
+    gv = gv[0].float().view(g, rep, t, e).sum(1).transpose(0, 1).to(dt)
+    return gq[0].transpose(0, 1), gk, gv
+
+
 class PagedAttentionFn(torch.autograd.Function):
     """Inputs ``(q, sink, plan, k_0, v_0, k_1, v_1, ..., c_0, c_1, ...)``: the query, the
     attention sink (``[H]`` fp32 or ``None``; a weight, guarded against changes between
@@ -277,7 +347,7 @@ class PagedAttentionFn(torch.autograd.Function):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
                                         plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window,
                                         sink=sink_H, compressed=plan.compressed)
-        plan.build()
+        plan.build(q_THE.dtype if fused_recompute_eligible(q_THE, plan, sink_H) else None)
         ctx.plan = plan
         ctx.sink = sink_H
         ctx.stamps = stamp(sink=sink_H)
@@ -303,7 +373,12 @@ class PagedAttentionFn(torch.autograd.Function):
         if plan.has_compressed:
             dsink, grads_c = _backward_compressed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
         window_groups = [] if plan.has_compressed else plan.groups
-        for tok, qpos, start, n, key0 in window_groups:  # one sequence at a time: memory of one sequence
+        for i, (tok, qpos, start, n, key0) in enumerate(window_groups):  # one sequence at a time
+            if plan.self_attention[i]:
+                gq, gk, gv = _fused_causal_grads(q_in[tok], k_all[start:start + n], v_all[start:start + n],
+                                                 g_THE[tok], plan.scale)
+                dq[tok], dk[start:start + n], dv[start:start + n] = gq.float(), gk.float(), gv.float()
+                continue
             with torch.enable_grad():
                 qb = q[tok].detach().requires_grad_()
                 kb = k_all[start:start + n].detach().requires_grad_()
