@@ -37,6 +37,8 @@
 #   not buildable without mamba_ssm) and nemotron_h_dense_bench (Megatron's GPTModel, local layers): our recompute vs
 #   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
 #   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"), UM_TC_PRESETS narrows the presets; JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
+#   First tests/gpu/test_autograd_gpu.py (the CUDA backward's gradients vs fp64 autograd; $OUT/autograd_gpu.log;
+#   UM_TC_GRADCHECK=0 skips it).
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -208,6 +210,10 @@ if [ "$stage" = graph-soak ]; then
 fi
 if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (benchmarks/trainer_cost.py docstring)
   presets=${UM_TC_PRESETS:-nemotron_3_nano_reduced nemotron_h_dense_bench}
+  if [ "${UM_TC_GRADCHECK:-1}" = 1 ]; then  # the gradients the timed backward computes, against fp64 autograd
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_autograd_gpu.py -s 2>&1 | tee "$OUT/autograd_gpu.log" \
+      | grep -E "GRAD-ERR|passed|failed" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
+  fi
   nano_checkpoint $presets
   d="$OUT/trainer_cost_logs"; mkdir -p "$d"
   for preset in $presets; do
