@@ -26,7 +26,7 @@ own dtype (:func:`_fused_causal_grads`, ``scaled_dot_product_attention(is_causal
 FlashAttention-2's kernels: fp32 accumulation, probabilities and score gradients rounded to
 bf16 inside, as FlashAttention's and Megatron-core's backward do). The fp32 form materialized a
 ``[H, T, T]`` fp32 score matrix per sequence and ran on CUDA cores: it made our optimizer step's
-backward 1.8x Megatron's (``benchmarks/results/h200_session27/trainer_cost_nemotron_h_dense_bench.json``).
+backward 1.8x Megatron's (``benchmarks/results/h200_session28/trainer_cost_nemotron_h_dense_bench.json``).
 The forward's values never depend on this (the visible output is the kernel's).
 
 The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``;
