@@ -431,8 +431,10 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
         sampling_call = self.logits_call_index == -1  # first call after forward (see module doc)
         if self.row_temperatures is not None and sampling_call:
             temps = self.row_temperatures(hidden_states.shape[0])
-        if temps is None or all(t == 1.0 for t in temps):
-            rows = forward_logprobs(self.spec, self.forward_params(), hidden_states, temperature=1.0)
+        distinct = {1.0} if temps is None else set(temps)
+        if len(distinct) <= 1:  # one temperature for every row (no rows: 1): no row index, no scatter
+            rows = forward_logprobs(self.spec, self.forward_params(), hidden_states,
+                                    temperature=next(iter(distinct), 1.0))
         else:
             rows = torch.empty((hidden_states.shape[0], self.spec.vocab_size), dtype=torch.float32,
                                device=hidden_states.device)
