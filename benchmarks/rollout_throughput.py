@@ -674,7 +674,7 @@ def _table(result: dict) -> str:
             lines.append(f"  {which}: {st.get('model_class')}, eager={st.get('enforce_eager')}, "
                          f"cudagraph_mode={st.get('cudagraph_mode')}, prefix_caching={st.get('enable_prefix_caching')}"
                          f" ({st.get('mamba_cache_mode')}), chunked_prefill={st.get('enable_chunked_prefill')}, "
-                         f"block_size={st.get('block_size')}")
+                         f"block_size={st.get('block_size')}, async_scheduling={st.get('async_scheduling')}")
         if e.get("error"):
             lines.append(f"  {which} FAILED: {e['error']}")
         if e.get("first_attempt_with_default_settings"):

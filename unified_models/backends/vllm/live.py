@@ -93,6 +93,7 @@ def config_settings(cfg, model_class) -> dict:
         "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
         "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),
         "max_num_seqs": get(cfg.scheduler_config, "max_num_seqs"),
+        "async_scheduling": get(cfg.scheduler_config, "async_scheduling"),
     }
     try:
         out["model_class"] = model_class()
