@@ -38,7 +38,8 @@
 #   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
 #   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"), UM_TC_PRESETS narrows the presets; JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 #   First tests/gpu/test_autograd_gpu.py (the CUDA backward's gradients vs fp64 autograd; $OUT/autograd_gpu.log;
-#   UM_TC_GRADCHECK=0 skips it).
+#   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test).
+#   UM_FUSED_ATTENTION_BACKWARD=1 times the opt-in fused bf16 attention backward (ops/attention/backward.py).
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -217,6 +218,7 @@ if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (ben
   nano_checkpoint $presets
   d="$OUT/trainer_cost_logs"; mkdir -p "$d"
   for preset in $presets; do
+    UM_FUSED_ATTENTION_BACKWARD=${UM_FUSED_ATTENTION_BACKWARD:-0} \
     python3 benchmarks/trainer_cost.py --preset $preset --device cuda --timeout-s 240 ${UM_TC_ARGS:-} \
       --json "$d/trainer_cost_$preset.json" > "$d/trainer_cost_$preset.log" 2>&1; rc=$((rc | $?))
     cp "$d/trainer_cost_$preset.json" "$OUT/" 2>/dev/null

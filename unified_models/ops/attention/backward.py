@@ -19,7 +19,8 @@ backward, and the cache write is an in-place copy that carries no graph. So:
   the backward, one sequence at a time, so no attention graph is kept
   between forward and backward (only q, the taped K/V and index vectors).
 
-Precision of the recomputation: fp32 (``acc``), except for a half-precision model's full
+Precision of the recomputation: fp32 (``acc``), except, when opted in
+(``UM_FUSED_ATTENTION_BACKWARD=1``, :data:`FUSED_BACKWARD`), for a half-precision model's full
 causal self-attention of a sequence on CUDA (every query row is a key row, keys from position 0,
 no window, no sink, K/V read back in the query's dtype): there it runs fused in the operands'
 own dtype (:func:`_fused_causal_grads`, ``scaled_dot_product_attention(is_causal=True)`` on
@@ -55,6 +56,7 @@ at the end of this file are what :mod:`unified_models.ops` exports.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -285,14 +287,20 @@ def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_wi
 
 _HALF = (torch.bfloat16, torch.float16)
 
+#: The fused half-precision recompute is opt-in (``UM_FUSED_ATTENTION_BACKWARD=1``) until an H200 run shows
+#: it keeps gradients bitwise run to run: SDPA's fused backward kernels may accumulate dq with atomics
+#: (FlashAttention issues #429, #746), and ``rl --resume`` promises to continue bitwise.
+#: ``tests/gpu/test_autograd_gpu.py::test_fused_attention_backward_is_deterministic`` decides it.
+FUSED_BACKWARD = os.environ.get("UM_FUSED_ATTENTION_BACKWARD", "0") not in ("", "0")
+
 
 def fused_recompute_eligible(q_THE: torch.Tensor, plan: "_Plan", sink_H: torch.Tensor | None) -> bool:
     """Whether the backward may recompute a sequence's attention fused in ``q``'s dtype
     (:func:`_fused_causal_grads`): a half-precision query on CUDA, K/V read back in that dtype
     (so the fused kernel sees exactly the values the forward's kernel read), no sliding window,
-    no sink, no compressed entries. Which sequences qualify is decided per sequence in
+    no sink, no compressed entries, and opted in (:data:`FUSED_BACKWARD`). Which sequences qualify is decided per sequence in
     :meth:`_Plan.build` (queries == keys ``0..P-1``: a whole prompt, the trainer's case)."""
-    return (q_THE.is_cuda and q_THE.dtype in _HALF and plan.kv_read_dtype == q_THE.dtype
+    return (FUSED_BACKWARD and q_THE.is_cuda and q_THE.dtype in _HALF and plan.kv_read_dtype == q_THE.dtype
             and plan.sliding_window is None and sink_H is None and plan.compressed is None)
 
 
