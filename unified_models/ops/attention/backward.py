@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..grad.helpers import acc, needs_grad
+from ..grad.helpers import _HALF, acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .common import CompressedKV, compressed_entry_slots, kv_fp8_dequantize, kv_fp8_roundtrip, window_start
@@ -204,10 +204,10 @@ class _Plan:
             return x.to(self.cache_dtype)
         return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
 
-    def build(self, fused_dtype: torch.dtype | None = None) -> None:
-        """Resolve every key's source (one host sync per sequence). With ``fused_dtype`` (the
-        query's dtype when :func:`fused_recompute_eligible`), also mark the groups whose queries
-        are exactly their keys ``0..P-1`` in order (:attr:`self_attention`)."""
+    def build(self, mark_self_attention: bool = False) -> None:
+        """Resolve every key's source (one host sync per sequence). With ``mark_self_attention``
+        (:func:`fused_recompute_eligible`), also mark the groups whose queries are exactly their
+        keys ``0..P-1`` in order (:attr:`self_attention`)."""
         kc, vc = self.k_cache, self.v_cache
         dev, s = kc.device, kc.shape[1]
         n_slots = kc.shape[0] * s
@@ -222,7 +222,7 @@ class _Plan:
             p = torch.arange(lo, int(pos[tok].max()) + 1, device=dev)
             key_slots.append(self.block_table[b].long()[p // s] * s + p % s)
             self.groups.append((tok, pos[tok], start, p.shape[0], lo))
-            self.self_attention.append(fused_dtype is not None and lo == 0 and n == p.shape[0]
+            self.self_attention.append(mark_self_attention and lo == 0 and n == p.shape[0]
                                        and bool(torch.equal(pos[tok], p)))
             start += p.shape[0]
         kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
@@ -284,8 +284,6 @@ def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_wi
     pw, pc = probs[..., :n].view(g, r, t, n), probs[..., n:].view(g, r, t, -1)
     return (torch.einsum("grtp,pge->tgre", pw, v_PGE) + torch.einsum("grtk,tkge->tgre", pc, c_TKGE)).reshape(t, h, e)
 
-
-_HALF = (torch.bfloat16, torch.float16)
 
 #: The fused half-precision recompute is opt-in (``UM_FUSED_ATTENTION_BACKWARD=1``) until an H200 run shows
 #: it keeps gradients bitwise run to run: SDPA's fused backward kernels may accumulate dq with atomics
@@ -355,7 +353,7 @@ class PagedAttentionFn(torch.autograd.Function):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
                                         plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window,
                                         sink=sink_H, compressed=plan.compressed)
-        plan.build(q_THE.dtype if fused_recompute_eligible(q_THE, plan, sink_H) else None)
+        plan.build(mark_self_attention=fused_recompute_eligible(q_THE, plan, sink_H))
         ctx.plan = plan
         ctx.sink = sink_H
         ctx.stamps = stamp(sink=sink_H)
