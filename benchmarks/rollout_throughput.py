@@ -180,6 +180,8 @@ def _start_engine(which: str, plan: dict):
 
     if plan.get("native_enable_prefix_caching") is not None:
         common["enable_prefix_caching"] = plan["native_enable_prefix_caching"]
+    if plan.get("native_kv_cache_dtype") not in (None, "auto"):
+        common["kv_cache_dtype"] = plan["native_kv_cache_dtype"]
     return vllm.LLM(model=plan["model"], dtype=plan["dtype"], tensor_parallel_size=1, **common)
 
 
@@ -674,7 +676,8 @@ def _table(result: dict) -> str:
             lines.append(f"  {which}: {st.get('model_class')}, eager={st.get('enforce_eager')}, "
                          f"cudagraph_mode={st.get('cudagraph_mode')}, prefix_caching={st.get('enable_prefix_caching')}"
                          f" ({st.get('mamba_cache_mode')}), chunked_prefill={st.get('enable_chunked_prefill')}, "
-                         f"block_size={st.get('block_size')}, async_scheduling={st.get('async_scheduling')}")
+                         f"block_size={st.get('block_size')}, kv_cache_dtype={st.get('kv_cache_dtype')}, "
+                         f"async_scheduling={st.get('async_scheduling')}")
         if e.get("error"):
             lines.append(f"  {which} FAILED: {e['error']}")
         if e.get("first_attempt_with_default_settings"):
@@ -765,6 +768,10 @@ def main(argv=None) -> int:
     ap.add_argument("--native-prefix-caching", choices=["default", "on", "off"], default="default",
                     help="native engine's prefix caching (default: vLLM's default; if that run fails, it is "
                          "re-run once with prefix caching off and both attempts are recorded)")
+    ap.add_argument("--native-kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="native engine's kv_cache_dtype (default auto: the checkpoint's); vLLM 0.26's native "
+                         "DeepseekV4ForCausalLM needs fp8 (its fp8_ds_mla cache layout: 'only supports fp8 "
+                         "kv-cache, got auto', session 29); compare with our FP8-KV preset then")
     ap.add_argument("--ours-prefix-caching", choices=["check", "on", "off"], default="check",
                     help="our engine's prefix caching (default: make_llm's, the mode `check` uses: on); `off` "
                          "matches the native engine's default for this class and removes vLLM's per-block "
@@ -855,6 +862,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "warmup_tokens": args.warmup_tokens, "warmup_requests": args.warmup_requests,
         "native_enable_prefix_caching": {"default": None, "on": True, "off": False}[args.native_prefix_caching],
         "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
+        "native_kv_cache_dtype": args.native_kv_cache_dtype,
         "ours_block_size": args.ours_block_size, "interleave": args.interleave, "native_arch": native_arch,
         "workloads": args.workloads,
     }

@@ -39,13 +39,14 @@
 #   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"), UM_TC_PRESETS narrows the presets; JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 #   First tests/gpu/test_autograd_gpu.py (the CUDA backward's gradients vs fp64 autograd; $OUT/autograd_gpu.log;
 #   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test).
-#   UM_FUSED_ATTENTION_BACKWARD=1 times the opt-in fused bf16 attention backward (ops/attention/backward.py).
+#   UM_FUSED_ATTENTION_BACKWARD=0 times the fp32 attention recompute instead of the fused one (ops/attention/causal_grads.py).
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
 #   `check` on deepseek_v4_flash_reduced (bf16) and deepseek_v4_flash_reduced_fp8, then with prefix caching + forced
 #   chunked prefill; UM_DSV4_PROMPTS x UM_DSV4_NEW_TOKENS (default 64 x 256), UM_DSV4_K (pytest -k) narrows it.
-#   deepseek-v4-bench: benchmarks/rollout_throughput.py on deepseek_v4_flash_reduced, ours vs vLLM's native DeepSeek-V4.
+#   deepseek-v4-bench: benchmarks/rollout_throughput.py on UM_DSV4_PRESET (default deepseek_v4_flash_reduced_fp8: block-FP8
+#   weights and FP8 KV cache on both sides; vLLM 0.26's native DeepSeek-V4 refuses a bf16 KV cache), ours vs native.
 # perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
 #   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
@@ -174,9 +175,10 @@ if [ "$stage" = deepseek-v4 ] || [ "$stage" = deepseek-v4-check ]; then
     | tee "$OUT/dsv4_check.log" | grep -vE "INFO|WARNING|warn|DEBUG|it/s\]" | tail -40; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = deepseek-v4-bench ]; then
-  python3 -c "from unified_models.presets import build_preset_checkpoint as b; print(b('deepseek_v4_flash_reduced'))"
-  python3 benchmarks/rollout_throughput.py --preset deepseek_v4_flash_reduced --workloads ${UM_DSV4_WORKLOADS:-64x128/256} \
-    --engine-timeout-s 400 --json "$OUT/dsv4_rollout_throughput.json" > "$OUT/dsv4_bench.log" 2>&1; rc=$((rc | $?))
+  p=${UM_DSV4_PRESET:-deepseek_v4_flash_reduced_fp8}  # FP8 KV on both sides: vLLM's native DeepSeek-V4 needs it
+  python3 -c "from unified_models.presets import build_preset_checkpoint as b; print(b('$p'))"
+  python3 benchmarks/rollout_throughput.py --preset "$p" --workloads ${UM_DSV4_WORKLOADS:-64x128/256} \
+    --native-kv-cache-dtype fp8 --engine-timeout-s 400 --json "$OUT/dsv4_rollout_throughput.json" > "$OUT/dsv4_bench.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dsv4_bench.log" | tail -40
 fi
 if [ "$stage" = moe-kernels ]; then
@@ -218,7 +220,7 @@ if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (ben
   nano_checkpoint $presets
   d="$OUT/trainer_cost_logs"; mkdir -p "$d"
   for preset in $presets; do
-    UM_FUSED_ATTENTION_BACKWARD=${UM_FUSED_ATTENTION_BACKWARD:-0} \
+    UM_FUSED_ATTENTION_BACKWARD=${UM_FUSED_ATTENTION_BACKWARD:-1} \
     python3 benchmarks/trainer_cost.py --preset $preset --device cuda --timeout-s 240 ${UM_TC_ARGS:-} \
       --json "$d/trainer_cost_$preset.json" > "$d/trainer_cost_$preset.log" 2>&1; rc=$((rc | $?))
     cp "$d/trainer_cost_$preset.json" "$OUT/" 2>/dev/null

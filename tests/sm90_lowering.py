@@ -82,6 +82,7 @@ def main() -> int:
 
     import unified_models.ops.triton as ops_triton
     from unified_models.ops.activations import triton as activations
+    from unified_models.ops.attention import causal_grads
     from unified_models.ops.attention import triton as attention
     from unified_models.ops.embedding import triton as embedding
     from unified_models.ops.fp8 import triton as fp8_linear
@@ -90,7 +91,7 @@ def main() -> int:
     from unified_models.ops.rmsnorm import triton as rmsnorm
     from unified_models.ops.rope import triton as rope
 
-    for mod in (activations, attention, embedding, fp8_linear, linear, logprob, rmsnorm, rope):
+    for mod in (activations, attention, causal_grads, embedding, fp8_linear, linear, logprob, rmsnorm, rope):
         mod.check_device = lambda *a, **k: None  # CPU tensors stand in for CUDA ones: nothing runs
     linear._num_sms = lambda device: 132  # H200
     attention._has_tma = lambda device: True  # sm_90 has TMA (the CPU tensors' device does not)
@@ -126,6 +127,13 @@ def main() -> int:
     attention.paged_attention_triton(torch.zeros(5, 32, E, dtype=bf16), buf[:, 0], buf[:, 1],
                                      torch.zeros(2, 40, dtype=torch.int32), torch.zeros(5, dtype=torch.int32),
                                      torch.zeros(5, dtype=torch.int64), E ** -0.5, one, one)
+
+    # the trainer's fused attention backward (whole prompts), nano widths: 32 query heads over 2 kv heads
+    for e in (64, 128):
+        _CASE[0] = f"causal attention grads E={e}"
+        q = torch.zeros(300, 32, e, dtype=bf16)
+        kv = torch.zeros(300, 2, e, dtype=bf16)
+        causal_grads.causal_attention_grads(q, kv, kv, q, torch.tensor([0, 300], dtype=torch.int32), e ** -0.5, 300)
 
     D, V = 4096, 32064
     x = torch.zeros(7, D, dtype=bf16)

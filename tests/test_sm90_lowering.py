@@ -99,3 +99,13 @@ def test_elementwise_norm_and_fp8_kernels_lower(lowered):
     fp8_attention = [r for r in lowered if r["case"] == "attention 8b S=64 fp8 cache"
                      and r["kernel"] == "_attention_partial_kernel"]
     assert fp8_attention and fp8_attention[0]["constexprs"]["FP8"] and fp8_attention[0]["wgmma_m64"] > 0
+
+
+def test_causal_attention_grads_lower_to_wgmma(lowered):
+    """The trainer's fused attention backward (``ops/attention/causal_grads.py``): every dot of its
+    three kernels a 64-row ``wgmma`` on sm_90, for head dims 64 and 128, within one block's shared memory."""
+    for kernel in ("_stats_kernel", "_dkdv_kernel", "_dq_kernel"):
+        recs = [r for r in _by_kernel(lowered, kernel) if r["case"].startswith("causal attention grads")]
+        assert {r["case"] for r in recs} == {"causal attention grads E=64", "causal attention grads E=128"}, recs
+        for r in recs:
+            assert r["wgmma_m64"] > 0 and r["mma_sync"] == 0, f"{r['case']} {kernel}: dots must be wgmma: {r}"

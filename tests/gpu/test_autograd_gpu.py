@@ -86,9 +86,10 @@ def test_grad_matmul_runs_on_tensor_cores(da, db):
 
 
 def test_fused_attention_backward_is_deterministic(monkeypatch):
-    """The opt-in fused attention backward (``UM_FUSED_ATTENTION_BACKWARD=1``) on bf16 whole prompts:
-    two identical backward passes give the same gradient bits (``rl --resume`` continues bitwise), and
-    the gradients are within 2 x 2^-8 of the fp32 recomputation's."""
+    """The fused attention backward (``ops/attention/causal_grads.py``, on by default) on bf16 whole
+    prompts: two identical backward passes give the same gradient bits (``rl --resume`` continues
+    bitwise; SDPA's fused backward failed this in session 29), and the gradients are within 2 x 2^-8
+    of the fp32 recomputation's (``UM_FUSED_ATTENTION_BACKWARD=0``)."""
     from unified_models import ops
     from unified_models.ops.attention import backward as attn_backward
 

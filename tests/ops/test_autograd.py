@@ -353,14 +353,14 @@ TOL_FUSED_BF16 = 8e-3
 @pytest.mark.parametrize("lens", [[5, 17, 9], [33]], ids=["packed", "one"])
 def test_paged_attention_fused_recompute(lens, gen, inv, monkeypatch):
     """The backward's fused path (on CUDA for half-precision self-attention; forced here on the
-    CPU, where SDPA runs the same math in bf16): every sequence of a whole-prompt packed batch
-    takes it, and q/k/v gradients are within 2 x 2^-8 of fp64 autograd."""
+    CPU, where its Triton kernels run through the interpreter): every sequence of a whole-prompt
+    packed batch takes it, in one call, and q/k/v gradients are within 2 x 2^-8 of fp64 autograd."""
     from unified_models.ops.attention import backward as attn_backward
 
     taken = []
     real = attn_backward._fused_causal_grads
     monkeypatch.setattr(attn_backward, "fused_recompute_eligible", lambda q, plan, sink: q.dtype == torch.bfloat16)
-    monkeypatch.setattr(attn_backward, "_fused_causal_grads", lambda *a: taken.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(attn_backward, "_fused_causal_grads", lambda *a: taken.append(list(a[4])) or real(*a))
     layout = _paged_layout(lens, gen)
     t = sum(lens)
     q, k, v = (torch.randn(t, h, E, generator=gen).to(torch.bfloat16) for h in (H, G, G))
@@ -376,7 +376,7 @@ def test_paged_attention_fused_recompute(lens, gen, inv, monkeypatch):
     with torch.no_grad():
         inv.assert_bitwise(out.detach(), _attention(q, k, v, *layout), "fused-path forward vs no-grad")
     out.backward(g)
-    assert sorted(taken) == sorted(lens), f"sequences on the fused path: {taken}, expected {lens}"
+    assert len(taken) == 1 and sorted(taken[0]) == sorted(lens), f"fused calls (sequence lengths): {taken}, expected {lens}"
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref(*x64).backward(g.double())
     for name, x, r in zip("qkv", xs, x64):
@@ -384,6 +384,31 @@ def test_paged_attention_fused_recompute(lens, gen, inv, monkeypatch):
         err = _rel(x.grad, r.grad)
         print(f"GRAD-ERR fused paged_attention d{name}: {err:.3e}")
         assert err <= TOL_FUSED_BF16, f"d{name} rel. error {err:.3e}"
+
+
+def test_fused_recompute_of_interleaved_tokens(gen, inv, monkeypatch):
+    """Tokens of three whole prompts interleaved in the batch (rows in any order): the fused path
+    gathers each sequence's rows by position and scatters the gradients back, giving the bits of
+    the same batch in sequence order, row for row."""
+    from unified_models.ops.attention import backward as attn_backward
+
+    monkeypatch.setattr(attn_backward, "fused_recompute_eligible", lambda q, plan, sink: True)
+    lens = [5, 17, 9]
+    n_blocks, table, seq, pos, slots = _paged_layout(lens, gen)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, E, generator=gen).to(torch.bfloat16) for h in (H, G, G))
+    g = torch.randn(t, H, E, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(t, generator=gen)
+
+    def grads(p):
+        xs = [x[p].detach().clone().requires_grad_() for x in (q, k, v)]
+        _attention(*xs, n_blocks, table, seq[p], pos[p], slots[p]).backward(g[p])
+        back = torch.empty_like(p)
+        back[p] = torch.arange(t)
+        return [x.grad[back] for x in xs]
+
+    for name, a, b in zip("qkv", grads(torch.arange(t)), grads(perm)):
+        inv.assert_bitwise(a, b, f"d{name}: interleaved rows vs sequence order")
 
 
 def test_fused_recompute_skips_continued_chunks(gen, monkeypatch):
@@ -415,4 +440,7 @@ def test_fused_causal_grads_refuses_bad_shapes():
 
     q = torch.zeros(4, 3, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fused causal attention gradients"):
-        _fused_causal_grads(q, torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), q, 0.3)
+        _fused_causal_grads(q, torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), q, [4], 0.3)  # 3 heads over 2
+    q4 = torch.zeros(4, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sequence lengths"):
+        _fused_causal_grads(q4, torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), q4, [3], 0.3)  # lengths sum to 3

@@ -89,6 +89,7 @@ def config_settings(cfg, model_class) -> dict:
         "mamba_cache_mode": get(cfg.cache_config, "mamba_cache_mode"),
         "mamba_ssm_cache_dtype": get(cfg.cache_config, "mamba_ssm_cache_dtype"),
         "block_size": get(cfg.cache_config, "block_size"),
+        "kv_cache_dtype": get(cfg.cache_config, "cache_dtype"),
         "num_gpu_blocks": get(cfg.cache_config, "num_gpu_blocks"),
         "enable_chunked_prefill": get(cfg.scheduler_config, "enable_chunked_prefill", "chunked_prefill_enabled"),
         "max_num_batched_tokens": get(cfg.scheduler_config, "max_num_batched_tokens"),

@@ -19,15 +19,17 @@ backward, and the cache write is an in-place copy that carries no graph. So:
   the backward, one sequence at a time, so no attention graph is kept
   between forward and backward (only q, the taped K/V and index vectors).
 
-Precision of the recomputation: fp32 (``acc``), except, when opted in
-(``UM_FUSED_ATTENTION_BACKWARD=1``, :data:`FUSED_BACKWARD`), for a half-precision model's full
+Precision of the recomputation: fp32 (``acc``), except for a half-precision model's full
 causal self-attention of a sequence on CUDA (every query row is a key row, keys from position 0,
-no window, no sink, K/V read back in the query's dtype): there it runs fused in the operands'
-own dtype (:func:`_fused_causal_grads`, ``scaled_dot_product_attention(is_causal=True)`` on
-FlashAttention-2's kernels: fp32 accumulation, probabilities and score gradients rounded to
-bf16 inside, as FlashAttention's and Megatron-core's backward do). The fp32 form materialized a
-``[H, T, T]`` fp32 score matrix per sequence and ran on CUDA cores: it made our optimizer step's
-backward 1.8x Megatron's (``benchmarks/results/h200_session28/trainer_cost_nemotron_h_dense_bench.json``).
+no window, no sink, K/V read back in the query's dtype; ``UM_FUSED_ATTENTION_BACKWARD=0`` turns it
+off, :data:`FUSED_BACKWARD`): there all such sequences of the batch are recomputed together, fused,
+in the operands' own dtype (:func:`_fused_causal_grads` -> :mod:`.causal_grads`, our Triton form of
+FlashAttention-2's backward: fp32 accumulation, probabilities and score gradients rounded to bf16
+inside, as FlashAttention's and Megatron-core's backward do; deterministic, unlike SDPA's fused
+backward). The fp32 form materialized a ``[H, T, T]`` fp32 score matrix per sequence and ran on
+CUDA cores: it made our optimizer step's backward 1.8x Megatron's
+(``benchmarks/results/h200_session28/trainer_cost_nemotron_h_dense_bench.json``); SDPA's fused
+backward brought it to 1.14x but was not bitwise run to run (session 29).
 The forward's values never depend on this (the visible output is the kernel's).
 
 The recomputation reads the cache's rounding of K/V (``k.to(cache dtype)``;
@@ -212,7 +214,8 @@ class _Plan:
         dev, s = kc.device, kc.shape[1]
         n_slots = kc.shape[0] * s
         seq, pos = self.seq_idx.long(), self.positions.long()
-        order = torch.argsort(seq, stable=True)
+        by_pos = torch.argsort(pos, stable=True)  # each sequence's rows in position order, wherever they sit
+        order = by_pos[torch.argsort(seq[by_pos], stable=True)]
         uniq, counts = torch.unique_consecutive(seq[order], return_counts=True)
         self.groups, key_slots, start, tok0 = [], [], 0, 0
         for b, n in zip(uniq.tolist(), counts.tolist()):
@@ -285,61 +288,58 @@ def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_wi
     return (torch.einsum("grtp,pge->tgre", pw, v_PGE) + torch.einsum("grtk,tkge->tgre", pc, c_TKGE)).reshape(t, h, e)
 
 
-#: The fused half-precision recompute is opt-in (``UM_FUSED_ATTENTION_BACKWARD=1``) until an H200 run shows
-#: it keeps gradients bitwise run to run: SDPA's fused backward kernels may accumulate dq with atomics
-#: (FlashAttention issues #429, #746), and ``rl --resume`` promises to continue bitwise.
-#: ``tests/gpu/test_autograd_gpu.py::test_fused_attention_backward_is_deterministic`` decides it.
-FUSED_BACKWARD = os.environ.get("UM_FUSED_ATTENTION_BACKWARD", "0") not in ("", "0")
+#: The fused half-precision recompute (:func:`_fused_causal_grads`) is on unless
+#: ``UM_FUSED_ATTENTION_BACKWARD=0``. It is our own Triton kernel set (:mod:`.causal_grads`), deterministic by
+#: construction: SDPA's fused backward (FlashAttention-2's and cuDNN's) was not bitwise run to run on the H200
+#: (``benchmarks/results/h200_session29/sdpa_backward_determinism.md``), and ``rl --resume`` promises to continue
+#: bitwise. ``tests/gpu/test_autograd_gpu.py::test_fused_attention_backward_is_deterministic`` checks it there.
+FUSED_BACKWARD = os.environ.get("UM_FUSED_ATTENTION_BACKWARD", "1") not in ("", "0")
 
 
 def fused_recompute_eligible(q_THE: torch.Tensor, plan: "_Plan", sink_H: torch.Tensor | None) -> bool:
     """Whether the backward may recompute a sequence's attention fused in ``q``'s dtype
     (:func:`_fused_causal_grads`): a half-precision query on CUDA, K/V read back in that dtype
-    (so the fused kernel sees exactly the values the forward's kernel read), no sliding window,
-    no sink, no compressed entries, and opted in (:data:`FUSED_BACKWARD`). Which sequences qualify is decided per sequence in
-    :meth:`_Plan.build` (queries == keys ``0..P-1``: a whole prompt, the trainer's case)."""
+    (so the fused kernels see exactly the values the forward's kernel read), no sliding window,
+    no sink, no compressed entries, and not opted out (:data:`FUSED_BACKWARD`). Which sequences qualify
+    is decided per sequence in :meth:`_Plan.build` (queries == keys ``0..P-1``: a whole prompt, the
+    trainer's case)."""
     return (FUSED_BACKWARD and q_THE.is_cuda and q_THE.dtype in _HALF and plan.kv_read_dtype == q_THE.dtype
             and plan.sliding_window is None and sink_H is None and plan.compressed is None)
 
 
 def _fused_causal_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor, g_THE: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one sequence's causal self-attention ``softmax(q k^T * scale) v`` (query row i
-    attends keys 0..i) w.r.t. ``q``, ``k``, ``v``, recomputed in ``q``'s dtype by
-    ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on ``[1, H, T, E]``
-    (FlashAttention-2's forward and backward on CUDA; fp32 accumulation, the probabilities and
-    score gradients rounded to the operand dtype inside the kernel, as in FlashAttention-2,
-    Dao 2023, Algorithm 2).
+                        lens: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of causal self-attention ``softmax(q k^T * scale) v`` (query row i of a sequence
+    attends its keys 0..i) over packed whole sequences w.r.t. ``q``, ``k``, ``v``, recomputed in
+    ``q``'s dtype by :func:`.causal_grads.causal_attention_grads` (FlashAttention-2's backward, Dao
+    2023, Algorithm 2: fp32 accumulation, probabilities and score gradients rounded to the operand
+    dtype inside; deterministic).
 
     Args:
-        q_THE: ``[T, H, E]`` half precision; ``k_TGE``, ``v_TGE``: ``[T, G, E]`` (any float dtype whose
-            values are exact in ``q``'s dtype: the cache's read-back), G dividing H (GQA: query
-            head h reads kv head ``h // (H/G)``); ``g_THE``: ``[T, H, E]`` upstream gradient;
-            ``scale``: the softmax scale.
+        q_THE: ``[T, H, E]`` half precision, sequence b on rows ``sum(lens[:b]) ..`` (``lens`` rows
+            each); ``k_TGE``, ``v_TGE``: ``[T, G, E]`` the same rows' keys and values (any float
+            dtype whose values are exact in ``q``'s dtype: the cache's read-back), G dividing H (GQA:
+            query head h reads kv head ``h // (H/G)``); ``g_THE``: ``[T, H, E]`` upstream gradient;
+            ``lens``: sequence lengths (sum T); ``scale``: the softmax scale.
 
     Returns:
-        ``(dq [T, H, E], dk [T, G, E], dv [T, G, E])`` in ``q``'s dtype (GQA: each kv head's gradient
-        summed over its query heads, in fp32, then rounded).
+        ``(dq [T, H, E], dk [T, G, E], dv [T, G, E])`` fp32 (GQA: each kv head's gradient summed over
+        its query heads in fp32).
 
     Raises:
-        ValueError: mismatched shapes, or H not a multiple of G.
+        ValueError: mismatched shapes, H not a multiple of G, or ``lens`` not summing to T.
     """
+    from .causal_grads import causal_attention_grads
+
     t, h, e = q_THE.shape
     if k_TGE.shape != v_TGE.shape or k_TGE.shape[0] != t or k_TGE.shape[2] != e or g_THE.shape != q_THE.shape \
-            or h % k_TGE.shape[1]:
+            or h % k_TGE.shape[1] or sum(lens) != t or min(lens, default=1) < 1:
         raise ValueError(f"fused causal attention gradients: q {list(q_THE.shape)}, k {list(k_TGE.shape)}, "
-                         f"v {list(v_TGE.shape)}, g {list(g_THE.shape)}")
-    dt, rep = q_THE.dtype, h // k_TGE.shape[1]
-    with torch.enable_grad():
-        q = q_THE.detach().to(dt).transpose(0, 1).unsqueeze(0).requires_grad_()
-        k = k_TGE.detach().to(dt).repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0).requires_grad_()
-        v = v_TGE.detach().to(dt).repeat_interleave(rep, 1).transpose(0, 1).unsqueeze(0).requires_grad_()
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        gq, gk, gv = torch.autograd.grad(o, (q, k, v), g_THE.to(dt).transpose(0, 1).unsqueeze(0))
-    g = k_TGE.shape[1]
-    gk = gk[0].float().view(g, rep, t, e).sum(1).transpose(0, 1).to(dt)
-    gv = gv[0].float().view(g, rep, t, e).sum(1).transpose(0, 1).to(dt)
-    return gq[0].transpose(0, 1), gk, gv
+                         f"v {list(v_TGE.shape)}, g {list(g_THE.shape)}, sequence lengths {lens}")
+    dt = q_THE.dtype
+    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device=q_THE.device, dtype=torch.int32)
+    return causal_attention_grads(q_THE.contiguous(), k_TGE.to(dt).contiguous(), v_TGE.to(dt).contiguous(),
+                                  g_THE.to(dt).contiguous(), cu, scale, max(lens))
 
 
 class PagedAttentionFn(torch.autograd.Function):
@@ -379,11 +379,14 @@ class PagedAttentionFn(torch.autograd.Function):
         if plan.has_compressed:
             dsink, grads_c = _backward_compressed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
         window_groups = [] if plan.has_compressed else plan.groups
-        for i, (tok, qpos, start, n, key0) in enumerate(window_groups):  # one sequence at a time
+        fused = [grp for grp, mark in zip(window_groups, plan.self_attention) if mark]
+        if fused:  # whole prompts: one fused, deterministic recompute for all of them
+            tok = torch.cat([grp[0] for grp in fused])
+            keys = torch.cat([torch.arange(grp[2], grp[2] + grp[3], device=q.device) for grp in fused])
+            dq[tok], dk[keys], dv[keys] = _fused_causal_grads(q_in[tok], k_all[keys], v_all[keys], g_THE[tok],
+                                                              [grp[3] for grp in fused], plan.scale)
+        for i, (tok, qpos, start, n, key0) in enumerate(window_groups):  # the others: one sequence at a time
             if plan.self_attention[i]:
-                gq, gk, gv = _fused_causal_grads(q_in[tok], k_all[start:start + n], v_all[start:start + n],
-                                                 g_THE[tok], plan.scale)
-                dq[tok], dk[start:start + n], dv[start:start + n] = gq.float(), gk.float(), gv.float()
                 continue
             with torch.enable_grad():
                 qb = q[tok].detach().requires_grad_()
