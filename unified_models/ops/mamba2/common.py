@@ -146,8 +146,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
     if Q < 1:
         raise ValueError(f"mamba2: chunk_size {chunk_size} must be >= 1")
     dev = cu_seqlens_B1.device
-    cu = cu_seqlens_B1.detach().to("cpu", torch.int64).view(-1)
-    p0 = start_pos_B.detach().to("cpu", torch.int64).view(-1)
+    has_state = state_idx_B is not None
+    cu, p0, slot = _read_to_host(cu_seqlens_B1, start_pos_B, state_idx_B)
     B = cu.shape[0] - 1
     if B < 0 or p0.shape[0] != B or int(cu[0]) != 0:
         raise ValueError(f"mamba2: cu_seqlens must be [B+1] from 0 and start_pos [B]; got {cu.shape[0]} / "
@@ -160,8 +160,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         raise ValueError(f"mamba2: cu_seqlens ends at {int(cu[-1])} > num_tokens {T}")
     if (p0 < 0).any():
         raise ValueError("mamba2: start_pos must be >= 0")
-    has_state = state_idx_B is not None
-    slot = state_idx_B.detach().to("cpu", torch.int64).view(-1) if has_state else torch.zeros(B, dtype=torch.int64)
+    if slot is None:
+        slot = torch.zeros(B, dtype=torch.int64)
     if slot.shape[0] != B:
         raise ValueError(f"mamba2: state_idx must be [B={B}], got {slot.shape[0]}")
     if not has_state and (p0 != 0).any():
@@ -207,22 +207,48 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
                 cpu=dict(cu=cu, p0=p0, L=L, slot=slot, item_seq=item_seq, item_chunk=item_chunk, token_seq=token_seq,
                          token_pos=token_pos, live=live))
 
-    def i64(v):
-        return v.to(device=dev, dtype=torch.int64)
+    fields = dict(cu_seqlens=(cu, torch.int32), start_pos=(p0, torch.int64), seq_len=(L, torch.int32),
+                  slot=(slot, torch.int64), seq_item_ptr=(item_ptr, torch.int32), seq_entry_ptr=(ent_ptr, torch.int32),
+                  token_seq=(token_seq, torch.int32), token_pos=(token_pos, torch.int64),
+                  token_item=(token_item, torch.int64), item_seq=(item_seq, torch.int32),
+                  item_chunk=(item_chunk, torch.int64), item_rank=(item_rank, torch.int32),
+                  state_seqs=(state_seqs, torch.int32), commit_slot=(commit_slot, torch.int64),
+                  commit_entry=(commit_entry, torch.int64), pend_token=(pend_token, torch.int64),
+                  pend_slot=(pend_slot, torch.int64), pend_index=(pend_index, torch.int64),
+                  conv_seqs=(conv_seqs, torch.int64))
+    return Mamba2Metadata(chunk_size=Q, num_tokens=T, has_state=has_state, num_items=U, num_entries=int(ent_ptr[-1]),
+                          host=host, **_to_device(fields, dev))
 
-    def i32(v):
-        return v.to(device=dev, dtype=torch.int32)
 
-    return Mamba2Metadata(
-        chunk_size=Q, num_tokens=T, has_state=has_state,
-        cu_seqlens=i32(cu), start_pos=i64(p0), seq_len=i32(L), slot=i64(slot),
-        seq_item_ptr=i32(item_ptr), seq_entry_ptr=i32(ent_ptr),
-        token_seq=i32(token_seq), token_pos=i64(token_pos), token_item=i64(token_item),
-        item_seq=i32(item_seq), item_chunk=i64(item_chunk), item_rank=i32(item_rank),
-        num_items=U, num_entries=int(ent_ptr[-1]), state_seqs=i32(state_seqs),
-        commit_slot=i64(commit_slot), commit_entry=i64(commit_entry),
-        pend_token=i64(pend_token), pend_slot=i64(pend_slot), pend_index=i64(pend_index),
-        conv_seqs=i64(conv_seqs), host=host)
+def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``cu_seqlens``, ``start_pos`` and the slots as int64 host tensors, read in ONE device-to-host
+    copy when they live on a GPU (each blocking copy waits for the whole stream: three separate
+    reads were three waits per Mamba KV-cache group and step)."""
+    parts = [cu_B1.detach().reshape(-1), start_B.detach().reshape(-1)]
+    if slot_B is not None:
+        parts.append(slot_B.detach().reshape(-1))
+    sizes = [x.shape[0] for x in parts]
+    if all(x.device.type == "cpu" for x in parts):
+        out = [x.to(torch.int64) for x in parts]
+    else:
+        out = list(torch.cat([x.to(device=cu_B1.device, dtype=torch.int64) for x in parts]).cpu().split(sizes))
+    return out[0], out[1], (out[2] if slot_B is not None else None)
+
+
+def _to_device(fields: dict[str, tuple[torch.Tensor, torch.dtype]], dev: torch.device) -> dict[str, torch.Tensor]:
+    """Each host index tensor on ``dev`` in its dtype. On a GPU all of them go in ONE non-blocking
+    copy from pinned memory, then are cut and cast there: a blocking copy from pageable memory
+    waits for the stream, and there were 19 per call (the GPU idled while the host built the
+    rest; ``benchmarks/results/h200_session29/profile_ours_64x256-2048.txt``). Integer values:
+    the same numbers either way."""
+    if dev.type == "cpu":
+        return {k: v.to(dtype) for k, (v, dtype) in fields.items()}
+    names = list(fields)
+    sizes = [fields[k][0].numel() for k in names]
+    packed = torch.cat([fields[k][0].reshape(-1).to(torch.int64) for k in names]).pin_memory()
+    on_dev = packed.to(dev, non_blocking=True).split(sizes)
+    return {k: x.to(fields[k][1]) for k, x in zip(names, on_dev)}
 
 
 def mamba2_decode_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, state_idx_B: torch.Tensor,
