@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -147,6 +148,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         raise ValueError(f"mamba2: chunk_size {chunk_size} must be >= 1")
     dev = cu_seqlens_B1.device
     has_state = state_idx_B is not None
+    # host arithmetic in numpy: single-threaded, a few microseconds per op (torch's CPU ops on these
+    # int64 vectors took ~0.4 ms each on the H200 host: profile_ours_64x256-2048.txt, session 29)
     cu, p0, slot = _read_to_host(cu_seqlens_B1, start_pos_B, state_idx_B)
     B = cu.shape[0] - 1
     if B < 0 or p0.shape[0] != B or int(cu[0]) != 0:
@@ -161,52 +164,52 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
     if (p0 < 0).any():
         raise ValueError("mamba2: start_pos must be >= 0")
     if slot is None:
-        slot = torch.zeros(B, dtype=torch.int64)
+        slot = np.zeros(B, dtype=np.int64)
     if slot.shape[0] != B:
         raise ValueError(f"mamba2: state_idx must be [B={B}], got {slot.shape[0]}")
     if not has_state and (p0 != 0).any():
         raise ValueError("mamba2: start_pos > 0 needs a state (pass state_idx and a Mamba2State)")
-    L = torch.where(slot >= 0, n_rows, 0)
+    L = np.where(slot >= 0, n_rows, 0)
     live = L > 0
     end = p0 + L
     # items: chunks k0..k1 of each sequence; entries: its complete chunks (all but maybe the last)
-    n_items = torch.where(live, (end - 1).clamp(min=0) // Q - p0 // Q + 1, 0)
-    n_complete = torch.where(live, end // Q - p0 // Q, 0)
-    zero1 = torch.zeros(1, dtype=torch.int64)
-    item_ptr = torch.cat([zero1, n_items.cumsum(0)])
-    ent_ptr = torch.cat([zero1, n_complete.cumsum(0)])
+    n_items = np.where(live, np.maximum(end - 1, 0) // Q - p0 // Q + 1, 0)
+    n_complete = np.where(live, end // Q - p0 // Q, 0)
+    item_ptr = np.concatenate([[0], np.cumsum(n_items)]).astype(np.int64)
+    ent_ptr = np.concatenate([[0], np.cumsum(n_complete)]).astype(np.int64)
     U = int(item_ptr[-1])
-    item_seq = torch.repeat_interleave(torch.arange(B), n_items)
-    item_rank = torch.arange(U) - item_ptr[item_seq]
+    item_seq = np.repeat(np.arange(B, dtype=np.int64), n_items)
+    item_rank = np.arange(U, dtype=np.int64) - item_ptr[item_seq]
     item_chunk = p0[item_seq] // Q + item_rank
     # tokens
-    row_seq = torch.repeat_interleave(torch.arange(B), n_rows)  # sequence of each covered row
-    rows = torch.arange(row_seq.shape[0])
+    row_seq = np.repeat(np.arange(B, dtype=np.int64), n_rows)  # sequence of each covered row
+    n_cov = row_seq.shape[0]
+    rows = np.arange(n_cov, dtype=np.int64)
     real = live[row_seq]
-    token_seq = torch.full((T,), -1, dtype=torch.int64)
-    token_pos = torch.zeros(T, dtype=torch.int64)
-    token_item = torch.zeros(T, dtype=torch.int64)
+    token_seq = np.full(T, -1, dtype=np.int64)
+    token_pos = np.zeros(T, dtype=np.int64)
+    token_item = np.zeros(T, dtype=np.int64)
     pos = p0[row_seq] + rows - cu[row_seq]
-    token_seq[rows] = torch.where(real, row_seq, -1)
-    token_pos[rows] = torch.where(real, pos, 0)
-    token_item[rows] = torch.where(real, item_ptr[row_seq] + pos // Q - p0[row_seq] // Q, 0)
-    state_seqs = live.logical_and(n_complete > 0).nonzero().view(-1)
+    token_seq[:n_cov] = np.where(real, row_seq, -1)
+    token_pos[:n_cov] = np.where(real, pos, 0)
+    token_item[:n_cov] = np.where(real, item_ptr[row_seq] + pos // Q - p0[row_seq] // Q, 0)
+    state_seqs = np.flatnonzero(live & (n_complete > 0))
     if has_state:
         commit_slot, commit_entry = slot[state_seqs], ent_ptr[state_seqs + 1] - 1
         boundary = (end // Q) * Q
-        keep = (real & (pos >= boundary[row_seq])).nonzero().view(-1)
+        keep = np.flatnonzero(real & (pos >= boundary[row_seq]))
         pend_token, pend_slot = keep, slot[row_seq[keep]]
         pend_index = pos[keep] - boundary[row_seq[keep]]
-        conv_seqs = live.nonzero().view(-1)
+        conv_seqs = np.flatnonzero(live)
     else:
-        commit_slot = commit_entry = pend_token = pend_slot = pend_index = conv_seqs = torch.zeros(0, dtype=torch.int64)
+        commit_slot = commit_entry = pend_token = pend_slot = pend_index = conv_seqs = np.zeros(0, dtype=np.int64)
 
+    t = torch.from_numpy
     host = dict(cu=cu.tolist(), start_pos=p0.tolist(), seq_len=L.tolist(), slot=slot.tolist(),
                 item_seq=item_seq.tolist(), item_chunk=item_chunk.tolist(), item_rank=item_rank.tolist(),
                 seq_item_ptr=item_ptr.tolist(), seq_entry_ptr=ent_ptr.tolist(), conv_seqs=conv_seqs.tolist(),
-                cpu=dict(cu=cu, p0=p0, L=L, slot=slot, item_seq=item_seq, item_chunk=item_chunk, token_seq=token_seq,
-                         token_pos=token_pos, live=live))
-
+                cpu=dict(cu=t(cu), p0=t(p0), L=t(L), slot=t(slot), item_seq=t(item_seq), item_chunk=t(item_chunk),
+                         token_seq=t(token_seq), token_pos=t(token_pos), live=t(live)))
     fields = dict(cu_seqlens=(cu, torch.int32), start_pos=(p0, torch.int64), seq_len=(L, torch.int32),
                   slot=(slot, torch.int64), seq_item_ptr=(item_ptr, torch.int32), seq_entry_ptr=(ent_ptr, torch.int32),
                   token_seq=(token_seq, torch.int32), token_pos=(token_pos, torch.int64),
@@ -221,8 +224,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
 
 
 def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``cu_seqlens``, ``start_pos`` and the slots as int64 host tensors, read in ONE device-to-host
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``cu_seqlens``, ``start_pos`` and the slots as int64 numpy arrays, read in ONE device-to-host
     copy when they live on a GPU (each blocking copy waits for the whole stream: three separate
     reads were three waits per Mamba KV-cache group and step)."""
     parts = [cu_B1.detach().reshape(-1), start_B.detach().reshape(-1)]
@@ -230,24 +233,25 @@ def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tens
         parts.append(slot_B.detach().reshape(-1))
     sizes = [x.shape[0] for x in parts]
     if all(x.device.type == "cpu" for x in parts):
-        out = [x.to(torch.int64) for x in parts]
+        out = [x.to(torch.int64).numpy() for x in parts]
     else:
-        out = list(torch.cat([x.to(device=cu_B1.device, dtype=torch.int64) for x in parts]).cpu().split(sizes))
+        flat = torch.cat([x.to(device=cu_B1.device, dtype=torch.int64) for x in parts]).cpu().numpy()
+        out = np.split(flat, np.cumsum(sizes)[:-1])
     return out[0], out[1], (out[2] if slot_B is not None else None)
 
 
-def _to_device(fields: dict[str, tuple[torch.Tensor, torch.dtype]], dev: torch.device) -> dict[str, torch.Tensor]:
-    """Each host index tensor on ``dev`` in its dtype. On a GPU all of them go in ONE non-blocking
-    copy from pinned memory, then are cut and cast there: a blocking copy from pageable memory
-    waits for the stream, and there were 19 per call (the GPU idled while the host built the
-    rest; ``benchmarks/results/h200_session29/profile_ours_64x256-2048.txt``). Integer values:
-    the same numbers either way."""
+def _to_device(fields: dict[str, tuple[np.ndarray, torch.dtype]], dev: torch.device) -> dict[str, torch.Tensor]:
+    """Each host index array as a tensor on ``dev`` in its dtype. On a GPU all of them go in ONE
+    non-blocking copy from pinned memory, then are cut and cast there: a blocking copy from pageable
+    memory waits for the stream, and there were 19 per call (the GPU idled while the host built the
+    rest; ``benchmarks/results/h200_session29/profile_ours_64x256-2048.txt``). Integer values: the
+    same numbers either way."""
     if dev.type == "cpu":
-        return {k: v.to(dtype) for k, (v, dtype) in fields.items()}
+        return {k: torch.from_numpy(np.ascontiguousarray(v)).to(dtype) for k, (v, dtype) in fields.items()}
     names = list(fields)
-    sizes = [fields[k][0].numel() for k in names]
-    packed = torch.cat([fields[k][0].reshape(-1).to(torch.int64) for k in names]).pin_memory()
-    on_dev = packed.to(dev, non_blocking=True).split(sizes)
+    sizes = [int(fields[k][0].size) for k in names]
+    packed = torch.from_numpy(np.concatenate([fields[k][0].reshape(-1).astype(np.int64) for k in names]))
+    on_dev = packed.pin_memory().to(dev, non_blocking=True).split(sizes)
     return {k: x.to(fields[k][1]) for k, x in zip(names, on_dev)}
 
 
