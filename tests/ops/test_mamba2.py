@@ -668,3 +668,53 @@ def test_metadata_and_errors():
     with pytest.raises(ValueError, match="chunk size"):
         ops.ssd_chunk_scan(torch.zeros(3, H, P), torch.zeros(3, H), torch.zeros(H), torch.zeros(3, G, N),
                            torch.zeros(3, G, N), None, ms, state)
+
+
+def _metadata_by_definition(cu, p0, slot, Q, T):
+    """:func:`mamba2_metadata`'s fields from their definitions, one token and one chunk at a time."""
+    B = len(cu) - 1
+    live = [cu[b + 1] > cu[b] and slot[b] >= 0 for b in range(B)]
+    end = [p0[b] + (cu[b + 1] - cu[b] if live[b] else 0) for b in range(B)]
+    items = [(b, c) for b in range(B) if live[b] for c in range(p0[b] // Q, (end[b] - 1) // Q + 1)]
+    entries = [(b, c) for b in range(B) if live[b] for c in range(p0[b] // Q, end[b] // Q)]  # complete chunks
+    token_seq, token_pos, token_item, pend = [-1] * T, [0] * T, [0] * T, []
+    for b in range(B):
+        for r in range(cu[b], cu[b + 1]):
+            if live[b]:
+                pos = p0[b] + r - cu[b]
+                token_seq[r], token_pos[r], token_item[r] = b, pos, items.index((b, pos // Q))
+                if pos >= end[b] // Q * Q:
+                    pend.append((r, slot[b], pos - end[b] // Q * Q))
+    last_entry = {b: i for i, (b, _) in enumerate(entries)}
+    return dict(item_seq=[b for b, _ in items], item_chunk=[c for _, c in items], num_entries=len(entries),
+                token_seq=token_seq, token_pos=token_pos, token_item=token_item,
+                commit_slot=[slot[b] for b in sorted(last_entry)], commit_entry=[last_entry[b] for b in sorted(last_entry)],
+                pend_token=[p[0] for p in pend], pend_slot=[p[1] for p in pend], pend_index=[p[2] for p in pend],
+                conv_seqs=[b for b in range(B) if live[b]])
+
+
+def test_metadata_matches_its_definition_on_random_batches():
+    """Every index field, on 300 random batches (empty, padding and continued sequences, padded
+    rows, chunk sizes 1-16), equals its definition computed token by token."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        B, Q = rng.randint(0, 7), rng.choice([1, 2, 4, 16])
+        lens = [rng.choice([0, 1, 2, 5, 9, 17, 33]) for _ in range(B)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        p0 = [rng.choice([0, 3, 15, 16, 40]) for _ in range(B)]
+        slot = [rng.choice([-1, 0, 2, 5]) for _ in range(B)]
+        T = cu[-1] + rng.choice([0, 3])
+        meta = mamba2_metadata(torch.tensor(cu), torch.tensor(p0), Q, num_tokens=T, state_idx_B=torch.tensor(slot))
+        want = _metadata_by_definition(cu, p0, slot, Q, T)
+        got = dict(item_seq=meta.item_seq.tolist(), item_chunk=meta.item_chunk.tolist(), num_entries=meta.num_entries,
+                   token_seq=meta.token_seq.tolist(), token_pos=meta.token_pos.tolist(),
+                   token_item=meta.token_item.tolist(), commit_slot=meta.commit_slot.tolist(),
+                   commit_entry=meta.commit_entry.tolist(), pend_token=meta.pend_token.tolist(),
+                   pend_slot=meta.pend_slot.tolist(), pend_index=meta.pend_index.tolist(),
+                   conv_seqs=meta.conv_seqs.tolist())
+        assert got == want, (cu, p0, slot, Q, T)
+        assert meta.host["item_seq"] == want["item_seq"] and meta.num_items == len(want["item_seq"])
