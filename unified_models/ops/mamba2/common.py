@@ -223,6 +223,14 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
                           host=host, **_to_device(fields, dev))
 
 
+def host_to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev`` without waiting for the stream: on a GPU through pinned memory and a
+    non-blocking copy (a blocking copy from pageable memory waits for every queued kernel)."""
+    if dev.type == "cpu":
+        return x.to(dev)
+    return x.pin_memory().to(dev, non_blocking=True)
+
+
 def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tensor | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``cu_seqlens``, ``start_pos`` and the slots as int64 numpy arrays, read in ONE device-to-host

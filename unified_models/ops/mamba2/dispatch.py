@@ -9,7 +9,7 @@ import math
 import torch
 
 from .._dispatch import use_triton
-from .common import Mamba2Metadata, Mamba2State, _need_state
+from .common import Mamba2Metadata, Mamba2State, _need_state, host_to_device
 from .cpu import causal_conv1d_torch, gated_rms_norm_torch, mamba2_dt_torch, ssd_chunk_scan_torch
 
 
@@ -86,7 +86,7 @@ def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2Stat
         q = p0 + L - Wm1 + j  # [nb, W-1] positions kept
         idx = torch.where(q >= p0, cu + q - p0, zero)
         idx = torch.where((q < p0) & (q >= 0), T + torch.arange(nb).view(-1, 1) * Wm1 + j + L, idx)
-        meta.host[key] = (idx.to(x_TC.device), c["slot"][seqs].to(x_TC.device), nb)
+        meta.host[key] = (host_to_device(idx, x_TC.device), host_to_device(c["slot"][seqs], x_TC.device), nb)
     idx, slots, nb = meta.host[key]
     if nb == 0 or Wm1 == 0:
         return
