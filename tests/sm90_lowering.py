@@ -133,7 +133,7 @@ def main() -> int:
         _CASE[0] = f"causal attention grads E={e}"
         q = torch.zeros(300, 32, e, dtype=bf16)
         kv = torch.zeros(300, 2, e, dtype=bf16)
-        causal_grads.causal_attention_grads(q, kv, kv, q, torch.tensor([0, 300], dtype=torch.int32), e ** -0.5, 300)
+        causal_grads.causal_attention_grads(q, kv, kv, q, [300], e ** -0.5)
 
     D, V = 4096, 32064
     x = torch.zeros(7, D, dtype=bf16)

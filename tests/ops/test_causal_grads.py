@@ -33,8 +33,7 @@ def _inputs(lens, h, g, e, dtype, gen, device):
     k = torch.randn(t, g, e, generator=gen).to(dtype)
     v = torch.randn(t, g, e, generator=gen).to(dtype)
     do = torch.randn(t, h, e, generator=gen).to(dtype)
-    cu = torch.tensor([0, *lens]).cumsum(0).int()
-    return [x.to(device) for x in (q, k, v, do, cu)]
+    return [x.to(device) for x in (q, k, v, do)]
 
 
 def _reference_grads(q, k, v, do, lens, scale):
@@ -55,8 +54,8 @@ def _reference_grads(q, k, v, do, lens, scale):
 ], ids=["edges-gqa2", "long-mha", "mqa-e24", "fp16"])
 def test_grads_match_fp64_autograd(lens, h, g, e, dtype, gen, device):
     scale = e ** -0.5
-    q, k, v, do, cu = _inputs(lens, h, g, e, dtype, gen, device)
-    dq, dk, dv = causal_attention_grads(q, k, v, do, cu, scale, max(lens))
+    q, k, v, do = _inputs(lens, h, g, e, dtype, gen, device)
+    dq, dk, dv = causal_attention_grads(q, k, v, do, lens, scale)
     assert (dq.dtype, dk.dtype, dv.dtype) == (torch.float32,) * 3
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     for name, got, ref in zip("qkv", (dq, dk, dv), _reference_grads(q, k, v, do, lens, scale)):
@@ -68,13 +67,12 @@ def test_grads_match_fp64_autograd(lens, h, g, e, dtype, gen, device):
 
 def test_a_sequence_has_the_same_bits_alone_and_in_a_pack(gen, device, inv):
     """Every program reads one sequence: packing others beside it changes no bit of its gradients."""
-    lens = [BLOCK_M + 3, 20, 7]
+    lens = [BLOCK_M + 3, 0, 20, 7]  # an empty sequence too
     scale = 0.2
-    q, k, v, do, cu = _inputs(lens, 4, 2, 32, torch.bfloat16, gen, device)
-    packed = causal_attention_grads(q, k, v, do, cu, scale, max(lens))
-    a, b = lens[0], lens[0] + lens[1]
-    alone = causal_attention_grads(q[a:b], k[a:b], v[a:b], do[a:b],
-                                   torch.tensor([0, lens[1]], dtype=torch.int32, device=device), scale, lens[1])
+    q, k, v, do = _inputs(lens, 4, 2, 32, torch.bfloat16, gen, device)
+    packed = causal_attention_grads(q, k, v, do, lens, scale)
+    a, b = lens[0], lens[0] + lens[2]
+    alone = causal_attention_grads(q[a:b], k[a:b], v[a:b], do[a:b], [lens[2]], scale)
     for name, x, y in zip("qkv", packed, alone):
         inv.assert_bitwise(x[a:b], y, f"d{name}: sequence 1 in the pack vs alone")
 
@@ -82,11 +80,11 @@ def test_a_sequence_has_the_same_bits_alone_and_in_a_pack(gen, device, inv):
 def test_strided_query_gives_the_same_bits(gen, device, inv):
     """q/dO as views with a row stride (a fused qkv projection's slices) read the same values."""
     lens = [33]
-    q, k, v, do, cu = _inputs(lens, 4, 2, 16, torch.bfloat16, gen, device)
+    q, k, v, do = _inputs(lens, 4, 2, 16, torch.bfloat16, gen, device)
     wide = torch.zeros(33, 4, 48, dtype=q.dtype, device=device)
     wide[..., 8:24] = q
-    a = causal_attention_grads(q, k, v, do, cu, 0.25, 33)
-    b = causal_attention_grads(wide[..., 8:24], k, v, do, cu, 0.25, 33)
+    a = causal_attention_grads(q, k, v, do, lens, 0.25)
+    b = causal_attention_grads(wide[..., 8:24], k, v, do, lens, 0.25)
     for name, x, y in zip("qkv", a, b):
         inv.assert_bitwise(x, y, f"d{name}: strided q")
 
@@ -94,13 +92,22 @@ def test_strided_query_gives_the_same_bits(gen, device, inv):
 def test_bad_input_is_refused(device):
     q = torch.zeros(4, 3, 8, dtype=torch.bfloat16, device=device)
     kv = torch.zeros(4, 2, 8, dtype=torch.bfloat16, device=device)
-    cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="causal attention gradients: q"):
-        causal_attention_grads(q, kv, kv, q, cu, 0.3, 4)  # 3 query heads over 2 kv heads
     q4 = torch.zeros(4, 4, 8, dtype=torch.bfloat16, device=device)
-    with pytest.raises(ValueError, match="half-precision"):
-        causal_attention_grads(q4.float(), kv.float(), kv.float(), q4.float(), cu, 0.3, 4)
-    with pytest.raises(ValueError, match="half-precision"):
-        causal_attention_grads(q4, kv, kv.half(), q4, cu, 0.3, 4)
-    with pytest.raises(ValueError, match="contiguous"):
-        causal_attention_grads(q4, kv, kv, q4.transpose(1, 2).contiguous().transpose(1, 2), cu, 0.3, 4)
+    cases = [
+        ((q, kv, kv, q, [4]), "not a multiple"),                                   # 3 query heads over 2
+        ((q4[0], kv, kv, q4[0], [4]), "must be 3-D"),
+        ((q4, kv[:, :0], kv[:, :0], q4, [4]), "not a multiple"),                    # no kv head
+        ((q4, kv[:3], kv[:3], q4, [4]), "must be \\[T, G, E\\]"),
+        ((q4.float(), kv.float(), kv.float(), q4.float(), [4]), "half-precision"),
+        ((q4, kv, kv.half(), q4, [4]), "half-precision"),
+        ((q4, kv, kv, q4.transpose(1, 2).contiguous().transpose(1, 2), [4]), "contiguous"),
+        ((q4, kv, kv, q4, [3]), "sum to T = 4"),
+        ((q4, kv, kv, q4, [5, -1]), "sum to T = 4"),
+        ((torch.zeros(4, 4, 256, dtype=torch.bfloat16, device=device),
+          torch.zeros(4, 2, 256, dtype=torch.bfloat16, device=device),
+          torch.zeros(4, 2, 256, dtype=torch.bfloat16, device=device),
+          torch.zeros(4, 4, 256, dtype=torch.bfloat16, device=device), [4]), "head dim 256 above 128"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            causal_attention_grads(*args, 0.3)

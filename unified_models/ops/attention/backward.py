@@ -67,6 +67,7 @@ import torch
 from ..grad.helpers import _HALF, acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
+from .causal_grads import MAX_HEAD_DIM
 from .common import CompressedKV, compressed_entry_slots, kv_fp8_dequantize, kv_fp8_roundtrip, window_start
 from .reference import softmax_with_sink
 
@@ -300,11 +301,12 @@ def fused_recompute_eligible(q_THE: torch.Tensor, plan: "_Plan", sink_H: torch.T
     """Whether the backward may recompute a sequence's attention fused in ``q``'s dtype
     (:func:`_fused_causal_grads`): a half-precision query on CUDA, K/V read back in that dtype
     (so the fused kernels see exactly the values the forward's kernel read), no sliding window,
-    no sink, no compressed entries, and not opted out (:data:`FUSED_BACKWARD`). Which sequences qualify
+    no sink, no compressed entries, head dim <= 128 (:data:`.causal_grads.MAX_HEAD_DIM`), and not opted out (:data:`FUSED_BACKWARD`). Which sequences qualify
     is decided per sequence in :meth:`_Plan.build` (queries == keys ``0..P-1``: a whole prompt, the
     trainer's case)."""
     return (FUSED_BACKWARD and q_THE.is_cuda and q_THE.dtype in _HALF and plan.kv_read_dtype == q_THE.dtype
-            and plan.sliding_window is None and sink_H is None and plan.compressed is None)
+            and q_THE.shape[-1] <= MAX_HEAD_DIM and plan.sliding_window is None and sink_H is None
+            and plan.compressed is None)
 
 
 def _fused_causal_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor, g_THE: torch.Tensor,
@@ -337,9 +339,8 @@ def _fused_causal_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.T
         raise ValueError(f"fused causal attention gradients: q {list(q_THE.shape)}, k {list(k_TGE.shape)}, "
                          f"v {list(v_TGE.shape)}, g {list(g_THE.shape)}, sequence lengths {lens}")
     dt = q_THE.dtype
-    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device=q_THE.device, dtype=torch.int32)
     return causal_attention_grads(q_THE.contiguous(), k_TGE.to(dt).contiguous(), v_TGE.to(dt).contiguous(),
-                                  g_THE.to(dt).contiguous(), cu, scale, max(lens))
+                                  g_THE.to(dt).contiguous(), lens, scale)
 
 
 class PagedAttentionFn(torch.autograd.Function):

@@ -35,6 +35,9 @@ H query heads, G kv heads (query head h reads kv head ``h // (H // G)``), E head
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -66,7 +69,7 @@ def _stats_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr,
                   Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
     n = end - start
     if pid_m * BLOCK_M < n:
         g = h // Q_PER_KV
@@ -110,7 +113,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dk_ptr
                  Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_n, b, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
     n = end - start
     if pid_n * BLOCK_N < n:
         keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,7 +156,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dq_ptr,
                Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b), tl.load(cu_ptr + b + 1)
+    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
     n = end - start
     if pid_m * BLOCK_M < n:
         g = h // Q_PER_KV
@@ -184,59 +187,74 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dq_ptr,
         tl.store(dq_ptr + (start + rows)[:, None] * (H * E) + h * E + cols_e[None, :], dq * scale, mask=qd_mask)
 
 
+MAX_HEAD_DIM = 128
+"""Largest head dim the kernels take (fp32 ``[64, E]`` dK and dV accumulators live in registers)."""
+
+
 def causal_attention_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torch.Tensor, do_THE: torch.Tensor,
-                           cu_seqlens_B1: torch.Tensor, scale: float, max_seqlen: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           seq_lens: Sequence[int], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of causal self-attention ``O = softmax(q k^T * scale) v`` over packed whole
     sequences (query row i of a sequence attends its keys ``0..i``), given ``dO``.
 
     Args:
-        q_THE: ``[T, H, E]`` bf16 or fp16 (last dim contiguous); ``k_TGE``, ``v_TGE``: ``[T, G, E]``
-            in q's dtype with the same strides as each other, G dividing H; ``do_THE``: ``[T, H, E]``
-            in q's dtype (last dim contiguous).
-        cu_seqlens_B1: int ``[B+1]`` on q's device, non-decreasing from 0 to T (sequence b is rows
-            ``cu[b]:cu[b+1]``; queries and keys are the same rows).
+        q_THE: ``[T, H, E]`` bf16 or fp16, head dim contiguous, ``E <= 128``; ``k_TGE``, ``v_TGE``:
+            ``[T, G, E]`` in q's dtype with the same strides as each other, G dividing H; ``do_THE``:
+            ``[T, H, E]`` in q's dtype, head dim contiguous. Any row/head strides (views of a fused
+            projection are fine).
+        seq_lens: host ints, one per sequence, summing to T: sequence b is the next ``seq_lens[b]``
+            rows (queries and keys are the same rows); 0 is allowed.
         scale: the softmax scale (the model's ``1/sqrt(head_dim)`` or its config's value).
-        max_seqlen: the longest sequence's length (sizes the grid; host-known, no device read).
 
     Returns:
         ``dq [T, H, E]``, ``dk [T, G, E]``, ``dv [T, G, E]``, fp32, contiguous (GQA: a kv head's
         gradient sums its query heads in fp32 inside one program).
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not match, H not a multiple of G, or tensors
-            off CUDA without ``TRITON_INTERPRET=1``.
+        ValueError: shapes, dtypes, strides or devices that do not fit (the message names which), H not
+            a multiple of G, E above :data:`MAX_HEAD_DIM`, ``seq_lens`` negative or not summing to T, or
+            tensors off CUDA without ``TRITON_INTERPRET=1``.
     """
+    what = "causal attention gradients"
+    if q_THE.dim() != 3 or k_TGE.dim() != 3 or v_TGE.dim() != 3 or do_THE.dim() != 3:
+        raise ValueError(f"{what}: q, k, v, dO must be 3-D ([T, H, E] / [T, G, E]); got q {list(q_THE.shape)}, "
+                         f"k {list(k_TGE.shape)}, v {list(v_TGE.shape)}, dO {list(do_THE.shape)}")
     t, h, e = q_THE.shape
-    if (k_TGE.shape != v_TGE.shape or k_TGE.dim() != 3 or k_TGE.shape[0] != t or k_TGE.shape[2] != e
-            or do_THE.shape != q_THE.shape or h % k_TGE.shape[1] or cu_seqlens_B1.dim() != 1):
-        raise ValueError(f"causal attention gradients: q {list(q_THE.shape)}, k {list(k_TGE.shape)}, "
-                         f"v {list(v_TGE.shape)}, dO {list(do_THE.shape)}, cu_seqlens {list(cu_seqlens_B1.shape)}")
+    g = k_TGE.shape[1]
+    if k_TGE.shape != v_TGE.shape or k_TGE.shape[0] != t or k_TGE.shape[2] != e or do_THE.shape != q_THE.shape:
+        raise ValueError(f"{what}: q {list(q_THE.shape)}, k {list(k_TGE.shape)}, v {list(v_TGE.shape)}, "
+                         f"dO {list(do_THE.shape)}: k and v must be [T, G, E] and dO like q")
+    if g < 1 or h % g:
+        raise ValueError(f"{what}: q's {h} heads are not a multiple of k/v's {g} heads")
+    if e > MAX_HEAD_DIM:
+        raise ValueError(f"{what}: head dim {e} above {MAX_HEAD_DIM}")
     dt = q_THE.dtype
     if dt not in (torch.bfloat16, torch.float16) or {k_TGE.dtype, v_TGE.dtype, do_THE.dtype} != {dt}:
-        raise ValueError(f"causal attention gradients: q/k/v/dO must share one half-precision dtype, got "
+        raise ValueError(f"{what}: q/k/v/dO must share one half-precision dtype, got "
                          f"{q_THE.dtype}/{k_TGE.dtype}/{v_TGE.dtype}/{do_THE.dtype}")
     if k_TGE.stride() != v_TGE.stride() or q_THE.stride(2) != 1 or k_TGE.stride(2) != 1 or do_THE.stride(2) != 1:
-        raise ValueError("causal attention gradients: the head dim must be contiguous and k, v share strides")
-    check_device("causal attention gradients", q_THE, k_TGE, v_TGE, do_THE, cu_seqlens_B1)
-    g = k_TGE.shape[1]
-    b = cu_seqlens_B1.shape[0] - 1
+        raise ValueError(f"{what}: the head dim must be contiguous and k, v share strides")
+    lens = [int(n) for n in seq_lens]
+    if any(n < 0 for n in lens) or sum(lens) != t:
+        raise ValueError(f"{what}: sequence lengths must be >= 0 and sum to T = {t}; got {lens}")
+    check_device(what, q_THE, k_TGE, v_TGE, do_THE)
     dev = q_THE.device
     dq = torch.empty((t, h, e), dtype=torch.float32, device=dev)
     dk = torch.empty((t, g, e), dtype=torch.float32, device=dev)
     dv = torch.empty((t, g, e), dtype=torch.float32, device=dev)
-    if t == 0 or b <= 0 or max_seqlen <= 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    b, max_len = len(lens), max(lens, default=0)
+    if t == 0:
+        return dq, dk, dv
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+    cu = cu.to(dev) if dev.type == "cpu" else cu.pin_memory().to(dev, non_blocking=True)
     lse = torch.empty((t, h), dtype=torch.float32, device=dev)
     delta = torch.empty((t, h), dtype=torch.float32, device=dev)
-    cu = cu_seqlens_B1.to(torch.int32)
     block_e = max(16, next_pow2(e))
     scale_log2 = float(scale) * LOG2E
     common = dict(Q_PER_KV=h // g, DTYPE=tl_dtype(dt), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_E=block_e,
                   num_warps=4 if block_e <= 64 else 8, num_stages=2)
     strides = (q_THE.stride(0), q_THE.stride(1), k_TGE.stride(0), k_TGE.stride(1), do_THE.stride(0),
                do_THE.stride(1))
-    m_tiles, n_tiles = triton.cdiv(max_seqlen, BLOCK_M), triton.cdiv(max_seqlen, BLOCK_N)
+    m_tiles, n_tiles = triton.cdiv(max_len, BLOCK_M), triton.cdiv(max_len, BLOCK_N)
     _stats_kernel[(m_tiles, b, h)](q_THE, k_TGE, v_TGE, do_THE, lse, delta, cu, *strides, h, e, scale_log2, **common)
     _dkdv_kernel[(n_tiles, b, g)](q_THE, k_TGE, v_TGE, do_THE, lse, delta, cu, dk, dv, *strides, h, g, e,
                                   float(scale), scale_log2, **common)
@@ -245,4 +263,4 @@ def causal_attention_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torc
     return dq, dk, dv
 
 
-__all__ = ["causal_attention_grads", "BLOCK_M", "BLOCK_N"]
+__all__ = ["causal_attention_grads", "BLOCK_M", "BLOCK_N", "MAX_HEAD_DIM"]
