@@ -176,6 +176,11 @@ class SlotState:
             possibly padded: vLLM's ``max_query_len <= 1``). Mamba-2 then describes the batch
             on the device with fixed shapes (``ops.mamba2_decode_metadata``), so that the step
             can be captured in a CUDA graph; the bits are those of the general description.
+        host_layout: optional ``(cu_seqlens_B1, start_B)`` as host int64 numpy arrays equal to the
+            two tensors, given by a caller that has them on the host (vLLM's runner), with
+            ``slots_B >= 0`` exactly for the sequences with rows: the Mamba-2 metadata of a
+            prefill or mixed step is then built without reading the device (no wait for the stream;
+            ``ops.mamba2_metadata(host_layout=...)``).
 
     Every layer of one slot-state group gets the same ``slots_B``/``start_B``/
     ``cu_seqlens_B1`` objects; Mamba-2 builds the batch's
@@ -187,6 +192,7 @@ class SlotState:
     start_B: torch.Tensor
     cu_seqlens_B1: torch.Tensor | None = None
     uniform_decode: bool = False
+    host_layout: tuple | None = None
 
 
 class StateStore(Protocol):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -718,3 +719,38 @@ def test_metadata_matches_its_definition_on_random_batches():
                    conv_seqs=meta.conv_seqs.tolist())
         assert got == want, (cu, p0, slot, Q, T)
         assert meta.host["item_seq"] == want["item_seq"] and meta.num_items == len(want["item_seq"])
+
+
+def test_metadata_from_host_layout_equals_the_read_one():
+    """``host_layout`` (vLLM's host copies of ``query_start_loc`` and the start positions) gives the
+    same metadata as reading the tensors, field for field, when the slots are >= 0 exactly for the
+    sequences with rows; a mismatched slot count is refused."""
+    import dataclasses
+    import random
+
+    rng = random.Random(1)
+    for _ in range(200):
+        B, Q = rng.randint(0, 7), rng.choice([1, 2, 4, 16])
+        lens = [rng.choice([0, 1, 2, 5, 9, 17, 33]) for _ in range(B)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        p0 = [rng.choice([0, 3, 15, 16, 40]) for _ in range(B)]
+        slot = [rng.choice([0, 2, 5, 7]) if n else -1 for n in lens]
+        T = cu[-1] + rng.choice([0, 3])
+        args = (torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), Q)
+        read = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32))
+        hinted = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32),
+                                 host_layout=(np.array(cu), np.array(p0)))
+        for f in dataclasses.fields(read):
+            a, b = getattr(read, f.name), getattr(hinted, f.name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (f.name, cu, p0, slot, Q)
+            elif f.name != "host":
+                assert a == b, f.name
+        assert {k: v for k, v in read.host.items() if k != "cpu"} == {k: v for k, v in hinted.host.items() if k != "cpu"}
+    with pytest.raises(ValueError, match="state_idx must be"):
+        mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, state_idx_B=torch.tensor([0, 1]),
+                        host_layout=(np.array([0, 2]), np.array([0])))
+    with pytest.raises(ValueError, match="needs state_idx_B"):
+        mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, host_layout=(np.array([0, 2]), np.array([0])))

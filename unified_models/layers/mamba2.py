@@ -107,7 +107,9 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | No
     else:
         b = ms.slots_B.shape[0]
         cu = ms.cu_seqlens_B1 if ms.cu_seqlens_B1 is not None else _cu_from_seq_idx(batch.seq_idx, b)
-        meta = ops.mamba2_metadata(cu, ms.start_B, spec.chunk_size, num_tokens=t, state_idx_B=ms.slots_B)
+        hint = ms.host_layout if ms.cu_seqlens_B1 is not None else None  # vLLM's host copies: no device read
+        meta = ops.mamba2_metadata(cu, ms.start_B, spec.chunk_size, num_tokens=t, state_idx_B=ms.slots_B,
+                                   host_layout=hint)
     ctx.cache[key] = (meta, objs, batch.seq_idx)
     return meta
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -140,6 +141,19 @@ class UnifiedMambaMetadata(AttentionMetadata):
     block_size: int
     mamba_cache_mode: str = "none"
     uniform_decode: bool = False
+    host_layout: tuple | None = None
+
+
+def host_layout(m, r: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(query_start_loc [R+1], tokens already in each slot [R])`` as host int64 arrays, from the
+    runner's host copies (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``: exact without
+    speculative decoding, which Mamba groups refuse; set by vLLM 0.26's and 0.32's runners), or None
+    where a runner lacks them (the forward then reads the device tensors once per step)."""
+    q_cpu, s_cpu = getattr(m, "query_start_loc_cpu", None), getattr(m, "seq_lens_cpu_upper_bound", None)
+    if q_cpu is None or s_cpu is None or q_cpu.device.type != "cpu" or s_cpu.device.type != "cpu":
+        return None
+    q = q_cpu[: r + 1].numpy().astype(np.int64)
+    return q, s_cpu[:r].numpy().astype(np.int64) - (q[1:] - q[:-1])
 
 
 class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]):
@@ -195,6 +209,7 @@ class UnifiedMambaMetadataBuilder(AttentionMetadataBuilder[UnifiedMambaMetadata]
             block_size=self.block_size,
             mamba_cache_mode=self.mamba_cache_mode,
             uniform_decode=int(m.max_query_len) <= 1,
+            host_layout=host_layout(m, r),
         )
 
 
@@ -253,12 +268,14 @@ class SlotGroup:
         cu_seqlens_B1: int32 ``[B+1]``, vLLM's ``query_start_loc`` (token rows of
             each request; rows past ``cu_seqlens_B1[B]`` are padding).
         uniform_decode: every request has at most one token this step.
+        host_layout: host copies of ``cu_seqlens_B1`` and ``start_B`` (:func:`host_layout`) or None.
     """
 
     slots_B: torch.Tensor
     start_B: torch.Tensor
     cu_seqlens_B1: torch.Tensor
     uniform_decode: bool = False
+    host_layout: tuple | None = None
 
 
 class UnifiedSlotStateCache(nn.Module, MambaBase):
@@ -322,7 +339,7 @@ class UnifiedSlotStateCache(nn.Module, MambaBase):
         cu = md.query_start_loc[: r + 1].to(device=dev, dtype=torch.int32)
         start = md.seq_lens[:r].to(device=dev, dtype=torch.int64) - (cu[1:] - cu[:-1]).to(torch.int64)
         return SlotGroup(slots_B=md.state_indices[:r].to(device=dev, dtype=torch.int32), start_B=start,
-                         cu_seqlens_B1=cu, uniform_decode=bool(md.uniform_decode))
+                         cu_seqlens_B1=cu, uniform_decode=bool(md.uniform_decode), host_layout=md.host_layout)
 
     def view(self, group: SlotGroup) -> SlotState | None:
         """The layer's slot state with its group's slots (``None`` before binding)."""
@@ -330,7 +347,7 @@ class UnifiedSlotStateCache(nn.Module, MambaBase):
         if state is None:
             return None
         return SlotState(state=state, slots_B=group.slots_B, start_B=group.start_B, cu_seqlens_B1=group.cu_seqlens_B1,
-                         uniform_decode=group.uniform_decode)
+                         uniform_decode=group.uniform_decode, host_layout=group.host_layout)
 
     def forward(self) -> None:  # pragma: no cover - never called; vLLM needs an nn.Module
         return None

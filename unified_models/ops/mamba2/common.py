@@ -123,7 +123,8 @@ def start_positions(cu_seqlens_B1: torch.Tensor, positions_T: torch.Tensor) -> t
 
 
 def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chunk_size: int,
-                    num_tokens: int | None = None, state_idx_B: torch.Tensor | None = None) -> Mamba2Metadata:
+                    num_tokens: int | None = None, state_idx_B: torch.Tensor | None = None,
+                    host_layout: tuple[np.ndarray, np.ndarray] | None = None) -> Mamba2Metadata:
     """Build the batch description shared by every Mamba layer of one forward.
 
     Args:
@@ -137,11 +138,20 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
             sequence). ``None``: no state (training over whole sequences), every
             ``start_pos`` must be 0.
 
+        host_layout: optional ``(cu_seqlens, start_pos)`` as host int arrays equal to the two
+            tensors, from a caller that has them on the host already (vLLM's runner keeps
+            ``query_start_loc`` and ``seq_lens`` on the host), given only with ``state_idx_B``
+            whose entries are ``>= 0`` exactly for the sequences with rows (vLLM's builder sets -1
+            for requests without tokens). Then nothing is read from the device (no wait for the
+            stream); the slot-dependent fields are gathered on the device, and ``host["slot"]``
+            (what the CPU implementations and the backward read) is filled only for CPU tensors
+            (None for GPU ones: Triton kernels only).
+
     Raises:
         ValueError: malformed boundaries, negative positions, ``start_pos > 0``
-            without state, bad chunk size.
+            without state, bad chunk size, ``host_layout`` without ``state_idx_B``.
 
-    This reads the (small) index tensors on the host once per forward.
+    Without ``host_layout`` this reads the (small) index tensors on the host once per call.
     """
     Q = int(chunk_size)
     if Q < 1:
@@ -150,7 +160,17 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
     has_state = state_idx_B is not None
     # host arithmetic in numpy: single-threaded, a few microseconds per op (torch's CPU ops on these
     # int64 vectors took ~0.4 ms each on the H200 host: profile_ours_64x256-2048.txt, session 29)
-    cu, p0, slot = _read_to_host(cu_seqlens_B1, start_pos_B, state_idx_B)
+    hinted = host_layout is not None
+    if hinted:
+        if state_idx_B is None:
+            raise ValueError("mamba2: host_layout needs state_idx_B (the slots stay on the device)")
+        cu = np.asarray(host_layout[0], dtype=np.int64).reshape(-1)
+        p0 = np.asarray(host_layout[1], dtype=np.int64).reshape(-1)
+        if cu.shape[0] != state_idx_B.shape[0] + 1:
+            raise ValueError(f"mamba2: state_idx must be [B={cu.shape[0] - 1}], got {state_idx_B.shape[0]}")
+        slot = np.where(cu[1:] > cu[:-1], 0, -1)  # liveness only: the slot values stay on the device
+    else:
+        cu, p0, slot = _read_to_host(cu_seqlens_B1, start_pos_B, state_idx_B)
     B = cu.shape[0] - 1
     if B < 0 or p0.shape[0] != B or int(cu[0]) != 0:
         raise ValueError(f"mamba2: cu_seqlens must be [B+1] from 0 and start_pos [B]; got {cu.shape[0]} / "
@@ -205,10 +225,14 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         commit_slot = commit_entry = pend_token = pend_slot = pend_index = conv_seqs = np.zeros(0, dtype=np.int64)
 
     t = torch.from_numpy
-    host = dict(cu=cu.tolist(), start_pos=p0.tolist(), seq_len=L.tolist(), slot=slot.tolist(),
+    pend_seq = row_seq[keep] if has_state else np.zeros(0, dtype=np.int64)
+    if hinted:  # host copies of the slots only where reading them costs no wait (CPU tensors)
+        slot = state_idx_B.detach().to(torch.int64).numpy() if state_idx_B.device.type == "cpu" else None
+    host = dict(cu=cu.tolist(), start_pos=p0.tolist(), seq_len=L.tolist(), slot=None if slot is None else slot.tolist(),
                 item_seq=item_seq.tolist(), item_chunk=item_chunk.tolist(), item_rank=item_rank.tolist(),
                 seq_item_ptr=item_ptr.tolist(), seq_entry_ptr=ent_ptr.tolist(), conv_seqs=conv_seqs.tolist(),
-                cpu=dict(cu=t(cu), p0=t(p0), L=t(L), slot=t(slot), item_seq=t(item_seq), item_chunk=t(item_chunk),
+                cpu=dict(cu=t(cu), p0=t(p0), L=t(L), slot=None if slot is None else t(slot), item_seq=t(item_seq),
+                         item_chunk=t(item_chunk),
                          token_seq=t(token_seq), token_pos=t(token_pos), live=t(live)))
     fields = dict(cu_seqlens=(cu, torch.int32), start_pos=(p0, torch.int64), seq_len=(L, torch.int32),
                   slot=(slot, torch.int64), seq_item_ptr=(item_ptr, torch.int32), seq_entry_ptr=(ent_ptr, torch.int32),
@@ -219,8 +243,17 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
                   commit_entry=(commit_entry, torch.int64), pend_token=(pend_token, torch.int64),
                   pend_slot=(pend_slot, torch.int64), pend_index=(pend_index, torch.int64),
                   conv_seqs=(conv_seqs, torch.int64))
+    if hinted:  # the slots are on the device only: gather them there
+        for name in ("slot", "commit_slot", "pend_slot"):
+            del fields[name]
+        fields.update(commit_seq_=(state_seqs, torch.int64), pend_seq_=(pend_seq, torch.int64))
+    on_dev = _to_device(fields, dev)
+    if hinted:
+        slot_dev = state_idx_B.detach().to(device=dev, dtype=torch.int64)
+        on_dev.update(slot=slot_dev, commit_slot=slot_dev[on_dev.pop("commit_seq_")],
+                      pend_slot=slot_dev[on_dev.pop("pend_seq_")])
     return Mamba2Metadata(chunk_size=Q, num_tokens=T, has_state=has_state, num_items=U, num_entries=int(ent_ptr[-1]),
-                          host=host, **_to_device(fields, dev))
+                          host=host, **on_dev)
 
 
 def host_to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:

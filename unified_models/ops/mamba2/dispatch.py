@@ -86,7 +86,8 @@ def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2Stat
         q = p0 + L - Wm1 + j  # [nb, W-1] positions kept
         idx = torch.where(q >= p0, cu + q - p0, zero)
         idx = torch.where((q < p0) & (q >= 0), T + torch.arange(nb).view(-1, 1) * Wm1 + j + L, idx)
-        meta.host[key] = (host_to_device(idx, x_TC.device), host_to_device(c["slot"][seqs], x_TC.device), nb)
+        slots = meta.slot.to(x_TC.device)[meta.conv_seqs.to(x_TC.device)]  # on the device: no host slots needed
+        meta.host[key] = (host_to_device(idx, x_TC.device), slots, nb)
     idx, slots, nb = meta.host[key]
     if nb == 0 or Wm1 == 0:
         return
