@@ -439,7 +439,9 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
             rows = torch.empty((hidden_states.shape[0], self.spec.vocab_size), dtype=torch.float32,
                                device=hidden_states.device)
             for t in sorted(set(temps)):
-                idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], device=hidden_states.device)
+                idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], dtype=torch.long)
+                if hidden_states.is_cuda:  # pinned + non-blocking: a pageable copy would wait for the stream
+                    idx = idx.pin_memory().to(hidden_states.device, non_blocking=True)
                 rows[idx] = forward_logprobs(self.spec, self.forward_params(), hidden_states[idx], temperature=t)
         self.logits_call_index += 1
         if self.logprob_tap is not None:
