@@ -694,21 +694,31 @@ def _metadata_by_definition(cu, p0, slot, Q, T):
                 conv_seqs=[b for b in range(B) if live[b]])
 
 
-def test_metadata_matches_its_definition_on_random_batches():
-    """Every index field, on 300 random batches (empty, padding and continued sequences, padded
-    rows, chunk sizes 1-16), equals its definition computed token by token."""
+def _random_batches(seed: int, n: int, slots_follow_rows: bool):
+    """``n`` random ``(cu, p0, slot, Q, T)`` Mamba batches as lists: empty, padding (slot -1) and
+    continued sequences, padded rows, chunk sizes 1-16. ``slots_follow_rows``: slot >= 0 exactly
+    for the sequences with rows (what vLLM's builder gives)."""
     import random
 
-    rng = random.Random(0)
-    for _ in range(300):
+    rng = random.Random(seed)
+    for _ in range(n):
         B, Q = rng.randint(0, 7), rng.choice([1, 2, 4, 16])
         lens = [rng.choice([0, 1, 2, 5, 9, 17, 33]) for _ in range(B)]
         cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
+        for k in lens:
+            cu.append(cu[-1] + k)
         p0 = [rng.choice([0, 3, 15, 16, 40]) for _ in range(B)]
-        slot = [rng.choice([-1, 0, 2, 5]) for _ in range(B)]
-        T = cu[-1] + rng.choice([0, 3])
+        if slots_follow_rows:
+            slot = [rng.choice([0, 2, 5, 7]) if k else -1 for k in lens]
+        else:
+            slot = [rng.choice([-1, 0, 2, 5]) for _ in range(B)]
+        yield cu, p0, slot, Q, cu[-1] + rng.choice([0, 3])
+
+
+def test_metadata_matches_its_definition_on_random_batches():
+    """Every index field, on 300 random batches (empty, padding and continued sequences, padded
+    rows, chunk sizes 1-16), equals its definition computed token by token."""
+    for cu, p0, slot, Q, T in _random_batches(0, 300, slots_follow_rows=False):
         meta = mamba2_metadata(torch.tensor(cu), torch.tensor(p0), Q, num_tokens=T, state_idx_B=torch.tensor(slot))
         want = _metadata_by_definition(cu, p0, slot, Q, T)
         got = dict(item_seq=meta.item_seq.tolist(), item_chunk=meta.item_chunk.tolist(), num_entries=meta.num_entries,
@@ -726,18 +736,8 @@ def test_metadata_from_host_layout_equals_the_read_one():
     same metadata as reading the tensors, field for field, when the slots are >= 0 exactly for the
     sequences with rows; a mismatched slot count is refused."""
     import dataclasses
-    import random
 
-    rng = random.Random(1)
-    for _ in range(200):
-        B, Q = rng.randint(0, 7), rng.choice([1, 2, 4, 16])
-        lens = [rng.choice([0, 1, 2, 5, 9, 17, 33]) for _ in range(B)]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        p0 = [rng.choice([0, 3, 15, 16, 40]) for _ in range(B)]
-        slot = [rng.choice([0, 2, 5, 7]) if n else -1 for n in lens]
-        T = cu[-1] + rng.choice([0, 3])
+    for cu, p0, slot, Q, T in _random_batches(1, 200, slots_follow_rows=True):
         args = (torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), Q)
         read = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32))
         hinted = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32),

@@ -64,21 +64,33 @@ def _dot(a, b):
 
 
 @triton.jit
+def _sequence(cu_ptr, b):
+    """Sequence b's first row and length, as int64 (element offsets reach past 2^31)."""
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    return start, tl.load(cu_ptr + b + 1).to(tl.int64) - start
+
+
+@triton.jit
+def _rows(ptr, start, rows, rmask, s_t, head, s_h, cols_e, emask):
+    """``[len(rows), BLOCK_E]`` tile: rows ``start + rows`` of head ``head`` (masked entries read 0)."""
+    return tl.load(ptr + (start + rows)[:, None] * s_t + head * s_h + cols_e[None, :],
+                   mask=rmask[:, None] & emask[None, :], other=0.0)
+
+
+@triton.jit
 def _stats_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr,
                   sq_t, sq_h, sk_t, sk_h, sd_t, sd_h, H, E, scale_log2,
                   Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
-    n = end - start
+    start, n = _sequence(cu_ptr, b)
     if pid_m * BLOCK_M < n:
         g = h // Q_PER_KV
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols_e = tl.arange(0, BLOCK_E)
         rmask = rows < n
         emask = cols_e < E
-        q = tl.load(q_ptr + (start + rows)[:, None] * sq_t + h * sq_h + cols_e[None, :],
-                    mask=rmask[:, None] & emask[None, :], other=0.0)
+        q = _rows(q_ptr, start, rows, rmask, sq_t, h, sq_h, cols_e, emask)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
@@ -86,21 +98,18 @@ def _stats_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr,
         for j0 in range(0, hi, BLOCK_N):
             keys = j0 + tl.arange(0, BLOCK_N)
             kmask = keys < n
-            kt = tl.load(k_ptr + (start + keys)[None, :] * sk_t + g * sk_h + cols_e[:, None],
-                         mask=kmask[None, :] & emask[:, None], other=0.0)
+            kt = tl.trans(_rows(k_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask))
             s = _dot(q, kt) * scale_log2
             s = tl.where((keys[None, :] <= rows[:, None]) & kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + (start + keys)[:, None] * sk_t + g * sk_h + cols_e[None, :],
-                        mask=kmask[:, None] & emask[None, :], other=0.0)
+            v = _rows(v_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask)
             acc = acc * alpha[:, None] + _dot(round_to(p, DTYPE), v)
             m_i = m_new
         l_safe = tl.where(rmask, l_i, 1.0)
-        do = tl.load(do_ptr + (start + rows)[:, None] * sd_t + h * sd_h + cols_e[None, :],
-                     mask=rmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+        do = _rows(do_ptr, start, rows, rmask, sd_t, h, sd_h, cols_e, emask).to(tl.float32)
         delta = tl.sum(do * (acc / l_safe[:, None]), 1)
         out = (start + rows) * H + h  # [T, H] row-major
         tl.store(lse_ptr + out, m_i + tl.log2(l_safe), mask=rmask)
@@ -113,17 +122,15 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dk_ptr
                  Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_n, b, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
-    n = end - start
+    start, n = _sequence(cu_ptr, b)
     if pid_n * BLOCK_N < n:
         keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_e = tl.arange(0, BLOCK_E)
         kmask = keys < n
         emask = cols_e < E
-        kv_off = (start + keys)[:, None] * sk_t + g * sk_h + cols_e[None, :]
         kv_mask = kmask[:, None] & emask[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = _rows(k_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask)
+        v = _rows(v_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask)
         dk = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
         lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # the first query tile reaching this key tile
@@ -132,14 +139,12 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dk_ptr
             for i0 in range(lo, n, BLOCK_M):
                 rows = i0 + tl.arange(0, BLOCK_M)
                 rmask = rows < n
-                qt = tl.load(q_ptr + (start + rows)[None, :] * sq_t + h * sq_h + cols_e[:, None],
-                             mask=rmask[None, :] & emask[:, None], other=0.0)
+                qt = tl.trans(_rows(q_ptr, start, rows, rmask, sq_t, h, sq_h, cols_e, emask))
                 lse = tl.load(lse_ptr + (start + rows) * H + h, mask=rmask, other=0.0)
                 st = _dot(k, qt) * scale_log2  # [BLOCK_N, BLOCK_M]: s^T
                 live = (keys[:, None] <= rows[None, :]) & rmask[None, :] & kmask[:, None]
                 pt = tl.where(live, tl.exp2(st - lse[None, :]), 0.0)
-                do = tl.load(do_ptr + (start + rows)[:, None] * sd_t + h * sd_h + cols_e[None, :],
-                             mask=rmask[:, None] & emask[None, :], other=0.0)
+                do = _rows(do_ptr, start, rows, rmask, sd_t, h, sd_h, cols_e, emask)
                 dv += _dot(round_to(pt, DTYPE), do)
                 dpt = _dot(v, tl.trans(do))
                 delta = tl.load(delta_ptr + (start + rows) * H + h, mask=rmask, other=0.0)
@@ -156,8 +161,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dq_ptr,
                Q_PER_KV: tl.constexpr, DTYPE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(cu_ptr + b).to(tl.int64), tl.load(cu_ptr + b + 1).to(tl.int64)  # int64 offsets
-    n = end - start
+    start, n = _sequence(cu_ptr, b)
     if pid_m * BLOCK_M < n:
         g = h // Q_PER_KV
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,8 +169,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dq_ptr,
         rmask = rows < n
         emask = cols_e < E
         qd_mask = rmask[:, None] & emask[None, :]
-        q = tl.load(q_ptr + (start + rows)[:, None] * sq_t + h * sq_h + cols_e[None, :], mask=qd_mask, other=0.0)
-        do = tl.load(do_ptr + (start + rows)[:, None] * sd_t + h * sd_h + cols_e[None, :], mask=qd_mask, other=0.0)
+        q = _rows(q_ptr, start, rows, rmask, sq_t, h, sq_h, cols_e, emask)
+        do = _rows(do_ptr, start, rows, rmask, sd_t, h, sd_h, cols_e, emask)
         lse = tl.load(lse_ptr + (start + rows) * H + h, mask=rmask, other=0.0)
         delta = tl.load(delta_ptr + (start + rows) * H + h, mask=rmask, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
@@ -174,10 +178,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_ptr, dq_ptr,
         for j0 in range(0, hi, BLOCK_N):
             keys = j0 + tl.arange(0, BLOCK_N)
             kmask = keys < n
-            kt = tl.load(k_ptr + (start + keys)[None, :] * sk_t + g * sk_h + cols_e[:, None],
-                         mask=kmask[None, :] & emask[:, None], other=0.0)
-            vt = tl.load(v_ptr + (start + keys)[None, :] * sk_t + g * sk_h + cols_e[:, None],
-                         mask=kmask[None, :] & emask[:, None], other=0.0)
+            kt = tl.trans(_rows(k_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask))
+            vt = tl.trans(_rows(v_ptr, start, keys, kmask, sk_t, g, sk_h, cols_e, emask))
             s = _dot(q, kt) * scale_log2
             live = (keys[None, :] <= rows[:, None]) & kmask[None, :] & rmask[:, None]
             p = tl.where(live, tl.exp2(s - lse[:, None]), 0.0)
