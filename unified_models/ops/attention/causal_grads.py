@@ -25,11 +25,12 @@ fp32 (the caller rounds once).
 fixed order (query heads ``0..Q_PER_KV-1``, then tiles in increasing position): no atomics, no
 split reductions. Two identical backward passes give the same bits, which ``rl --resume``'s
 bitwise continuation needs and which the fused SDPA backward (FlashAttention-2's ``dq`` by atomic
-adds, and cuDNN's at most sizes) did not give: ``benchmarks/results/h200_session29/
+adds; cuDNN's at 3 of 6 sizes tried) did not give: ``benchmarks/results/h200_session29/
 sdpa_backward_determinism.md``. A sequence's gradients do not depend on the other sequences of
-the pack either (a program reads one sequence only). Tile sizes depend on the head dim only.
+the pack either (a program reads one sequence only). Tile sizes depend on the head dim only
+(64 x 64 tiles, 4 warps up to head dim 64, 8 above; not tuned on the GPU yet).
 
-Shapes: T packed tokens (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` of q, k, v, dO),
+Shapes: T packed tokens (sequence b is the ``seq_lens[b]`` rows after the earlier ones, of q, k, v, dO),
 H query heads, G kv heads (query head h reads kv head ``h // (H // G)``), E head dim.
 """
 
