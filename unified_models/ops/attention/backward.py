@@ -62,6 +62,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..grad.helpers import _HALF, acc, needs_grad
@@ -208,34 +209,54 @@ class _Plan:
         return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
 
     def build(self, mark_self_attention: bool = False) -> None:
-        """Resolve every key's source (one host sync per sequence). With ``mark_self_attention``
+        """Resolve every key's source. The sequences' layout is read to the host once (one device
+        read for ``seq_idx`` and ``positions`` together; it was three per sequence) and worked out
+        in numpy; the index tensors go back in one non-blocking copy. With ``mark_self_attention``
         (:func:`fused_recompute_eligible`), also mark the groups whose queries are exactly their
-        keys ``0..P-1`` in order (:attr:`self_attention`)."""
+        keys ``0..P-1`` (:attr:`self_attention`)."""
         kc, vc = self.k_cache, self.v_cache
         dev, s = kc.device, kc.shape[1]
         n_slots = kc.shape[0] * s
-        seq, pos = self.seq_idx.long(), self.positions.long()
-        by_pos = torch.argsort(pos, stable=True)  # each sequence's rows in position order, wherever they sit
-        order = by_pos[torch.argsort(seq[by_pos], stable=True)]
-        uniq, counts = torch.unique_consecutive(seq[order], return_counts=True)
-        self.groups, key_slots, start, tok0 = [], [], 0, 0
-        for b, n in zip(uniq.tolist(), counts.tolist()):
-            tok = order[tok0:tok0 + n]
-            tok0 += n
-            lo = int(window_start(pos[tok].min(), self.sliding_window))
-            p = torch.arange(lo, int(pos[tok].max()) + 1, device=dev)
-            key_slots.append(self.block_table[b].long()[p // s] * s + p % s)
-            self.groups.append((tok, pos[tok], start, p.shape[0], lo))
-            self.self_attention.append(mark_self_attention and lo == 0 and n == p.shape[0]
-                                       and bool(torch.equal(pos[tok], p)))
-            start += p.shape[0]
-        kslots = torch.cat(key_slots) if key_slots else torch.zeros(0, dtype=torch.long, device=dev)
+        t = self.seq_idx.shape[0]
+        seq_pos = torch.stack([self.seq_idx.reshape(-1).long(), self.positions.reshape(-1).long()]).cpu().numpy()
+        seq_h, pos_h = seq_pos[0], seq_pos[1]
+        by_pos = np.argsort(pos_h, kind="stable")  # each sequence's rows in position order, wherever they sit
+        order = by_pos[np.argsort(seq_h[by_pos], kind="stable")]
+        if t:
+            cut = np.flatnonzero(np.diff(seq_h[order])) + 1
+            firsts = np.concatenate([[0], cut])
+            counts = np.diff(np.concatenate([firsts, [t]]))
+        else:
+            firsts = counts = np.zeros(0, dtype=np.int64)
+        plan = []  # (b, first row in order, n, lo, number of keys)
+        for f, n in zip(firsts.tolist(), counts.tolist()):
+            rows_pos = pos_h[order[f:f + n]]  # ascending
+            first_pos = int(rows_pos[0])
+            lo = 0 if self.sliding_window is None else max(0, first_pos - (self.sliding_window - 1))  # window_start
+            plan.append((int(seq_h[order[f]]), f, n, lo, int(rows_pos[-1]) + 1 - lo))
+            self.self_attention.append(mark_self_attention and lo == 0 and n == int(rows_pos[-1]) + 1
+                                       and bool((rows_pos == np.arange(n)).all()))
+        key_b = np.repeat(np.array([g[0] for g in plan], dtype=np.int64), [g[4] for g in plan]) if plan else \
+            np.zeros(0, dtype=np.int64)
+        key_p = np.concatenate([np.arange(g[3], g[3] + g[4], dtype=np.int64) for g in plan]) if plan else \
+            np.zeros(0, dtype=np.int64)
+        packed = torch.from_numpy(np.concatenate([order.astype(np.int64), key_b, key_p]))
+        packed = packed.to(dev) if dev.type == "cpu" else packed.pin_memory().to(dev, non_blocking=True)
+        order_d, key_b_d, key_p_d = packed.split([t, key_b.shape[0], key_p.shape[0]])
+        pos_d = self.positions.reshape(-1).long().to(dev)
+        self.groups, start = [], 0
+        for b, f, n, lo, n_keys in plan:
+            tok = order_d[f:f + n]
+            self.groups.append((tok, pos_d[tok], start, n_keys, lo))
+            start += n_keys
+        kslots = self.block_table.long().to(dev)[key_b_d, key_p_d // s] * s + key_p_d % s
         # constants (earlier chunks): the cache rows no taped write covers
         (self.k_const, self.v_const), self.index, self.sizes = _resolve(kslots, self.writes, n_slots, s, (kc, vc))
         if self.compressed is not None:
             comp = self.compressed
             cc = comp.cache
             cslots = compressed_entry_slots(comp, self.seq_idx)  # [T, K], -1 = none
+            pos = self.positions.long()
             limit = torch.where(pos >= 0, (pos + 1).div(comp.ratio, rounding_mode="floor"), 0)
             ent = comp.entries_TK.long()
             self.c_valid = (cslots >= 0) & (ent < limit.view(-1, 1))  # what the kernels attend
