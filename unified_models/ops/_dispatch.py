@@ -27,6 +27,15 @@ def use_triton(x: torch.Tensor) -> bool:
     return os.environ.get("UM_OPS_BACKEND", "torch") == "triton"
 
 
+def host_to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Host tensor ``x`` on ``dev`` without waiting for the stream: on a GPU through pinned memory and a
+    non-blocking copy (a blocking copy from pageable memory waits for every queued kernel); on the
+    CPU ``x.to(dev)``."""
+    if dev.type == "cpu":
+        return x.to(dev)
+    return x.pin_memory().to(dev, non_blocking=True)
+
+
 def pad_rows(x: torch.Tensor, multiple: int = ROW_TILE) -> torch.Tensor:
     """Pad dim 0 of ``x`` with zeros up to a multiple of ``multiple``."""
     t = x.shape[0]

@@ -81,6 +81,7 @@ from ...forward import forward_hidden, forward_logprobs
 from ...layers import declares_slot_state, family_of, model_caches
 from ...layers.expert_parallel import ShardPlan
 from ...layers.expert_shards import check_expert_layout, foreign_expert_shapes, local_expert_stacks
+from ...ops._dispatch import host_to_device
 from ...parameters import allocate_parameters
 from ...state import FlatBatch
 from . import compat
@@ -439,9 +440,7 @@ class UnifiedForCausalLM(WeightLoading, nn.Module):
             rows = torch.empty((hidden_states.shape[0], self.spec.vocab_size), dtype=torch.float32,
                                device=hidden_states.device)
             for t in sorted(set(temps)):
-                idx = torch.tensor([i for i, ti in enumerate(temps) if ti == t], dtype=torch.long)
-                if hidden_states.is_cuda:  # pinned + non-blocking: a pageable copy would wait for the stream
-                    idx = idx.pin_memory().to(hidden_states.device, non_blocking=True)
+                idx = host_to_device(torch.tensor([i for i, ti in enumerate(temps) if ti == t]), hidden_states.device)
                 rows[idx] = forward_logprobs(self.spec, self.forward_params(), hidden_states[idx], temperature=t)
         self.logits_call_index += 1
         if self.logprob_tap is not None:

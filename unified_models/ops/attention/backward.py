@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .._dispatch import host_to_device
 from ..grad.helpers import _HALF, acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
@@ -240,8 +241,7 @@ class _Plan:
             np.zeros(0, dtype=np.int64)
         key_p = np.concatenate([np.arange(g[3], g[3] + g[4], dtype=np.int64) for g in plan]) if plan else \
             np.zeros(0, dtype=np.int64)
-        packed = torch.from_numpy(np.concatenate([order.astype(np.int64), key_b, key_p]))
-        packed = packed.to(dev) if dev.type == "cpu" else packed.pin_memory().to(dev, non_blocking=True)
+        packed = host_to_device(torch.from_numpy(np.concatenate([order.astype(np.int64), key_b, key_p])), dev)
         order_d, key_b_d, key_p_d = packed.split([t, key_b.shape[0], key_p.shape[0]])
         pos_d = self.positions.reshape(-1).long().to(dev)
         self.groups, start = [], 0

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import host_to_device
 from ..triton._common import _INTERP, check_device, interpreter_dot, next_pow2, round_to, tl_dtype
 
 BLOCK_M = 64
@@ -247,8 +248,7 @@ def causal_attention_grads(q_THE: torch.Tensor, k_TGE: torch.Tensor, v_TGE: torc
     b, max_len = len(lens), max(lens, default=0)
     if t == 0:
         return dq, dk, dv
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
-    cu = cu.to(dev) if dev.type == "cpu" else cu.pin_memory().to(dev, non_blocking=True)
+    cu = host_to_device(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64), dev)
     lse = torch.empty((t, h), dtype=torch.float32, device=dev)
     delta = torch.empty((t, h), dtype=torch.float32, device=dev)
     block_e = max(16, next_pow2(e))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._dispatch import host_to_device
+
 
 @dataclass
 class Mamba2State:
@@ -256,14 +258,6 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
                           host=host, **on_dev)
 
 
-def host_to_device(x: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host tensor on ``dev`` without waiting for the stream: on a GPU through pinned memory and a
-    non-blocking copy (a blocking copy from pageable memory waits for every queued kernel)."""
-    if dev.type == "cpu":
-        return x.to(dev)
-    return x.pin_memory().to(dev, non_blocking=True)
-
-
 def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tensor | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``cu_seqlens``, ``start_pos`` and the slots as int64 numpy arrays, read in ONE device-to-host
@@ -292,7 +286,7 @@ def _to_device(fields: dict[str, tuple[np.ndarray, torch.dtype]], dev: torch.dev
     names = list(fields)
     sizes = [int(fields[k][0].size) for k in names]
     packed = torch.from_numpy(np.concatenate([fields[k][0].reshape(-1).astype(np.int64) for k in names]))
-    on_dev = packed.pin_memory().to(dev, non_blocking=True).split(sizes)
+    on_dev = host_to_device(packed, dev).split(sizes)
     return {k: x.to(fields[k][1]) for k, x in zip(names, on_dev)}
 
 

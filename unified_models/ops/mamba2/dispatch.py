@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from .._dispatch import use_triton
-from .common import Mamba2Metadata, Mamba2State, _need_state, host_to_device
+from .._dispatch import host_to_device, use_triton
+from .common import Mamba2Metadata, Mamba2State, _need_state
 from .cpu import causal_conv1d_torch, gated_rms_norm_torch, mamba2_dt_torch, ssd_chunk_scan_torch
 
 
