@@ -28,13 +28,15 @@ Not a test: a measurement. On one preset's checkpoint (default ``nemotron_3_nano
       (``labels=``). Its parameter count equals ours (the JSON has both);
     * hybrid patterns (``M``/``E``): ``megatron.core.models.mamba.MambaModel`` with
       ``hybrid_override_pattern`` = the preset's pattern and a stack spec composed of the same local
-      modules (megatron-core 0.16 and 0.19 ship only Transformer-Engine Mamba stack specs). Megatron's
-      ``MambaMixer`` refuses to build without ``mamba_ssm`` (and its training path calls
-      ``mamba_split_conv1d_scan_combined`` and ``causal_conv1d``; ``MambaStack``'s final norm is
-      ``TENorm``); the row then holds the exact exception and which of those packages import. There is
-      no ``--megatron-mamba-kernels vllm``: vLLM's Triton port (``ssd_combined``) and megatron-core
-      0.19's own ``ssm/ops`` are forward-only (no backward, no fused split-conv1d-scan), so they cannot
-      run a training step.
+      modules (megatron-core 0.16 and 0.19 ship only Transformer-Engine Mamba stack specs), the final
+      norm the local RMSNorm (``MambaStack`` hard-codes ``TENorm``). Megatron's ``MambaMixer`` needs
+      ``mamba_ssm``: its Triton kernels suffice (``scripts/mamba-ssm-wheel.sh`` builds them as a
+      pure-Python wheel, :func:`import_mamba_ssm_triton_only` imports them), with
+      ``use_mamba_mem_eff_path=False`` (Megatron's unfused training path: ``nn.Conv1d`` and
+      ``mamba_chunk_scan_combined``; the fused ``mamba_split_conv1d_scan_combined`` needs
+      ``causal_conv1d``'s CUDA extension). Without ``mamba_ssm`` the row holds the exact exception and
+      which of ``BLOCKER_PACKAGES`` import. vLLM's Triton port (``ssd_combined``) and megatron-core
+      0.19's own ``ssm/ops`` are forward-only (no backward), so they cannot stand in.
 
     Both sides get their optimizer from ``backends/megatron/optimizer.py``'s ``build_optimizer`` with one
     ``OptimizerConfig``: on CUDA Megatron's ``DistributedDataParallel`` + ``get_megatron_optimizer``
@@ -314,6 +316,21 @@ def _local_hybrid_stack_spec(num_experts: int | None):
 
     dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     norm, mlp = dense.input_layernorm, dense.mlp
+    norm_class = norm.module if hasattr(norm, "module") else norm
+
+    class LocalFinalNormMambaStack(MambaStack):
+        """``MambaStack`` whose final norm is the local spec's RMSNorm: megatron-core 0.19 hard-codes
+        ``TENorm`` there (``ssm/mamba_block.py``), which refuses to build without Transformer Engine."""
+
+        def __init__(self, *args, **kwargs):
+            from megatron.core.ssm import mamba_block
+
+            saved, mamba_block.TENorm = mamba_block.TENorm, norm_class
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                mamba_block.TENorm = saved
+
     subs = dict(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
             norm=norm, mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
@@ -329,7 +346,45 @@ def _local_hybrid_stack_spec(num_experts: int | None):
         subs["moe_layer"] = ModuleSpec(module=getattr(tl, "MoETransformerLayer", tl.TransformerLayer),
                                        submodules=tl.TransformerLayerSubmodules(
                                            pre_mlp_layernorm=norm, mlp=moe, mlp_bda=dense.mlp_bda))
-    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**subs))
+    return ModuleSpec(module=LocalFinalNormMambaStack, submodules=MambaStackSubmodules(**subs))
+
+
+def import_mamba_ssm_triton_only() -> str | None:
+    """Make ``mamba_ssm``'s Triton kernels importable when it was built without its CUDA extensions.
+
+    ``mamba_ssm`` built with ``MAMBA_SKIP_CUDA_BUILD=TRUE`` (a pure-Python wheel: ``.whl/`` in
+    ``scripts/gpu-run.sh trainer-cost``) holds the Triton SSD kernels that Megatron's ``MambaMixer`` calls
+    (``mamba_chunk_scan_combined`` with its backward, the gated ``RMSNorm``), but its package
+    ``__init__`` imports ``selective_scan_cuda`` (the Mamba-1 CUDA extension), which then fails. This
+    registers the package without running that ``__init__`` (its submodules import as usual); with the
+    extension present it does nothing. Call it before ``megatron.core.ssm`` is imported.
+
+    Returns:
+        ``"mamba_ssm <version> (Triton kernels only)"``, ``"mamba_ssm <version>"`` when the full build
+        imports, or ``None`` when ``mamba_ssm`` is not installed.
+
+    Raises:
+        RuntimeError: ``megatron.core.ssm.mamba_mixer`` was imported before (it has already decided
+            that ``mamba_ssm`` is missing).
+    """
+    import types
+    from importlib import metadata
+
+    found = importlib.util.find_spec("mamba_ssm")
+    if found is None:
+        return None
+    version = metadata.version("mamba_ssm")
+    if "mamba_ssm" in sys.modules:
+        return f"mamba_ssm {version}"
+    if importlib.util.find_spec("selective_scan_cuda") is not None:
+        return f"mamba_ssm {version}"
+    if "megatron.core.ssm.mamba_mixer" in sys.modules:
+        raise RuntimeError("megatron.core.ssm.mamba_mixer was imported before mamba_ssm could be registered")
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(found.submodule_search_locations)
+    package.__file__, package.__version__, package.__spec__ = found.origin, version, found
+    sys.modules["mamba_ssm"] = package
+    return f"mamba_ssm {version} (Triton kernels only)"
 
 
 def build_megatron_model(spec, device: str, rec: dict):
@@ -371,7 +426,11 @@ def build_megatron_model(spec, device: str, rec: dict):
         spec, num_layers=len(pattern) // 2 if dense else len(pattern), activation_func=squared_relu,
         gated_linear_unit=False, perform_initialization=True, use_cpu_initialization=device == "cpu",
         **({} if "E" not in pattern else compat.filter_dataclass_kwargs(
-            TransformerConfig, {"moe_grouped_gemm": False, "moe_router_enable_expert_bias": True})))
+            TransformerConfig, {"moe_grouped_gemm": False, "moe_router_enable_expert_bias": True})),
+        # the Mamba mixer's unfused path: nn.Conv1d + mamba_chunk_scan_combined (the fused split-conv1d
+        # scan needs causal_conv1d's CUDA extension)
+        **({} if "M" not in pattern else compat.filter_dataclass_kwargs(
+            TransformerConfig, {"use_mamba_mem_eff_path": False})))
     common = dict(vocab_size=spec.vocab_size, max_sequence_length=spec.max_position_embeddings,
                   position_embedding_type="none", share_embeddings_and_output_weights=False)
     if dense:
@@ -403,6 +462,7 @@ def measure_megatron(plan: dict, rec: dict) -> None:
     """
     import types
 
+    rec["mamba_ssm"] = import_mamba_ssm_triton_only()  # before anything imports megatron.core.ssm
     import torch
 
     from unified_models.backends.megatron.optimizer import OptimizerConfig, build_optimizer
@@ -608,8 +668,9 @@ def build_report(plan: dict, sides: dict[str, dict], meta: dict) -> dict:
     step["phases"] = {p: {"ours_s": ours_med.get(p), "megatron_s": meg_med.get(p)} for p in STEP_PHASES}
     for v in step["phases"].values():
         v["time_ratio_ours_over_megatron"] = _ratio(v["ours_s"], v["megatron_s"])
-    step["same_parameter_count"] = (ours.get("parameters") == meg.get("parameters")
-                                    if ours.get("parameters") and meg.get("parameters") else None)
+    # trainable counts: the MoE router's expert-score bias is a frozen parameter in ours, a buffer in Megatron
+    step["same_parameter_count"] = (ours.get("trainable_parameters") == meg.get("trainable_parameters")
+                                    if ours.get("trainable_parameters") and meg.get("trainable_parameters") else None)
     return {"benchmark": "trainer_cost", **meta, "tokens_per_step": plan["sequences"] * plan["seq_len"],
             "settings": {k: v for k, v in plan.items() if k not in ("model",)},
             "recompute": rec, "step": step, "sides": sides}
@@ -658,7 +719,7 @@ def format_table(report: dict) -> str:
     lines.append(f"| total ({n_tok} tokens) | {f(st['ours_s'], '.4f')} | {f(st['megatron_s'], '.4f')} | "
                  f"{f(_ratio(st['ours_s'], st['megatron_s']), '.3f')} |")
     if st.get("same_parameter_count") is not None:
-        lines.append(f"\nparameter counts equal (same widths): {st['same_parameter_count']}")
+        lines.append(f"\ntrainable parameter counts equal (same widths): {st['same_parameter_count']}")
     if meg.get("packages_importable"):
         lines.append(f"Megatron Mamba stack needs: {meg['packages_importable']} (True = importable here)")
     return "\n".join(lines)

@@ -41,6 +41,8 @@
 #   First tests/gpu/test_autograd_gpu.py (the CUDA backward's gradients vs fp64 autograd; $OUT/autograd_gpu.log;
 #   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test).
 #   UM_FUSED_ATTENTION_BACKWARD=0 times the fp32 attention recompute instead of the fused one (ops/attention/causal_grads.py).
+#   Megatron's MambaModel (the hybrid baseline) needs mamba_ssm: `bash scripts/mamba-ssm-wheel.sh` here once, then
+#   carry ".whl" in the device call (installed into /tmp/um-whl there); without it the row records the ImportError.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)
 #   and the DeepSeek-V4 kernels' tests/ops natively (compressor, indexer, compressed attention, sink, mHC, DeepSeek
 #   MoE, block FP8), then the sliding + CSA + HCA toy through both engines (vLLM 0.26's grouping). deepseek-v4-check:
@@ -135,7 +137,7 @@ fi
 if [ "$stage" = dense-bench-interleave ]; then  # both engines alive, repeats alternate (benchmark docstring)
   nano_checkpoint nemotron_h_dense_bench
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
-    --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
+    --interleave --repeats ${UM_BENCH_REPEATS:-2} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
     --json "$OUT/rollout_throughput_interleaved.json" > "$OUT/dense_bench_interleaved.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench_interleaved.log" | tail -20
 fi
@@ -143,7 +145,7 @@ if [ "$stage" = nano-interleave ]; then  # issue 18's bar: the three workloads, 
   p=${UM_BENCH_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
   # like for like by default: native Nemotron-H runs prefix caching off (vLLM's default for it), so ours does too
   python3 benchmarks/rollout_throughput.py --preset "$p" --workloads 256x128/512 64x256/2048 128x2048/128 \
-    --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS---ours-prefix-caching off} \
+    --interleave --repeats ${UM_BENCH_REPEATS:-2} --step-timing ${UM_BENCH_ARGS---ours-prefix-caching off} \
     --engine-timeout-s 560 \
     --json "$OUT/${p}_interleaved.json" > "$OUT/${p}_interleaved.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/${p}_interleaved.log" | tail -24
@@ -216,6 +218,10 @@ if [ "$stage" = graph-soak ]; then
 fi
 if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (benchmarks/trainer_cost.py docstring)
   presets=${UM_TC_PRESETS:-nemotron_3_nano_reduced nemotron_h_dense_bench}
+  if ls .whl/mamba_ssm-*.whl > /dev/null 2>&1; then  # Megatron's MambaModel (scripts/mamba-ssm-wheel.sh)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/um-whl \
+      .whl/mamba_ssm-*.whl && export PYTHONPATH=/tmp/um-whl:$PYTHONPATH
+  fi
   if [ "${UM_TC_GRADCHECK:-1}" = 1 ]; then  # the gradients the timed backward computes, against fp64 autograd
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_autograd_gpu.py -s 2>&1 | tee "$OUT/autograd_gpu.log" \
       | grep -E "GRAD-ERR|passed|failed" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))

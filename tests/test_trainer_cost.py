@@ -5,6 +5,7 @@ native prefill side is left out here (its CPU engine start alone takes about a m
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -59,6 +60,39 @@ def test_megatron_mamba_model_failure_is_recorded(tmp_path):
         pytest.skip("mamba_ssm is installed: Megatron's MambaModel may build")
     assert meg["error"].startswith("ImportError: MambaSSM is not installed") and "Traceback" in meg["traceback"]
     assert f"error: {meg['error']}" in tc.format_table(report)
+
+
+def test_mamba_ssm_without_cuda_extensions_imports_its_submodules(tmp_path, monkeypatch):
+    """A stand-in ``mamba_ssm`` whose ``__init__`` fails like the pure-Python wheel's (it imports the
+    Mamba-1 CUDA extension): its Triton submodules still import, and its ``__init__`` never runs."""
+    import sys
+
+    pkg = tmp_path / "mamba_ssm"
+    (pkg / "ops" / "triton").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import selective_scan_cuda\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "triton" / "__init__.py").write_text("")
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text("def mamba_chunk_scan_combined():\n    return 42\n")
+    (tmp_path / "mamba_ssm-9.9.dist-info").mkdir()
+    (tmp_path / "mamba_ssm-9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: mamba_ssm\nVersion: 9.9\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "megatron.core.ssm.mamba_mixer", object())  # imported too early:
+    with pytest.raises(RuntimeError, match="imported before mamba_ssm"):
+        tc.import_mamba_ssm_triton_only()
+    monkeypatch.delitem(sys.modules, "megatron.core.ssm.mamba_mixer")
+    for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match="selective_scan_cuda"):
+        importlib.import_module("mamba_ssm")
+    monkeypatch.delitem(sys.modules, "mamba_ssm", raising=False)
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9 (Triton kernels only)"
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    assert mamba_chunk_scan_combined() == 42
+    assert importlib.util.find_spec("mamba_ssm") is not None  # what the report's package check calls
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9"  # registered already: left as is
+    for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+        del sys.modules[name]
 
 
 @pytest.mark.parametrize("argv, message", [
