@@ -35,7 +35,8 @@ import torch
 from unified_models import ops
 from unified_models.ops import Mamba2State, StaleWeightError, bump_weight_version, mamba2_metadata
 from unified_models.ops.mamba2 import (causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference,
-                                       ssd_chunked_torch, ssd_reference, start_positions)
+                                       ssd_chunked_torch, ssd_chunked_torch_batched, ssd_reference,
+                                       start_positions)
 
 H, P, G, N, Q, W = 4, 8, 2, 16, 8, 4
 F_ = H * P
@@ -627,6 +628,46 @@ def test_chunked_torch_matches_reference(gen):
     y = ssd_chunked_torch(x, dt, A_log, B, C, D, Q, s0)
     r, _ = ssd_reference(x, dt, A_log, B, C, D, s0)
     torch.testing.assert_close(y, r, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_torch_batched_equals_each_sequence(gen):
+    """The batched recomputation (sequences zero-padded to one length, as the backward groups them)
+    gives each sequence's rows of the single-sequence form (fp64), with and without initial states."""
+    lens = [Q + 3, 2 * Q, 5, Q - 1]
+    Lp = 2 * Q
+    seqs = [[t.double() for t in _ssd_inputs(n, torch.float32, gen)] for n in lens]
+    A_log, D = seqs[0][2], seqs[0][5]
+
+    def stack(i):  # field i of every sequence, zero-padded to Lp rows
+        return torch.stack([torch.cat([s[i], s[i].new_zeros((Lp - s[i].shape[0], *s[i].shape[1:]))]) for s in seqs])
+
+    s0 = torch.randn(len(lens), H, P, N, generator=gen, dtype=torch.float64)
+    for init in (None, s0):
+        y = ssd_chunked_torch_batched(stack(0), stack(1), A_log, stack(3), stack(4), D, Q, init)
+        assert y.shape == (len(lens), Lp, H, P)
+        for b, (n, s) in enumerate(zip(lens, seqs)):
+            one = ssd_chunked_torch(s[0], s[1], A_log, s[3], s[4], D, Q, None if init is None else init[b])
+            torch.testing.assert_close(y[b, :n], one, rtol=1e-12, atol=1e-12)
+            r, _ = ssd_reference(s[0], s[1], A_log, s[3], s[4], D, None if init is None else init[b])
+            torch.testing.assert_close(y[b, :n], r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_ssd_many_sequences_batched(dtype, gen, inv):
+    """Sequences from position 0 recompute batched by chunk count (groups of 3, 2 and 2 sequences of
+    different lengths): gradients against fp64 autograd of the step recurrence, per sequence."""
+    lens = [Q, 3, 2 * Q + 1, Q - 2, 2 * Q, 9, 3 * Q]
+    cu = _packed(lens)
+    T = int(cu[-1])
+    meta = mamba2_metadata(cu, torch.zeros(len(lens), dtype=torch.long), Q)
+    ins = _ssd_inputs(T, dtype, gen)
+
+    def ref(x, dt, A_log, B, C, D):
+        return torch.cat([ssd_reference(x[cu[i]:cu[i + 1]], dt[cu[i]:cu[i + 1]], A_log, B[cu[i]:cu[i + 1]],
+                                        C[cu[i]:cu[i + 1]], D)[0] for i in range(len(lens))])
+
+    _grads(lambda *a: ops.ssd_chunk_scan(*a, meta), ref, ins, torch.randn(T, H, P, generator=gen),
+           f"ssd batched {dtype}", inv)
 
 
 def test_grad_guard_stale_weight(gen):

@@ -95,10 +95,10 @@ from .cpu import (ROWS_CPU, causal_conv1d_torch, conv_source_index, gated_rms_no
 from .dispatch import (causal_conv1d, commit_ssd_state, gated_rms_norm, mamba2_dt, ssd_chunk_scan,
                        write_conv_state)
 from .reference import (causal_conv1d_reference, gated_rms_norm_reference, mamba2_dt_reference, ssd_chunked_torch,
-                        ssd_reference)
+                        ssd_chunked_torch_batched, ssd_reference)
 
 __all__ = ["Mamba2State", "Mamba2Metadata", "start_positions", "mamba2_metadata", "mamba2_decode_metadata", "causal_conv1d", "write_conv_state",
            "mamba2_dt", "ssd_chunk_scan", "commit_ssd_state", "gated_rms_norm", "ROWS_CPU", "conv_source_index",
            "causal_conv1d_torch", "mamba2_dt_torch", "ssd_chunk_scan_torch", "gated_rms_norm_torch",
            "causal_conv1d_reference", "mamba2_dt_reference", "ssd_reference", "ssd_chunked_torch",
-           "gated_rms_norm_reference"]
+           "ssd_chunked_torch_batched", "gated_rms_norm_reference"]

@@ -15,9 +15,10 @@ op                  recomputation
 ==================  ==========================================================
 causal_conv1d       gather of each token's W inputs, fp32 multiply-add, SiLU
 mamba2_dt           ``clamp(softplus(dt + bias), lo, hi)``
-ssd_chunk_scan      per sequence, :func:`~.reference.ssd_chunked_torch` (chunked SSD with
-                    the einsums of transformers' torch path) from the chunk
-                    boundary: pending rows and boundary state are inputs
+ssd_chunk_scan      chunked SSD with the einsums of transformers' torch path
+                    (:func:`~.reference.ssd_chunked_torch_batched`): sequences from
+                    position 0 batched by chunk count; a continued sequence alone
+                    from its chunk boundary (pending rows and boundary state are inputs)
 gated_rms_norm      ``rmsnorm_group(y * silu(z)) * w``
 ==================  ==========================================================
 
@@ -37,12 +38,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._dispatch import host_to_device
 from ..grad.helpers import acc
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .common import _need_state
 from .cpu import conv_source_index
-from .reference import ssd_chunked_torch
+from .reference import ssd_chunked_torch, ssd_chunked_torch_batched
 
 
 __all__ = ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm"]
@@ -186,7 +188,11 @@ class _Ssd(_Recompute):
         Q = meta.chunk_size
         T, H, P = x.shape
         ys, rows = [], []
+        fresh: dict[int, list[tuple[int, int]]] = {}  # chunk count -> (first row, length) of sequences from 0
         for c0, L, cnt, s0, pend in self.seqs:
+            if s0 is None and pend is None:
+                fresh.setdefault(-(-L // Q), []).append((c0, L))
+                continue
             xs, dts, Bs, Cs = x[c0:c0 + L], dt[c0:c0 + L], B[c0:c0 + L], C[c0:c0 + L]
             if pend is not None:
                 px, pdt, pb = (t.to(x.dtype) for t in pend)
@@ -195,10 +201,37 @@ class _Ssd(_Recompute):
             y = ssd_chunked_torch(xs, dts, A_log, Bs, Cs, D, Q, None if s0 is None else s0.to(x.dtype))
             ys.append(y[cnt:])
             rows.append(torch.arange(c0, c0 + L, device=x.device))
+        for chunks, group in sorted(fresh.items()):  # one batched recomputation per chunk count
+            y, r = _ssd_group(x, dt, A_log, B, C, D, Q, chunks, group)
+            ys.append(y)
+            rows.append(r)
         out = x.new_zeros((T, H, P))
         if ys:
             out = out.index_put((torch.cat(rows),), torch.cat(ys))
         return out
+
+
+def _ssd_group(x, dt, A_log, B, C, D, Q: int, chunks: int, group: list[tuple[int, int]]):
+    """The recomputation of sequences that start at position 0 and span ``chunks`` chunks, batched.
+
+    Each sequence ``(first row, length)`` is gathered into a row of ``[len(group), chunks * Q]`` and
+    zero-padded (:func:`~.reference.ssd_chunked_torch_batched`: zero rows change nothing before them).
+
+    Returns:
+        ``(y [R, H, P], rows [R] int64)``: the sequences' outputs and their flat rows, R = sum of lengths.
+    """
+    T = x.shape[0]
+    idx = torch.full((len(group), chunks * Q), T, dtype=torch.int64)  # T: the zero row appended below
+    for i, (c0, L) in enumerate(group):
+        idx[i, :L] = torch.arange(c0, c0 + L)
+    idx = host_to_device(idx, x.device)
+
+    def gathered(t):
+        return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[idx]
+
+    y = ssd_chunked_torch_batched(gathered(x), gathered(dt), A_log, gathered(B), gathered(C), D, Q)
+    keep = idx < T
+    return y[keep], idx[keep]
 
 
 def ssd_chunk_scan(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state=None, out_dtype=torch.float32):

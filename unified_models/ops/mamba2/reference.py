@@ -1,6 +1,6 @@
 """Oracles of the Mamba-2 ops in fp64 (one sequence each, differentiable), and
-:func:`ssd_chunked_torch`, the differentiable chunked form of the scan that the
-backward recomputes."""
+:func:`ssd_chunked_torch` / :func:`ssd_chunked_torch_batched`, the differentiable chunked form of
+the scan that the backward recomputes."""
 
 from __future__ import annotations
 
@@ -74,40 +74,63 @@ def ssd_chunked_torch(x_LHP, dt_LH, A_log_H, B_LGN, C_LGN, D_H, chunk_size: int,
                       initial_state_HPN: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable chunked SSD for ONE sequence starting at a chunk boundary (plain
     torch einsums in the inputs' dtype, fp32/fp64). Used by the backward recomputation.
-    Returns ``[L, H, P]``."""
-    L, H, P = x_LHP.shape
-    G, N = B_LGN.shape[1:]
+    Returns ``[L, H, P]``; :func:`ssd_chunked_torch_batched` with a batch of one."""
+    init = None if initial_state_HPN is None else initial_state_HPN[None]
+    return ssd_chunked_torch_batched(x_LHP[None], dt_LH[None], A_log_H, B_LGN[None], C_LGN[None], D_H,
+                                     chunk_size, init)[0]
+
+
+def ssd_chunked_torch_batched(x_BLHP, dt_BLH, A_log_H, B_BLGN, C_BLGN, D_H, chunk_size: int,
+                              initial_state_BHPN: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable chunked SSD for a batch of sequences of one length ``L``, each starting at a
+    chunk boundary: the chunked form of transformers' torch path (``torch_forward`` of
+    ``modeling_nemotron_h.py``), plain torch einsums in the inputs' dtype (fp32/fp64).
+
+    Rows past a sequence's end may be zero (``x = dt = B = C = 0``): a zero ``dt`` row decays nothing
+    and adds nothing to the state, so a shorter sequence zero-padded to ``L`` gives its own rows
+    unchanged (its padded rows' outputs are to be dropped).
+
+    Args:
+        x_BLHP: ``[Bt, L, H, P]``; dt_BLH: ``[Bt, L, H]`` (after softplus / limits); A_log_H: ``[H]``;
+        B_BLGN, C_BLGN: ``[Bt, L, G, N]`` (G divides H); D_H: ``[H]`` or None; chunk_size: Q;
+        initial_state_BHPN: ``[Bt, H, P, N]`` or None (zeros).
+
+    Returns:
+        ``[Bt, L, H, P]`` in x's dtype.
+    """
+    Bt, L, H, P = x_BLHP.shape
+    G, N = B_BLGN.shape[2:]
     Q = chunk_size
     pad = (-L) % Q
-    dtype = x_LHP.dtype
+    dtype = x_BLHP.dtype
     A = -torch.exp(A_log_H.to(dtype))
 
     def padded(t):
-        return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+        return torch.cat([t, t.new_zeros((Bt, pad, *t.shape[2:]))], dim=1) if pad else t
 
-    x, dt = padded(x_LHP), padded(dt_LH.to(dtype))
-    Bh = padded(B_LGN.to(dtype)).repeat_interleave(H // G, dim=1)
-    Ch = padded(C_LGN.to(dtype)).repeat_interleave(H // G, dim=1)
-    c = x.shape[0] // Q
-    xq = (x * dt[..., None]).view(c, Q, H, P)
-    a = (dt * A).view(c, Q, H).permute(2, 0, 1)  # [H, c, Q]
-    Bq, Cq = Bh.view(c, Q, H, N), Ch.view(c, Q, H, N)
+    x, dt = padded(x_BLHP), padded(dt_BLH.to(dtype))
+    Bh = padded(B_BLGN.to(dtype)).repeat_interleave(H // G, dim=2)
+    Ch = padded(C_BLGN.to(dtype)).repeat_interleave(H // G, dim=2)
+    c = x.shape[1] // Q
+    xq = (x * dt[..., None]).view(Bt, c, Q, H, P)
+    a = (dt * A).view(Bt, c, Q, H).permute(0, 3, 1, 2)  # [Bt, H, c, Q]
+    Bq, Cq = Bh.view(Bt, c, Q, H, N), Ch.view(Bt, c, Q, H, N)
     acum = torch.cumsum(a, dim=-1)
-    Lm = torch.exp(_segsum(a))  # [H, c, Q, Q]
-    y_diag = torch.einsum("clhn,cshn,hcls,cshp->clhp", Cq, Bq, Lm, xq)
-    decay_states = torch.exp(acum[..., -1:] - acum)  # [H, c, Q]
-    states = torch.einsum("clhn,hcl,clhp->chpn", Bq, decay_states, xq)
-    init = (initial_state_HPN.to(dtype)[None] if initial_state_HPN is not None
-            else torch.zeros((1, H, P, N), dtype=dtype, device=x.device))
-    states = torch.cat([init, states], dim=0)  # [c+1, H, P, N]
-    decay_chunk = torch.exp(_segsum(F.pad(acum[..., -1], (1, 0))))  # [H, c+1, c+1]
-    new_states = torch.einsum("hzc,chpn->zhpn", decay_chunk, states)
-    states = new_states[:-1]
-    y_off = torch.einsum("clhn,chpn,hcl->clhp", Cq, states, torch.exp(acum))
-    y = (y_diag + y_off).reshape(c * Q, H, P)
+    Lm = torch.exp(_segsum(a))  # [Bt, H, c, Q, Q]
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cq, Bq, Lm, xq)
+    decay_states = torch.exp(acum[..., -1:] - acum)  # [Bt, H, c, Q]
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bq, decay_states, xq)
+    init = (initial_state_BHPN.to(dtype)[:, None] if initial_state_BHPN is not None
+            else torch.zeros((Bt, 1, H, P, N), dtype=dtype, device=x.device))
+    states = torch.cat([init, states], dim=1)  # [Bt, c+1, H, P, N]
+    decay_chunk = torch.exp(_segsum(F.pad(acum[..., -1], (1, 0))))  # [Bt, H, c+1, c+1]
+    new_states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
+    states = new_states[:, :-1]
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", Cq, states, torch.exp(acum))
+    y = (y_diag + y_off).reshape(Bt, c * Q, H, P)
     if D_H is not None:
         y = y + D_H.to(dtype)[:, None] * x
-    return y[:L]
+    return y[:, :L]
 
 
 def gated_rms_norm_reference(y_TF, z_TF, weight_F, group_size: int, eps: float, out_dtype=None) -> torch.Tensor:
