@@ -11,11 +11,14 @@ closes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ...dsl import ModelSpec
+from ...ops._dispatch import host_to_device
 
 
 @dataclass
@@ -46,48 +49,77 @@ class MicroBatch:
 
     Attributes:
         seqs: the packed sequence indices, in order.
-        input_ids: ``[T]`` prompt + completion tokens of every sequence, concatenated.
+        input_ids: ``[T]`` int64 prompt + completion tokens of every sequence, concatenated.
         cu_seqlens: ``[B+1]`` int32 sequence boundaries.
-        rows: ``[R]`` the flat index of the hidden state that scores each completion token.
-        owners: ``(sequence, completion token j)`` of each row; its position is
-            ``len(prompt) - 1 + j``.
+        rows: ``[R]`` int64 flat index of the hidden state that scores each completion token
+            (completion token ``j`` of a sequence starting at ``start``: ``start + len(prompt) - 1 + j``).
         flat: the rows' slice of the whole batch's flat token order (sequence after sequence).
+        completion_lengths: ``len(completion)`` of each of ``seqs`` (host ints; they sum to ``R``).
+        owners: ``(sequence, completion token j)`` of each row, a list of ``R`` tuples (built from
+            ``seqs`` and ``completion_lengths`` on first use and cached, not stored at construction);
+            its position is ``len(prompt) - 1 + j``.
     """
 
     seqs: list[int]
     input_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     rows: torch.Tensor
-    owners: list[tuple[int, int]]
     flat: slice
+    completion_lengths: list[int]
+
+    @cached_property
+    def owners(self) -> list[tuple[int, int]]:
+        return [(s, j) for s, n in zip(self.seqs, self.completion_lengths) for j in range(n)]
+
+
+def _host_ids(x: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """``[n]`` int64 host array of a sequence of token ids (list, tuple, numpy array or torch tensor)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.int64).numpy()
+    return np.asarray(x, dtype=np.int64)
 
 
 def pack_sequences(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], max_tokens: int,
                    device: str | torch.device) -> list[MicroBatch]:
     """Greedy in-order packing into micro-batches of <= ``max_tokens`` tokens (one sequence may exceed it alone).
 
-    Packing never changes a bit (each row depends only on its own sequence).
+    Packing never changes a bit (each row depends only on its own sequence). Each micro-batch's
+    layout is worked out on the host in numpy and its three tensors go to ``device`` by
+    :func:`~unified_models.ops._dispatch.host_to_device` (pinned, non-blocking on a GPU).
+
+    Args:
+        prompt_ids, completions: token ids per sequence (lists, tuples, numpy arrays or torch
+            tensors of ints).
+        max_tokens: micro-batch size in tokens (:func:`micro_batches`).
+        device: where the micro-batches' tensors live.
+
+    Returns:
+        The micro-batches (:class:`MicroBatch`) in order: ``input_ids`` int64 ``[T]``, ``cu_seqlens`` int32
+        ``[B+1]``, ``rows`` int64 ``[R]`` on ``device``.
 
     Raises:
         ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
     """
     if len(prompt_ids) != len(completions):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
-    groups = micro_batches([len(p) + len(c) for p, c in zip(prompt_ids, completions)], max_tokens)
+    dev = torch.device(device)
+    ps = [_host_ids(p) for p in prompt_ids]
+    cs = [_host_ids(c) for c in completions]
+    p_len = np.array([len(p) for p in ps], dtype=np.int64)
+    c_len = np.array([len(c) for c in cs], dtype=np.int64)
     out, flat = [], 0
-    for seqs in groups:
-        ids, cu, rows, owners = [], [0], [], []
-        for s in seqs:
-            p, c = prompt_ids[s], completions[s]
-            start = len(ids)
-            ids += list(p) + list(c)
-            cu.append(len(ids))
-            for j in range(len(c)):
-                rows.append(start + len(p) - 1 + j)
-                owners.append((s, j))
-        out.append(MicroBatch(seqs=list(seqs), input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-                              cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-                              rows=torch.tensor(rows, dtype=torch.long, device=device), owners=owners,
-                              flat=slice(flat, flat + len(rows))))
-        flat += len(rows)
+    for seqs in micro_batches((p_len + c_len).tolist(), max_tokens):
+        pl, cl = p_len[seqs], c_len[seqs]
+        ids = np.concatenate([a for s in seqs for a in (ps[s], cs[s])])
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(pl + cl, out=cu[1:])
+        # completion token j of sequence b: cu[b] + pl[b] - 1 + j, with j = k - (completion tokens before b)
+        c_before = np.cumsum(cl) - cl
+        n_rows = int(cl.sum())
+        rows = np.repeat(cu[:-1] + pl - 1 - c_before, cl) + np.arange(n_rows, dtype=np.int64)
+        out.append(MicroBatch(seqs=list(seqs), input_ids=host_to_device(torch.from_numpy(ids), dev),
+                              cu_seqlens=host_to_device(torch.from_numpy(cu.astype(np.int32)), dev),
+                              rows=host_to_device(torch.from_numpy(rows), dev), flat=slice(flat, flat + n_rows),
+                              completion_lengths=cl.tolist()))
+        flat += n_rows
     return out

@@ -217,14 +217,15 @@ class Trainer:
         out: list[torch.Tensor | None] = [None] * len(prompt_ids)
         full: dict[tuple[int, int], torch.Tensor] = {}
         mbs = self.pack(prompt_ids, completions)
-        for _ in range(self._padding_passes(sum(bool(mb.owners) for mb in mbs))):
+        for _ in range(self._padding_passes(sum(mb.rows.numel() > 0 for mb in mbs))):
             self._padding_pass(temperature)
         for mb in mbs:
-            if not mb.owners:
+            if mb.rows.numel() == 0:
                 for s in mb.seqs:
                     out[s] = torch.zeros(0)
                 continue
-            keys = [(s, len(prompt_ids[s]) - 1 + j) for s, j in mb.owners]
+            # per-row keys only when whole rows are wanted (mb.owners is built on first use)
+            keys = [(s, len(prompt_ids[s]) - 1 + j) for s, j in mb.owners] if wanted else []
             need_full = any(k in wanted for k in keys)
             res = self.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, temperature, return_full=need_full)
             tok, rows_full = (res if need_full else (res, None))
