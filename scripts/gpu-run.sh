@@ -23,8 +23,9 @@
 #   or: scripts/gpu-run.sh nano-interleave   (issue 18's bar; not part of `all`)
 # nano-interleave: benchmarks/rollout_throughput.py --interleave on UM_BENCH_PRESET (default nemotron_3_nano_reduced;
 #   nemotron_3_nano_reduced_nvfp4 for the ModelOpt export), 256x128/512 64x256/2048 128x2048/128, UM_BENCH_REPEATS
-#   (default 3) timed repeats per engine alternating, host ms per step by phase; JSON $OUT/<preset>_interleaved.json
-#   (~7-8 min with the checkpoint build). Ours runs prefix caching off like native (UM_BENCH_ARGS replaces that
+#   (default 2: with cold compile caches the engine starts take ~260 s and 3 repeats ran past 580 s; on a machine
+#   whose caches an earlier call warmed, UM_BENCH_REPEATS=3 fits) timed repeats per engine alternating, host ms per
+#   step by phase; JSON $OUT/<preset>_interleaved.json (~6-8 min with the checkpoint build). Ours runs prefix caching off like native (UM_BENCH_ARGS replaces that
 #   default: UM_BENCH_ARGS="" runs ours with the `check` setting, prefix caching on; session 29 measured its cost).
 #   or: scripts/gpu-run.sh graph-soak   (issue 18 item 2; not part of `all`)
 # graph-soak: tests/gpu/test_graph_soak_gpu.py on nemotron_3_nano_reduced: 48 requests x 64 tokens (own seeds,
@@ -137,7 +138,7 @@ fi
 if [ "$stage" = dense-bench-interleave ]; then  # both engines alive, repeats alternate (benchmark docstring)
   nano_checkpoint nemotron_h_dense_bench
   python3 benchmarks/rollout_throughput.py --preset nemotron_h_dense_bench --workloads 256x128/512 128x2048/128 64x256/2048 \
-    --interleave --repeats ${UM_BENCH_REPEATS:-2} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
+    --interleave --repeats ${UM_BENCH_REPEATS:-3} --step-timing ${UM_BENCH_ARGS:-} --engine-timeout-s 400 \
     --json "$OUT/rollout_throughput_interleaved.json" > "$OUT/dense_bench_interleaved.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/dense_bench_interleaved.log" | tail -20
 fi
