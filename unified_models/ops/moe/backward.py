@@ -116,10 +116,7 @@ class ExpertsFn(torch.autograd.Function):
         wts = w_in.to(dt)
         E, I, D = up.shape
         T, K = ids.shape
-        # a half-precision model's gradients between the experts' GEMMs are in its dtype, as between the
-        # ops of a dense MLP (each op's gradient leaves in the dtype of the tensor it belongs to): one
-        # tensor-core GEMM per product (grad_matmul), where fp32 operands would take two or three
-        cd = x_in.dtype if x_in.dtype in (torch.bfloat16, torch.float16) else dt
+        half = x_in.dtype in (torch.bfloat16, torch.float16)  # a bf16 model: its fp32 intermediates split too
         # per-expert weights are dequantized/upcast one expert at a time (no [E, I, D] fp32 copy);
         # weight gradients go straight into buffers of the masters' dtype
         dx = torch.zeros(x_in.shape, dtype=dt, device=x_in.device) if nx else None
@@ -136,14 +133,14 @@ class ExpertsFn(torch.autograd.Function):
                 u = grad_matmul(xe, wu.t()).to(dt)
                 r = torch.relu(u)
                 h = r * r
-                if nw:  # the routing weights (fp32) keep fp32 accuracy: h unrounded (two GEMMs when half)
+                if nw:
                     dw[tok, slot] = (ge * grad_matmul(h, wd.t()).to(dt)).sum(-1)
                 if nx or nu or nd:
-                    dy = (ge * wts[tok, slot][:, None]).to(cd)
-                    if nd:  # h as the forward's down GEMM read it: relu(u)^2 rounded to x's dtype
-                        ddown[e] = grad_matmul(dy.t(), h.to(cd)).to(ddown.dtype)
+                    dy = ge * wts[tok, slot][:, None]
+                    if nd:
+                        ddown[e] = grad_matmul(dy.t(), h, split_fp32=half).to(ddown.dtype)
                     if nx or nu:
-                        du = (grad_matmul(dy, wd).to(dt) * (2.0 * r)).to(cd)
+                        du = grad_matmul(dy, wd).to(dt) * (2.0 * r)
                         if nu:
                             dup[e] = grad_matmul(du.t(), xe).to(dup.dtype)
                         if nx:
