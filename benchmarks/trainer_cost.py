@@ -356,12 +356,13 @@ def import_mamba_ssm_triton_only() -> str | None:
     ``scripts/gpu-run.sh trainer-cost``) holds the Triton SSD kernels that Megatron's ``MambaMixer`` calls
     (``mamba_chunk_scan_combined`` with its backward, the gated ``RMSNorm``), but its package
     ``__init__`` imports ``selective_scan_cuda`` (the Mamba-1 CUDA extension), which then fails. This
-    registers the package without running that ``__init__`` (its submodules import as usual); with the
-    extension present it does nothing. Call it before ``megatron.core.ssm`` is imported.
+    registers the package without running that ``__init__`` (its submodules import as usual); where the
+    extension imports (a full build) it does nothing. Call it before ``megatron.core.ssm`` is imported.
 
     Returns:
-        ``"mamba_ssm <version> (Triton kernels only)"``, ``"mamba_ssm <version>"`` when the full build
-        imports, or ``None`` when ``mamba_ssm`` is not installed.
+        ``"mamba_ssm <version> (Triton kernels only)"`` (registered here, now or by an earlier call),
+        ``"mamba_ssm <version>"`` (a full build, or a package imported before), or ``None`` when
+        ``mamba_ssm`` is not installed as a package. The version is ``"?"`` without package metadata.
 
     Raises:
         RuntimeError: ``megatron.core.ssm.mamba_mixer`` was imported before (it has already decided
@@ -370,19 +371,27 @@ def import_mamba_ssm_triton_only() -> str | None:
     import types
     from importlib import metadata
 
-    found = importlib.util.find_spec("mamba_ssm")
-    if found is None:
+    loaded = sys.modules.get("mamba_ssm")
+    found = loaded.__spec__ if loaded is not None else importlib.util.find_spec("mamba_ssm")
+    if found is None or found.submodule_search_locations is None:  # not installed, or not a package
         return None
-    version = metadata.version("mamba_ssm")
-    if "mamba_ssm" in sys.modules:
+    try:
+        version = metadata.version("mamba_ssm")
+    except metadata.PackageNotFoundError:  # e.g. a source tree on PYTHONPATH
+        version = "?"
+    if loaded is not None:
+        return f"mamba_ssm {version}" + (" (Triton kernels only)" if getattr(loaded, "_um_triton_only", False) else "")
+    try:
+        importlib.import_module("selective_scan_cuda")  # a full build: import mamba_ssm as it is
         return f"mamba_ssm {version}"
-    if importlib.util.find_spec("selective_scan_cuda") is not None:
-        return f"mamba_ssm {version}"
+    except ImportError:  # absent, or built against another torch (undefined symbols)
+        pass
     if "megatron.core.ssm.mamba_mixer" in sys.modules:
         raise RuntimeError("megatron.core.ssm.mamba_mixer was imported before mamba_ssm could be registered")
     package = types.ModuleType("mamba_ssm")
     package.__path__ = list(found.submodule_search_locations)
     package.__file__, package.__version__, package.__spec__ = found.origin, version, found
+    package._um_triton_only = True
     sys.modules["mamba_ssm"] = package
     return f"mamba_ssm {version} (Triton kernels only)"
 

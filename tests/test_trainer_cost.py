@@ -90,8 +90,22 @@ def test_mamba_ssm_without_cuda_extensions_imports_its_submodules(tmp_path, monk
 
     assert mamba_chunk_scan_combined() == 42
     assert importlib.util.find_spec("mamba_ssm") is not None  # what the report's package check calls
-    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9"  # registered already: left as is
-    for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9 (Triton kernels only)"  # registered already
+    # a full build (its CUDA extension imports) is left to import as it is
+    del sys.modules["mamba_ssm"]
+    (tmp_path / "selective_scan_cuda.py").write_text("")
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9" and "mamba_ssm" not in sys.modules
+    # an extension that fails to load (built against another torch) counts as absent
+    (tmp_path / "selective_scan_cuda.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    del sys.modules["selective_scan_cuda"]
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm 9.9 (Triton kernels only)"
+    # no package metadata (a source tree on the path): the version is unknown, not an error
+    del sys.modules["mamba_ssm"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "mamba_ssm-9.9.dist-info")
+    assert tc.import_mamba_ssm_triton_only() == "mamba_ssm ? (Triton kernels only)"
+    for name in [m for m in sys.modules if m in ("mamba_ssm", "selective_scan_cuda") or m.startswith("mamba_ssm.")]:
         del sys.modules[name]
 
 

@@ -122,3 +122,17 @@ def test_owners_are_cached_and_settable_fields_stay_fields():
 def test_mismatched_lengths_name_the_counts():
     with pytest.raises(ValueError, match="3 prompts but 2 completions"):
         pack_sequences([[1], [2], [3]], [[4], [5]], 16, "cpu")
+
+
+@pytest.mark.parametrize("prompts, completions, message", [
+    ([torch.tensor([1.7, 2.2])], [[3]], "prompt 0: token ids must be integers, got dtype float32"),
+    ([[1, 2]], [np.array([3.0])], "completion 0: token ids must be integers, got dtype float64"),
+    ([[1], torch.tensor([[5, 6]])], [[2], [7]], r"prompt 1: token ids must be 1-D, got shape \[1, 2\]"),
+    ([np.array([2 ** 63 + 5], dtype=np.uint64)], [[1]], "does not fit in int64"),
+    ([[1], []], [[2], [3, 4]], "sequence 1 has a completion but an empty prompt"),
+])
+def test_bad_token_ids_are_refused_by_name(prompts, completions, message):
+    """Ids are never truncated or reshaped into something else: floats, a [1, n] tokenizer row, ids past
+    int64 and a completion without a prompt token to score it are refused with the sequence named."""
+    with pytest.raises(ValueError, match=message):
+        pack_sequences(prompts, completions, 16, "cpu")

@@ -72,11 +72,21 @@ class MicroBatch:
         return [(s, j) for s, n in zip(self.seqs, self.completion_lengths) for j in range(n)]
 
 
-def _host_ids(x: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-    """``[n]`` int64 host array of a sequence of token ids (list, tuple, numpy array or torch tensor)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", torch.int64).numpy()
-    return np.asarray(x, dtype=np.int64)
+def _host_ids(x: Sequence[int] | np.ndarray | torch.Tensor, what: str) -> np.ndarray:
+    """``[n]`` int64 host array of a sequence of token ids (list, tuple, numpy array or torch tensor).
+
+    Raises:
+        ValueError: ``x`` is not 1-D, holds non-integer values (floats are never truncated into ids)
+            or ids outside int64; ``what`` names it in the message.
+    """
+    a = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{what}: token ids must be 1-D, got shape {list(a.shape)}")
+    if a.size and a.dtype.kind not in "iub":
+        raise ValueError(f"{what}: token ids must be integers, got dtype {a.dtype}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what}: token id {int(a.max())} does not fit in int64")
+    return a.astype(np.int64).reshape(-1)
 
 
 def pack_sequences(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], max_tokens: int,
@@ -98,21 +108,28 @@ def pack_sequences(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Se
         ``[B+1]``, ``rows`` int64 ``[R]`` on ``device``.
 
     Raises:
-        ValueError: lengths of ``prompt_ids`` and ``completions`` differ.
+        ValueError: lengths of ``prompt_ids`` and ``completions`` differ; a sequence's ids are not a
+            1-D run of integers (floats are refused, not truncated); a completion follows an empty
+            prompt (nothing scores its first token); a micro-batch past 2^31 - 1 tokens.
     """
     if len(prompt_ids) != len(completions):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completions)} completions")
     dev = torch.device(device)
-    ps = [_host_ids(p) for p in prompt_ids]
-    cs = [_host_ids(c) for c in completions]
+    ps = [_host_ids(p, f"prompt {i}") for i, p in enumerate(prompt_ids)]
+    cs = [_host_ids(c, f"completion {i}") for i, c in enumerate(completions)]
     p_len = np.array([len(p) for p in ps], dtype=np.int64)
     c_len = np.array([len(c) for c in cs], dtype=np.int64)
+    no_prompt = np.flatnonzero((p_len == 0) & (c_len > 0))
+    if no_prompt.size:  # completion token 0 is scored by the hidden state of the prompt's last token
+        raise ValueError(f"sequence {int(no_prompt[0])} has a completion but an empty prompt")
     out, flat = [], 0
     for seqs in micro_batches((p_len + c_len).tolist(), max_tokens):
         pl, cl = p_len[seqs], c_len[seqs]
         ids = np.concatenate([a for s in seqs for a in (ps[s], cs[s])])
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(pl + cl, out=cu[1:])
+        if cu[-1] > np.iinfo(np.int32).max:
+            raise ValueError(f"a micro-batch of {int(cu[-1])} tokens does not fit int32 cu_seqlens")
         # completion token j of sequence b: cu[b] + pl[b] - 1 + j, with j = k - (completion tokens before b)
         c_before = np.cumsum(cl) - cl
         n_rows = int(cl.sum())
