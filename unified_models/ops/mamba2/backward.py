@@ -220,18 +220,20 @@ def _ssd_group(x, dt, A_log, B, C, D, Q: int, chunks: int, group: list[tuple[int
     Returns:
         ``(y [R, H, P], rows [R] int64)``: the sequences' outputs and their flat rows, R = sum of lengths.
     """
-    T = x.shape[0]
-    idx = torch.full((len(group), chunks * Q), T, dtype=torch.int64)  # T: the zero row appended below
+    T, H, P = x.shape
+    width = chunks * Q
+    idx = torch.full((len(group), width), T, dtype=torch.int64)  # T: the zero row appended below
+    keep = []  # the sequences' entries in the flattened [len(group) * width], worked out on the host
     for i, (c0, L) in enumerate(group):
         idx[i, :L] = torch.arange(c0, c0 + L)
-    idx = host_to_device(idx, x.device)
+        keep.append(torch.arange(i * width, i * width + L))
+    idx, keep = host_to_device(idx, x.device), host_to_device(torch.cat(keep), x.device)
 
     def gathered(t):
         return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[idx]
 
     y = ssd_chunked_torch_batched(gathered(x), gathered(dt), A_log, gathered(B), gathered(C), D, Q)
-    keep = idx < T
-    return y[keep], idx[keep]
+    return y.reshape(-1, H, P)[keep], idx.view(-1)[keep]  # index, not a mask: no device read
 
 
 def ssd_chunk_scan(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state=None, out_dtype=torch.float32):
