@@ -229,11 +229,11 @@ class _Plan:
             counts = np.diff(np.concatenate([firsts, [t]]))
         else:
             firsts = counts = np.zeros(0, dtype=np.int64)
+        # each group's first key: the window start of its first (lowest) position, for all groups at once
+        los = window_start(torch.from_numpy(pos_h[order[firsts]]), self.sliding_window).tolist()
         plan = []  # (b, first row in order, n, lo, number of keys)
-        for f, n in zip(firsts.tolist(), counts.tolist()):
+        for f, n, lo in zip(firsts.tolist(), counts.tolist(), los):
             rows_pos = pos_h[order[f:f + n]]  # ascending
-            first_pos = int(rows_pos[0])
-            lo = 0 if self.sliding_window is None else max(0, first_pos - (self.sliding_window - 1))  # window_start
             plan.append((int(seq_h[order[f]]), f, n, lo, int(rows_pos[-1]) + 1 - lo))
             self.self_attention.append(mark_self_attention and lo == 0 and n == int(rows_pos[-1]) + 1
                                        and bool((rows_pos == np.arange(n)).all()))
