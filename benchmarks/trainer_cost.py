@@ -319,17 +319,18 @@ def _local_hybrid_stack_spec(num_experts: int | None):
     norm_class = norm.module if hasattr(norm, "module") else norm
 
     class LocalFinalNormMambaStack(MambaStack):
-        """``MambaStack`` whose final norm is the local spec's RMSNorm: megatron-core 0.19 hard-codes
-        ``TENorm`` there (``ssm/mamba_block.py``), which refuses to build without Transformer Engine."""
+        """``MambaStack`` whose final norm is the local spec's RMSNorm: megatron-core hard-codes ``TENorm``
+        there, which refuses to build without Transformer Engine. The name is replaced in the module that
+        defines the stack (0.16: ``ssm/mamba_block.py``; 0.19: ``models/hybrid/hybrid_block.py``, which
+        ``ssm/mamba_block.py`` only re-exports)."""
 
         def __init__(self, *args, **kwargs):
-            from megatron.core.ssm import mamba_block
-
-            saved, mamba_block.TENorm = mamba_block.TENorm, norm_class
+            defining = sys.modules[MambaStack.__module__]
+            saved, defining.TENorm = defining.TENorm, norm_class
             try:
                 super().__init__(*args, **kwargs)
             finally:
-                mamba_block.TENorm = saved
+                defining.TENorm = saved
 
     subs = dict(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
