@@ -11,6 +11,11 @@ context ``L`` must read at least (issue 18 item 6):
 * the Mamba-2 state of every Mamba layer, read and written: the SSM state (``heads x head_dim x
   d_state``, in ``mamba_ssm_cache_dtype``) and the conv state (``(conv_kernel - 1) x conv_dim``).
 
+A quantized preset (``"quantize"`` in ``presets/``, e.g. ``nemotron_3_nano_reduced_nvfp4``) counts its
+base preset's tensors in the stored formats of ModelOpt's export: an NVFP4 weight 0.5 + 1/16 bytes per
+element (two e2m1 values per byte, one e4m3 scale per 16 elements), an FP8 weight 1 byte, an FP8 KV cache
+1 byte per element; per-tensor fp32 scales are not counted.
+
 The bound is ``B / (bytes / HBM bandwidth)`` tokens/s (4.8 TB/s: the H200's HBM3e). ``B`` =
 ``min(requests, max_num_seqs)`` of the run, ``L`` = prompt + half the completion. The measured
 figures are whole-workload output tokens/s (prefill, scheduling and sampling included), so
@@ -36,19 +41,44 @@ DEFAULT_RESULTS = ROOT / "results" / "rollout_throughput.json"
 DEFAULT_JSON = ROOT / "results" / "speed_of_light.json"
 
 
+# stored bytes per weight element of a quantized linear (ModelOpt's export layout)
+FORMAT_BYTES = {"nvfp4": 0.5 + 1.0 / 16, "fp8": 1.0}
+
+
 def _spec_of_preset(name: str):
-    """The preset's :class:`~unified_models.dsl.ModelSpec` from its config alone (no weights built)."""
+    """The preset's :class:`~unified_models.dsl.ModelSpec` from its config alone (no weights built); a
+    quantized preset gives its base preset's (the formats: :func:`quantization_of_preset`)."""
     from transformers import AutoConfig
 
     from unified_models.models import spec_from_hf_config
     from unified_models.presets import load_preset
 
     preset = load_preset(name)
+    if "quantize" in preset:
+        return _spec_of_preset(preset["quantize"]["base"])
     config = AutoConfig.for_model(preset["family"], **preset["hf_config"])
     return spec_from_hf_config(config, dtype=getattr(torch, preset.get("dtype", "bfloat16"))), config
 
 
-def step_bytes(spec, config, batch: int, context: int, kv_bytes: int = 2) -> dict[str, float]:
+def quantization_of_preset(name: str) -> dict[str, str]:
+    """Export role (``experts``, ``mamba_proj``, ``kv_cache``) -> stored format (``nvfp4``, ``fp8``) of a
+    quantized preset; ``{}`` for a preset in the model dtype.
+
+    Raises:
+        SystemExit: a format this count does not know (not in :data:`FORMAT_BYTES`).
+    """
+    from unified_models.presets import load_preset
+
+    q = load_preset(name).get("quantize") or {}
+    formats = {role: fmt for role, fmt in q.items() if role not in ("base", "calibration_prompts") and fmt}
+    unknown = {r: f for r, f in formats.items() if f not in FORMAT_BYTES}
+    if unknown:
+        raise SystemExit(f"{name}: formats {unknown} have no byte count (known: {sorted(FORMAT_BYTES)})")
+    return formats
+
+
+def step_bytes(spec, config, batch: int, context: int, kv_bytes: float = 2,
+               formats: dict[str, str] | None = None) -> dict[str, float]:
     """Bytes one decode step of ``batch`` sequences at ``context`` tokens must read (and, for the
     Mamba state, write), by part: ``dense``, ``experts``, ``kv``, ``mamba_state``, ``total``.
 
@@ -58,14 +88,21 @@ def step_bytes(spec, config, batch: int, context: int, kv_bytes: int = 2) -> dic
             ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``, ``n_groups``, ``expand``,
             ``conv_kernel``, ``hidden_size``, ``mamba_ssm_cache_dtype``, ``hybrid_override_pattern``).
         batch, context: B sequences, L tokens of context each.
-        kv_bytes: bytes per KV element (2: bf16).
+        kv_bytes: bytes per KV element (2: bf16; 1: FP8).
+        formats: export role -> stored format of the quantized linears (:func:`quantization_of_preset`;
+            ``kv_cache`` is ignored here: pass ``kv_bytes``); a linear's ``.weight`` then counts
+            :data:`FORMAT_BYTES` per element instead of the model dtype.
     """
     from unified_models.layers.expert_shards import expert_groups
+    from unified_models.layers.quantization import quantizable_linears
 
     shapes, dtypes = spec.parameter_shapes(), spec.parameter_dtypes()
+    stored = {f"{linear}.weight": FORMAT_BYTES[formats[role]]
+              for linear, role in quantizable_linears(spec).items() if role in (formats or {})}
 
     def nbytes(name: str) -> float:
-        return torch.Size(shapes[name]).numel() * torch.empty(0, dtype=dtypes[name]).element_size()
+        per = stored.get(name, torch.empty(0, dtype=dtypes[name]).element_size())
+        return torch.Size(shapes[name]).numel() * per
 
     expert_names: set[str] = set()
     experts = 0.0
@@ -110,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{args.results}: not a rollout_throughput.py result with preset/workloads/settings ({e})")
     spec, config = _spec_of_preset(preset)
+    formats = quantization_of_preset(preset)
+    kv_bytes = 1 if formats.get("kv_cache") == "fp8" else 2
     rows = []
     for w in workloads:
         batch = min(int(w["num_requests"]), int(settings["max_num_seqs"]))
         context = int(w["input_len"]) + int(w["output_len"]) // 2
-        b = step_bytes(spec, config, batch, context)
+        b = step_bytes(spec, config, batch, context, kv_bytes=kv_bytes, formats=formats)
         sol = batch / (b["total"] / (args.hbm_tb_s * 1e12))
         ours, native = w.get("ours_tok_s"), w.get("native_tok_s")
         rows.append({"workload": w["name"], "batch": batch, "mean_context": context,
@@ -123,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                      "ours_of_sol": None if ours is None else float(f"{ours / sol:.4g}"),
                      "native_of_sol": None if native is None else float(f"{native / sol:.4g}")})
     out = {"results": str(args.results), "preset": preset, "device": run.get("device"), "hbm_tb_s": args.hbm_tb_s,
-           "rows": rows}
+           "formats": formats, "kv_bytes": kv_bytes, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{preset} on {run.get('device')}, HBM {args.hbm_tb_s} TB/s; bytes per decode step in GB")
+    print(f"{preset} on {run.get('device')}, HBM {args.hbm_tb_s} TB/s; formats {formats or 'model dtype'}; "
+          "bytes per decode step in GB")
     print("| workload | B | L | weights (dense + experts) | KV | Mamba state | SoL tok/s | ours | native | ours/SoL | native/SoL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

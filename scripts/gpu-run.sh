@@ -70,7 +70,10 @@ source .gpu/env.sh
 OUT=${OUT:-/tmp/um-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, vllm, megatron.core, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+python3 -c "import torch, triton, vllm, megatron.core, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" > "$OUT/versions.txt" 2>&1 \
+  || { tail -2 "$OUT/versions.txt"; echo "gpu-run.sh: the staged packages do not import on this machine: run bash .gpu/install.sh a, b, c" \
+       "here first (a device call that was refused, or a machine that went back in between, leaves a part out)"; exit 3; }
+tail -1 "$OUT/versions.txt" | tee -a "$OUT/gpu.txt"
 export UM_GPU_OUT=$OUT
 # presets are built once per machine in the repo copy (git-ignored, kept between device calls)
 export UNIFIED_MODELS_CACHE=${UNIFIED_MODELS_CACHE:-$PWD/.um-cache}

@@ -33,6 +33,20 @@ def test_step_bytes_counts_experts_touched_kv_and_state():
     assert one["total"] == pytest.approx(sum(one[k] for k in ("dense", "experts", "kv", "mamba_state")))
 
 
+def test_quantized_preset_counts_stored_formats():
+    """``nemotron_h_hybrid_tiny_nvfp4``: experts NVFP4 (4.5 bits), Mamba projections FP8, FP8 KV cache."""
+    spec, config = sol._spec_of_preset("nemotron_h_hybrid_tiny_nvfp4")
+    formats = sol.quantization_of_preset("nemotron_h_hybrid_tiny_nvfp4")
+    assert formats == {"experts": "nvfp4", "mamba_proj": "fp8", "kv_cache": "fp8"}
+    assert sol.quantization_of_preset("nemotron_h_hybrid_tiny") == {}
+    bf16 = sol.step_bytes(spec, config, batch=4096, context=100)
+    q = sol.step_bytes(spec, config, batch=4096, context=100, kv_bytes=1, formats=formats)
+    assert q["experts"] == pytest.approx(EXPERT_BYTES / 2 * (0.5 + 1 / 16), rel=1e-9)
+    proj = 2 * (328 * 128 + 128 * 128)  # in_proj + out_proj of the 2 Mamba layers, 2 -> 1 byte each
+    assert bf16["dense"] - q["dense"] == pytest.approx(proj)
+    assert q["kv"] * 2 == bf16["kv"] and q["mamba_state"] == bf16["mamba_state"]
+
+
 def test_table_from_a_result_file(tmp_path, capsys):
     run = {"preset": "nemotron_h_hybrid_tiny", "device": "test", "settings": {"max_num_seqs": 4},
            "workloads": [{"name": "8x10/20", "num_requests": 8, "input_len": 10, "output_len": 20,
