@@ -192,7 +192,7 @@ if [ "$stage" = deepseek-v4-bench ]; then
 fi
 if [ "$stage" = moe-kernels ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_moe.py tests/ops/test_nvfp4.py \
-    tests/ops/test_deepseek_moe.py 2>&1 | tee "$OUT/moe_ops.log" | grep -vE "DEBUG" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
+    tests/ops/test_deepseek_moe.py tests/ops/test_moe_backward_groups.py 2>&1 | tee "$OUT/moe_ops.log" | grep -vE "DEBUG" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 300 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tee "$OUT/moe_kernels.log" | tail -12
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
@@ -227,7 +227,8 @@ if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (ben
       .whl/mamba_ssm-*.whl && export PYTHONPATH=/tmp/um-whl:$PYTHONPATH
   fi
   if [ "${UM_TC_GRADCHECK:-1}" = 1 ]; then  # the gradients the timed backward computes, against fp64 autograd
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_autograd_gpu.py -s 2>&1 | tee "$OUT/autograd_gpu.log" \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_autograd_gpu.py tests/ops/test_moe_backward_groups.py -s 2>&1 \
+      | tee "$OUT/autograd_gpu.log" \
       | grep -E "GRAD-ERR|passed|failed" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
   fi
   nano_checkpoint $presets

@@ -77,8 +77,28 @@ def test_two_fp32_operands_stay_fp32_without_split():
     assert torch.equal(grad_matmul(a, b, mm=_mm_emulated(calls)), a @ b) and calls == []  # an fp32 model
 
 
+@pytest.mark.parametrize("da,db,gemms", [(torch.bfloat16, torch.bfloat16, 1), (torch.float32, torch.bfloat16, 2),
+                                         (torch.float32, torch.float32, 3)])
+def test_batched_operands_equal_one_product_per_entry(da, db, gemms):
+    """``[B, M, K] @ [B, K, N]`` (one GEMM per expert of a group): the same terms per entry as the 2-D call,
+    batched GEMMs of the same count (the CUDA path's ``torch.bmm(out_dtype=fp32)``, emulated)."""
+    g = torch.Generator().manual_seed(11)
+    a = (torch.randn(4, 9, 64, generator=g) * torch.logspace(-2, 2, 64)).to(da)
+    b = torch.randn(4, 64, 5, generator=g).to(db)
+    calls = []
+    out = grad_matmul(a, b, mm=_mm_emulated(calls), split_fp32=True)
+    assert out.shape == (4, 9, 5) and len(calls) == gemms and all(len(c[1]) == 3 for c in calls)
+    for i in range(4):
+        one = grad_matmul(a[i], b[i], mm=_mm_emulated([]), split_fp32=True)
+        assert torch.allclose(out[i], one, rtol=0, atol=1e-6 * float(one.abs().max()))
+        assert _rel_err(out[i], a[i], b[i]) <= 2 ** -15
+    assert torch.equal(grad_matmul(a.double(), b), a.double() @ b.double())
+
+
 def test_shape_errors_name_the_operands():
     with pytest.raises(ValueError, match=r"\[2, 3\] @ \[4, 5\]"):
         grad_matmul(torch.zeros(2, 3), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="2-D"):
         grad_matmul(torch.zeros(2, 3, 4), torch.zeros(4, 5))
+    with pytest.raises(ValueError, match="batched"):
+        grad_matmul(torch.zeros(2, 3, 4), torch.zeros(3, 4, 5))  # batch sizes differ

@@ -28,14 +28,15 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two bf16 (or two fp16) 2-D tensors with fp32 accumulation and an fp32 result, on
-    tensor cores (``torch.mm(..., out_dtype=torch.float32)``, cuBLAS). Every product of two bf16 values
+    """``a @ b`` of two bf16 (or two fp16) 2-D (or batched 3-D) tensors with fp32 accumulation and an fp32
+    result, on tensor cores (``torch.mm`` / ``torch.bmm`` with ``out_dtype=torch.float32``, cuBLAS). Every product of two bf16 values
     is exact in fp32, so this is an fp32 GEMM of the upcasts up to summation order."""
+    op = torch.mm if a.dim() == 2 else torch.bmm
     try:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            return op(a, b, out_dtype=torch.float32)
         except RuntimeError:  # a layout cuBLAS's mixed-dtype path does not take: retry with dense operands
-            return torch.mm(a.contiguous(), b.contiguous(), out_dtype=torch.float32)
+            return op(a.contiguous(), b.contiguous(), out_dtype=torch.float32)
     except (RuntimeError, TypeError, NotImplementedError) as e:  # a torch without mm's out_dtype on CUDA
         global _MM_FALLBACK_WARNED
         if not _MM_FALLBACK_WARNED:
@@ -61,7 +62,8 @@ def _bf16_terms(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = False, mm=None) -> torch.Tensor:
-    """``a @ b`` -> fp32 ``[M, N]``, for a backward's GEMMs (``dX = dY W``, ``dW = dY^T X``, ...).
+    """``a @ b`` -> fp32 ``[M, N]`` (batched: ``[B, M, K] @ [B, K, N]`` -> ``[B, M, N]``), for a backward's
+    GEMMs (``dX = dY W``, ``dW = dY^T X``, ...).
 
     With an fp64 operand: the fp64 product. On the CPU: ``acc(a) @ acc(b)`` (fp32), as every backward did before.
 
@@ -83,16 +85,20 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
     anyway (DESIGN.md rule 11); the forward's logprob bits do not depend on this function.
 
     Args:
-        a_MK, b_KN: 2-D tensors on one device (any strides); ``split_fp32``: split two fp32
+        a_MK, b_KN: 2-D tensors on one device (any strides), or two 3-D tensors with the same batch
+            size (one GEMM per batch entry, e.g. one per expert); ``split_fp32``: split two fp32
             operands too (above); ``mm``: the half-precision GEMM with
             fp32 output (default :func:`_mm_fp32_out`; tests pass an emulation to run the CUDA
             path's splitting on the CPU).
 
     Raises:
-        ValueError: operands that are not 2-D or whose inner sizes differ.
+        ValueError: operands that are not both 2-D (or both 3-D with one batch size) or whose inner
+            sizes differ.
     """
-    if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
-        raise ValueError(f"grad_matmul: {list(a_MK.shape)} @ {list(b_KN.shape)} is not a 2-D matrix product")
+    if a_MK.dim() != b_KN.dim() or a_MK.dim() not in (2, 3) or a_MK.shape[-1] != b_KN.shape[-2] or \
+            a_MK.shape[:-2] != b_KN.shape[:-2]:
+        raise ValueError(f"grad_matmul: {list(a_MK.shape)} @ {list(b_KN.shape)} is not a 2-D (or batched 3-D) "
+                         "matrix product")
     if torch.float64 in (a_MK.dtype, b_KN.dtype):
         return a_MK.double() @ b_KN.double()
     if mm is None and not a_MK.is_cuda:

@@ -14,7 +14,12 @@ fp32 (fp64 for fp64 inputs) in plain torch:
   ``u = x up^T``, ``h = relu(u)^2``, ``y = h down^T``, ``out += w y``:
   ``dw = <g, y>``, ``dy = w g``, ``d down = dy^T h``, ``du = 2 relu(u) (dy down)``,
   ``d up = du^T x``, ``dx += du up``, ``d shared = g``. The forward's roundings
-  (``h`` to bf16, the output) pass gradients straight through;
+  (``h`` to bf16, the output) pass gradients straight through. Experts whose
+  assignment counts round up to the same padded size (:func:`expert_groups_by_count`)
+  run as one batched GEMM per product (zero rows pad them: exact zeros in every
+  sum), so a step launches a few dozen kernels per layer, not a few dozen per
+  expert; ``dx`` is summed over each token's ``k`` slots in slot order
+  (deterministic: no atomics);
 * **NVFP4** (``nvfp4=True`` with bf16 master tensors): the forward quantizes
   the masters by ModelOpt's rule on every call and computes with the
   dequantized weights ``W_q``; the backward uses ``W_q`` for the input
@@ -29,11 +34,40 @@ from __future__ import annotations
 
 import torch
 
+from .._dispatch import host_to_device
 from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
 from ..nvfp4 import nvfp4_quantize
 from . import dispatch
-from .common import NORM_EPS, ExpertWeight, expert_rows, expert_weight, stack_expert
+from .common import NORM_EPS, ExpertWeight, expert_weight, group_by_expert, stack_expert
+
+
+def expert_groups_by_count(counts: list[int]) -> list[tuple[int, list[int]]]:
+    """Experts with assignments, grouped for batched GEMMs: ``[(P, experts), ...]``, ``P`` the padded
+    row count of the group, ascending; experts ascending within a group.
+
+    An expert with ``c`` assignments pads to ``c`` rounded up to a multiple of
+    ``2^max(0, floor(log2 c) - 2)``: less than a quarter of ``c`` of zero rows (none below 8), at most
+    four sizes per power of two, so a few groups for near-uniform routing and at most
+    ``4 log2(max c) + 4`` for any.
+
+    Args:
+        counts: assignments per expert (host ints, :func:`group_by_expert`'s counts).
+    """
+    groups: dict[int, list[int]] = {}
+    for e, c in enumerate(counts):
+        if c > 0:
+            step = 1 << max(0, c.bit_length() - 3)
+            groups.setdefault(-(-c // step) * step, []).append(e)
+    return sorted(groups.items())
+
+
+def _group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[G, N, K]``: the listed experts' weights as the kernels compute with them (:func:`expert_weight`);
+    a tensor stack is indexed (not copied when the group is every expert in order)."""
+    if isinstance(w, torch.Tensor):
+        return w if experts == list(range(w.shape[0])) else w.index_select(0, experts_t)
+    return torch.stack([expert_weight(w, e, dtype) for e in experts])
 
 
 def _needs_grad(*ts) -> bool:
@@ -117,34 +151,57 @@ class ExpertsFn(torch.autograd.Function):
         E, I, D = up.shape
         T, K = ids.shape
         half = x_in.dtype in (torch.bfloat16, torch.float16)  # a bf16 model: its fp32 intermediates split too
-        # per-expert weights are dequantized/upcast one expert at a time (no [E, I, D] fp32 copy);
-        # weight gradients go straight into buffers of the masters' dtype
-        dx = torch.zeros(x_in.shape, dtype=dt, device=x_in.device) if nx else None
-        dw = torch.zeros_like(wts) if nw else None
+        # weight gradients go straight into buffers of the masters' dtype; dx and dw per assignment
+        # (row R: the padding rows' sink), summed over each token's slots at the end
+        R = T * K
+        dx_rows = torch.zeros((R + 1, D), dtype=dt, device=x_in.device) if nx else None
+        dw_rows = torch.zeros(R + 1, dtype=dt, device=x_in.device) if nw else None
         dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x_in.device) if nu else None
         ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x_in.device) if nd else None
         if nx or nw or nu or nd:
-            for e, rows in expert_rows(ids, E):
-                tok, slot = rows // K, rows % K
+            order, counts = group_by_expert(ids, E)
+            counts_h = counts.tolist()
+            starts = [0]
+            for n in counts_h[:-1]:
+                starts.append(starts[-1] + n)
+            x_pad = torch.cat([x_in, x_in.new_zeros(1, D)])  # token T: the padding rows' zero input
+            g_pad = torch.cat([g, g.new_zeros(1, D)])
+            w_pad = torch.cat([wts.reshape(-1), wts.new_zeros(1)])
+            groups = expert_groups_by_count(counts_h)
+            # every group's (experts, counts, first rows) in one host-to-device copy (no sync per group)
+            meta = host_to_device(torch.tensor([v for _, es in groups for v in (*es, *(counts_h[e] for e in es),
+                                                                  *(starts[e] for e in es))]), x_in.device)
+            at = 0
+            for P, es in groups:
+                G = len(es)
+                es_t, cnt, first = meta[at:at + G], meta[at + G:at + 2 * G], meta[at + 2 * G:at + 3 * G]
+                at += 3 * G
+                j = torch.arange(P, device=x_in.device)
+                valid = j[None, :] < cnt[:, None]  # [G, P]
+                pos = (first[:, None] + j[None, :]).clamp_max(R - 1)
+                rows = torch.where(valid, order[pos], R)  # flat assignments t*K + k; R for padding
+                tok = torch.where(valid, rows // K, T)
                 # GEMM operands in their stored dtype (bf16 on tensor cores, fp32 accumulation: grad_matmul)
-                wu = expert_weight(up, e, x_in.dtype)
-                wd = expert_weight(down, e, x_in.dtype)
-                xe, ge = x_in[tok], g[tok]
-                u = grad_matmul(xe, wu.t()).to(dt)
+                wu = _group_weight(up, es, es_t, x_in.dtype)  # [G, I, D]
+                wd = _group_weight(down, es, es_t, x_in.dtype)  # [G, D, I]
+                xe, ge = x_pad[tok], g_pad[tok]  # [G, P, D]
+                u = grad_matmul(xe, wu.transpose(1, 2)).to(dt)
                 r = torch.relu(u)
                 h = r * r
                 if nw:
-                    dw[tok, slot] = (ge * grad_matmul(h, wd.t()).to(dt)).sum(-1)
+                    dw_rows[rows] = (ge * grad_matmul(h, wd.transpose(1, 2)).to(dt)).sum(-1)
                 if nx or nu or nd:
-                    dy = ge * wts[tok, slot][:, None]
+                    dy = ge * w_pad[rows][..., None]
                     if nd:
-                        ddown[e] = grad_matmul(dy.t(), h, split_fp32=half).to(ddown.dtype)
+                        ddown[es_t] = grad_matmul(dy.transpose(1, 2), h, split_fp32=half).to(ddown.dtype)
                     if nx or nu:
                         du = grad_matmul(dy, wd).to(dt) * (2.0 * r)
                         if nu:
-                            dup[e] = grad_matmul(du.t(), xe).to(dup.dtype)
+                            dup[es_t] = grad_matmul(du.transpose(1, 2), xe).to(dup.dtype)
                         if nx:
-                            dx.index_add_(0, tok, grad_matmul(du, wu).to(dt))
+                            dx_rows[rows] = grad_matmul(du, wu).to(dt)
+        dx = dx_rows[:R].view(T, K, D).sum(1) if nx else None
+        dw = dw_rows[:R].view(T, K) if nw else None
         return (dx.to(x_in.dtype) if nx else None,
                 dw.to(w_in.dtype) if nw else None,
                 g_TD.to(ctx.shared_dtype) if ns else None,
