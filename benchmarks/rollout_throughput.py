@@ -36,7 +36,10 @@ timed repeat on one engine and then the other, the order swapped each repeat.
 The lent hosts' speed drifts by up to 1.5x over minutes; run back to back, the
 two engines meet the same host, and each repeat's ours/native ratio
 (``paired_ratios``) is reported beside the best-of ratio. There, a failed native
-start is not retried with prefix caching off.
+start is not retried with prefix caching off. ``--engine-cpus 0-7`` pins both
+engine workers (every thread) to the same CPUs, so that neither meets cores the
+other does not (session 31 saw one engine's whole process, vLLM's own scheduler
+included, run 1.4-1.8x slower than the other's for several repeats in a row).
 
     python benchmarks/rollout_throughput.py --preset nemotron_3_nano_reduced \\
         --workloads 256x128/512 64x256/2048 --json out.json
@@ -446,6 +449,9 @@ def worker(which: str, plan_path: str, result_path: str, reply_fd: int | None = 
         Path(tmp).write_text(json.dumps(res, indent=1))
         os.replace(tmp, result_path)
 
+    if plan.get("engine_cpus"):  # before torch / vLLM start their threads: every thread inherits it
+        os.sched_setaffinity(0, plan["engine_cpus"])
+    res["cpus"] = sorted(os.sched_getaffinity(0))  # what this worker really ran on
     t_import = time.perf_counter()
     from unified_models.backends.vllm.engine import PINNED_ENV
 
@@ -736,6 +742,30 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     return merged
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]``: CPUs this process may run on (``os.sched_getaffinity``).
+
+    Raises:
+        argparse.ArgumentTypeError: a malformed list, an empty range, or a CPU this process may not use
+            (named, with the allowed set).
+    """
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+            if a < 0 or b < a:
+                raise ValueError(part)
+            cpus.update(range(a, b + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 0-7 or 0,2,4-6") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(cpus - allowed)} are not available to this process "
+                                         f"(allowed: {sorted(allowed)})")
+    return sorted(cpus)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
@@ -781,6 +811,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="per engine (default 0.85; with --interleave 0.85 shared by the engines)")
     ap.add_argument("--cpu-kv-cache-gib", type=int, default=1)
+    ap.add_argument("--engine-cpus", type=parse_cpu_list, default=None,
+                    help="pin every engine worker to these CPUs, the same set for both (e.g. 0-7 or 0,2,4-6; "
+                         "default: no pinning); with --interleave both engines then meet the same cores")
     ap.add_argument("--engine-timeout-s", type=float, default=1800.0, help="per engine subprocess")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, one more run per workload under the torch profiler; the top "
@@ -864,6 +897,7 @@ def main(argv=None) -> int:
         "ours_enable_prefix_caching": {"check": None, "on": True, "off": False}[args.ours_prefix_caching],
         "native_kv_cache_dtype": args.native_kv_cache_dtype,
         "ours_block_size": args.ours_block_size, "interleave": args.interleave, "native_arch": native_arch,
+        "engine_cpus": args.engine_cpus,
         "workloads": args.workloads,
     }
     json_out = Path(args.json_out)

@@ -27,6 +27,7 @@
 #   whose caches an earlier call warmed, UM_BENCH_REPEATS=3 fits) timed repeats per engine alternating, host ms per
 #   step by phase; JSON $OUT/<preset>_interleaved.json (~6-8 min with the checkpoint build). Ours runs prefix caching off like native (UM_BENCH_ARGS replaces that
 #   default: UM_BENCH_ARGS="" runs ours with the `check` setting, prefix caching on; session 29 measured its cost).
+#   UM_BENCH_CPUS=0-7 pins both engine workers to the same CPUs (--engine-cpus; default: no pinning).
 #   or: scripts/gpu-run.sh graph-soak   (issue 18 item 2; not part of `all`)
 # graph-soak: tests/gpu/test_graph_soak_gpu.py on nemotron_3_nano_reduced: 48 requests x 64 tokens (own seeds,
 #   logprobs=1) in 11 batch compositions over 3 engines with CUDA graphs on (FULL_DECODE_ONLY; max_num_seqs 32 with
@@ -150,6 +151,7 @@ if [ "$stage" = nano-interleave ]; then  # issue 18's bar: the three workloads, 
   # like for like by default: native Nemotron-H runs prefix caching off (vLLM's default for it), so ours does too
   python3 benchmarks/rollout_throughput.py --preset "$p" --workloads 256x128/512 64x256/2048 128x2048/128 \
     --interleave --repeats ${UM_BENCH_REPEATS:-2} --step-timing ${UM_BENCH_ARGS---ours-prefix-caching off} \
+    ${UM_BENCH_CPUS:+--engine-cpus $UM_BENCH_CPUS} \
     --engine-timeout-s 560 \
     --json "$OUT/${p}_interleaved.json" > "$OUT/${p}_interleaved.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/${p}_interleaved.log" | tail -24
