@@ -47,7 +47,8 @@ Not a test: a measurement. On one preset's checkpoint (default ``nemotron_3_nano
 Every timed quantity is the median of ``--repeats`` runs after one warm-up run; on CUDA the device is
 synchronized before each timer read (so phase times add up to the step). ``--profile`` adds one more
 profiled run per measurement and records its top kernels (torch.profiler, self device time on CUDA,
-self CPU time on the CPU). Each side runs in its own subprocess (``native``, ``ours``, ``megatron``, in
+self CPU time on the CPU) and, for a step, its backward by autograd node (device time, host time and ATen
+ops under each node: which layer's backward the time is in, and whether it is launch-bound). Each side runs in its own subprocess (``native``, ``ours``, ``megatron``, in
 this order), so each meets a GPU with all its memory; a side that fails (cannot be built, OOM, ...) is
 recorded with its exact exception text and the others still run.
 
@@ -170,9 +171,22 @@ def _timed_step(step: Callable[[list[list[int]]], tuple[dict, float, dict]], pla
             "loss": loss, "grad_norm": stats.get("grad_norm"), "update_successful": stats.get("update_successful")}
 
 
-def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> list[dict]:
-    """One profiled call of ``fn``: the ``n`` ops / kernels with the most self time (device time on
-    CUDA, CPU time on the CPU), as ``{"name", "self_ms", "calls"}``."""
+def _node_name(event_name: str) -> str:
+    """``"autograd::engine::evaluate_function: ExpertsFnBackward"`` -> ``"ExpertsFnBackward"``."""
+    return event_name.rsplit(": ", 1)[-1].strip()
+
+
+def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> dict:
+    """One profiled call of ``fn``: ``{"top": [...], "backward_nodes": [...]}``.
+
+    ``top``: the ``n`` ops / kernels with the most self time (device time on CUDA, CPU time on the CPU),
+    as ``{"name", "self_ms", "calls"}``. ``backward_nodes``: the backward by autograd node (``ExpertsFnBackward``,
+    ``RecomputeFnBackward``, ``LinearFnBackward``, ...: which layer's backward the time is in), as ``{"node",
+    "calls", "device_ms", "cpu_ms", "ops"}``: device time of the kernels launched under the node (CUDA), the
+    host time inside it, and the number of ATen ops it ran (on CUDA about the kernel launches: a node
+    with many ops and little device time is launch-bound), largest time first; empty when ``fn`` has no
+    backward.
+    """
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -188,7 +202,31 @@ def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> list[dic
         return float(e.self_cpu_time_total)
 
     events = sorted(prof.key_averages(), key=self_us, reverse=True)[:n]
-    return [{"name": e.key[:120], "self_ms": round(self_us(e) / 1e3, 3), "calls": int(e.count)} for e in events]
+    top = [{"name": e.key[:120], "self_ms": round(self_us(e) / 1e3, 3), "calls": int(e.count)} for e in events]
+
+    def aten_leaves(e) -> int:
+        kids = e.cpu_children
+        return sum(aten_leaves(c) for c in kids) if kids else int(e.name.startswith("aten::"))
+
+    nodes: dict[str, dict] = {}
+    for e in prof.events():
+        if not e.name.startswith("autograd::engine::evaluate_function"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("autograd::engine::evaluate_function"):
+            parent = parent.cpu_parent
+        if parent is not None:  # nested in another node: counted there
+            continue
+        rec = nodes.setdefault(_node_name(e.name), {"calls": 0, "device_us": 0.0, "cpu_us": 0.0, "ops": 0})
+        rec["calls"] += 1
+        rec["device_us"] += float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) or 0.0)
+        rec["cpu_us"] += float(e.cpu_time_total)
+        rec["ops"] += aten_leaves(e)
+    key = "device_us" if device == "cuda" else "cpu_us"
+    backward_nodes = [{"node": k, "calls": v["calls"], "device_ms": round(v["device_us"] / 1e3, 3),
+                       "cpu_ms": round(v["cpu_us"] / 1e3, 3), "ops": v["ops"]}
+                      for k, v in sorted(nodes.items(), key=lambda kv: -kv[1][key])]
+    return {"top": top, "backward_nodes": backward_nodes}
 
 
 # --------------------------------------------------------------------------- the sides
@@ -732,6 +770,12 @@ def format_table(report: dict) -> str:
         lines.append(f"\ntrainable parameter counts equal (same widths): {st['same_parameter_count']}")
     if meg.get("packages_importable"):
         lines.append(f"Megatron Mamba stack needs: {meg['packages_importable']} (True = importable here)")
+    nodes = ((ours.get("profile") or {}).get("step") or {}).get("backward_nodes")
+    if nodes:
+        lines += ["", "| our step's backward by autograd node (profiled run) | calls | device ms | host ms | ATen ops |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {x['node']} | {x['calls']} | {x['device_ms']:.1f} | {x['cpu_ms']:.1f} | {x['ops']} |"
+                  for x in nodes[:12]]
     return "\n".join(lines)
 
 

@@ -119,3 +119,17 @@ def test_bad_command_lines_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         tc.parse_args(["--device", "cpu", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profile_breaks_the_backward_down_by_autograd_node(tmp_path):
+    report = tc.run(tc.parse_args(["--preset", "nemotron_h_hybrid_tiny", "--sides", "ours", "--profile",
+                                   "--json", str(tmp_path / "p.json"), *TINY]))
+    prof = report["sides"]["ours"]["profile"]["step"]
+    nodes = {x["node"]: x for x in prof["backward_nodes"]}
+    # every layer kind of the hybrid has its node; the MoE experts' node runs ATen ops, on the CPU host time
+    assert {"ExpertsFnBackward", "PagedAttentionFnBackward", "LinearFnBackward", "RMSNormFnBackward"} <= set(nodes)
+    assert nodes["ExpertsFnBackward"]["ops"] > 0 and nodes["ExpertsFnBackward"]["cpu_ms"] > 0
+    assert [x["cpu_ms"] for x in prof["backward_nodes"]] == sorted((x["cpu_ms"] for x in prof["backward_nodes"]),
+                                                                   reverse=True)
+    assert prof["top"] and {"name", "self_ms", "calls"} <= set(prof["top"][0])
+    assert "| ExpertsFnBackward |" in tc.format_table(report)
