@@ -117,3 +117,18 @@ def test_backward_launches_do_not_grow_with_the_expert_count():
 
     few, many = ops_in_backward(8), ops_in_backward(64)
     assert many < 1.5 * few, (few, many)
+
+
+def test_group_weights_equal_one_expert_at_a_time():
+    """A group's weights (bf16 stack indexed; NVFP4 stack dequantized at once) == ``expert_weight`` per expert."""
+    from unified_models.ops.moe.backward import _group_weight
+    from unified_models.ops.moe.common import expert_weight
+    from unified_models.ops.nvfp4 import nvfp4_quantize
+
+    gen = torch.Generator().manual_seed(9)
+    stack = (torch.randn(6, 32, 64, generator=gen) * torch.logspace(-2, 1, 6)[:, None, None]).bfloat16()
+    for w in (stack, nvfp4_quantize(stack)):
+        for es in ([1, 4, 5], list(range(6)), [3]):
+            got = _group_weight(w, es, torch.tensor(es), torch.bfloat16)
+            want = torch.stack([expert_weight(w, e, torch.bfloat16) for e in es])
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (type(w).__name__, es)

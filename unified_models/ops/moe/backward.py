@@ -37,7 +37,7 @@ import torch
 from .._dispatch import host_to_device
 from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
-from ..nvfp4 import nvfp4_quantize
+from ..nvfp4 import NVFP4Weight, nvfp4_dequantize, nvfp4_quantize
 from . import dispatch
 from .common import NORM_EPS, ExpertWeight, expert_weight, group_by_expert, stack_expert
 
@@ -64,9 +64,15 @@ def expert_groups_by_count(counts: list[int]) -> list[tuple[int, list[int]]]:
 
 def _group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[G, N, K]``: the listed experts' weights as the kernels compute with them (:func:`expert_weight`);
-    a tensor stack is indexed (not copied when the group is every expert in order)."""
+    a tensor stack is indexed (not copied when the group is every expert in order), an NVFP4 stack
+    dequantized for the group at once (elementwise: the same values as one expert at a time)."""
+    every = experts == list(range(w.shape[0]))
     if isinstance(w, torch.Tensor):
-        return w if experts == list(range(w.shape[0])) else w.index_select(0, experts_t)
+        return w if every else w.index_select(0, experts_t)
+    if isinstance(w, NVFP4Weight):
+        sub = w if every else NVFP4Weight(w.weight.index_select(0, experts_t), w.weight_scale.index_select(0, experts_t),
+                                          w.weight_scale_2.index_select(0, experts_t))
+        return nvfp4_dequantize(sub, dtype)
     return torch.stack([expert_weight(w, e, dtype) for e in experts])
 
 
