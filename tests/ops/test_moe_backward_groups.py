@@ -1,5 +1,6 @@
-"""The relu2 experts' backward runs experts in groups of one padded row count (``expert_groups_by_count``):
-one batched GEMM per product per group instead of a dozen GEMMs and gathers per expert.
+"""The MoE experts' backwards (relu2; DeepSeek-V4's clamped SwiGLU) run experts in groups of one padded row
+count (``expert_groups_by_count``): one batched GEMM per product per group instead of a dozen GEMMs and
+gathers per expert.
 
 Checked: the grouping rule (every expert with assignments exactly once, padding below a quarter of its count,
 few groups); gradients vs fp64 autograd of the oracle under routings that stress the padding (one expert takes
@@ -119,9 +120,9 @@ def test_backward_launches_do_not_grow_with_the_expert_count():
     assert many < 1.5 * few, (few, many)
 
 
-def test_group_weights_equal_one_expert_at_a_time():
+def testgroup_weights_equal_one_expert_at_a_time():
     """A group's weights (bf16 stack indexed; NVFP4 stack dequantized at once) == ``expert_weight`` per expert."""
-    from unified_models.ops.moe.backward import _group_weight
+    from unified_models.ops.moe.backward import group_weight
     from unified_models.ops.moe.common import expert_weight
     from unified_models.ops.nvfp4 import nvfp4_quantize
 
@@ -129,6 +130,32 @@ def test_group_weights_equal_one_expert_at_a_time():
     stack = (torch.randn(6, 32, 64, generator=gen) * torch.logspace(-2, 1, 6)[:, None, None]).bfloat16()
     for w in (stack, nvfp4_quantize(stack)):
         for es in ([1, 4, 5], list(range(6)), [3]):
-            got = _group_weight(w, es, torch.tensor(es), torch.bfloat16)
+            got = group_weight(w, es, torch.tensor(es), torch.bfloat16)
             want = torch.stack([expert_weight(w, e, torch.bfloat16) for e in es])
             assert got.dtype == torch.bfloat16 and torch.equal(got, want), (type(w).__name__, es)
+
+
+@pytest.mark.parametrize("kind,E", [("skewed", 8), ("staircase", 17)])
+def test_deepseek_swiglu_grouped_backward_matches_fp64_autograd(kind, E):
+    """DeepSeek-V4's clamped-SwiGLU experts take the same groups (autograd over batched GEMMs, fp32);
+    the limit small enough that the clamps bite."""
+    from unified_models.ops.moe import swiglu_experts_reference
+
+    gen = torch.Generator().manual_seed(4)
+    ids = _ids(kind, E, gen)
+    x = torch.randn(T, D, generator=gen)
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    shared = torch.randn(T, D, generator=gen)
+    mats = [(torch.randn(E, I, D, generator=gen) / D ** 0.5), (torch.randn(E, I, D, generator=gen) / D ** 0.5),
+            (torch.randn(E, D, I, generator=gen) / I ** 0.5)]
+    g = torch.randn(T, D, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (x, w, shared, *mats)]
+    ops.swiglu_experts(leaves[0], ids, leaves[1], *leaves[3:], leaves[2], swiglu_limit=0.5).backward(g)
+    ref = [t.double().requires_grad_() for t in (x, w, shared, *mats)]
+    swiglu_experts_reference(ref[0], ids, ref[1], *ref[3:], ref[2], swiglu_limit=0.5).backward(g.double())
+    for name, a, b in zip(("x", "weights", "shared", "w1", "w3", "w2"), leaves, ref):
+        if b.grad.norm() == 0:
+            assert float(a.grad.abs().max()) == 0.0, name
+            continue
+        err = float((a.grad.double() - b.grad).norm() / b.grad.norm())
+        assert err <= 1e-5, f"{kind} {name}: {err:.2e}"

@@ -62,7 +62,36 @@ def expert_groups_by_count(counts: list[int]) -> list[tuple[int, list[int]]]:
     return sorted(groups.items())
 
 
-def _group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def grouped_assignments(ids_TK: torch.Tensor, num_experts: int):
+    """Yield ``(experts, experts_t, rows, tok)`` per group of :func:`expert_groups_by_count`: the group's
+    experts (host list and int64 tensor ``[G]``), its assignments ``rows`` ``[G, P]`` (flat ``t*K + k``, expert
+    ``experts[i]``'s in row ``i`` in :func:`group_by_expert`'s order; ``T*K`` for a padding slot) and their tokens
+    ``tok`` ``[G, P]`` (``T`` for padding). One host sync (the counts) and one host-to-device copy per call."""
+    T, K = ids_TK.shape
+    R = T * K
+    order, counts = group_by_expert(ids_TK, num_experts)
+    counts_h = counts.tolist()
+    starts = [0]
+    for n in counts_h[:-1]:
+        starts.append(starts[-1] + n)
+    groups = expert_groups_by_count(counts_h)
+    if not groups:
+        return
+    # every group's (experts, counts, first rows) in one host-to-device copy (no sync per group)
+    meta = host_to_device(torch.tensor([v for _, es in groups for v in (*es, *(counts_h[e] for e in es),
+                                                                      *(starts[e] for e in es))]), ids_TK.device)
+    at = 0
+    for P, es in groups:
+        G = len(es)
+        es_t, cnt, first = meta[at:at + G], meta[at + G:at + 2 * G], meta[at + 2 * G:at + 3 * G]
+        at += 3 * G
+        j = torch.arange(P, device=ids_TK.device)
+        valid = j[None, :] < cnt[:, None]  # [G, P]
+        rows = torch.where(valid, order[(first[:, None] + j[None, :]).clamp_max(R - 1)], R)
+        yield es, es_t, rows, torch.where(valid, rows // K, T)
+
+
+def group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[G, N, K]``: the listed experts' weights as the kernels compute with them (:func:`expert_weight`);
     a tensor stack is indexed (not copied when the group is every expert in order), an NVFP4 stack
     dequantized for the group at once (elementwise: the same values as one expert at a time)."""
@@ -165,31 +194,13 @@ class ExpertsFn(torch.autograd.Function):
         dup = torch.zeros((E, I, D), dtype=ctx.up_dtype, device=x_in.device) if nu else None
         ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x_in.device) if nd else None
         if nx or nw or nu or nd:
-            order, counts = group_by_expert(ids, E)
-            counts_h = counts.tolist()
-            starts = [0]
-            for n in counts_h[:-1]:
-                starts.append(starts[-1] + n)
             x_pad = torch.cat([x_in, x_in.new_zeros(1, D)])  # token T: the padding rows' zero input
             g_pad = torch.cat([g, g.new_zeros(1, D)])
             w_pad = torch.cat([wts.reshape(-1), wts.new_zeros(1)])
-            groups = expert_groups_by_count(counts_h)
-            # every group's (experts, counts, first rows) in one host-to-device copy (no sync per group)
-            meta = host_to_device(torch.tensor([v for _, es in groups for v in (*es, *(counts_h[e] for e in es),
-                                                                  *(starts[e] for e in es))]), x_in.device)
-            at = 0
-            for P, es in groups:
-                G = len(es)
-                es_t, cnt, first = meta[at:at + G], meta[at + G:at + 2 * G], meta[at + 2 * G:at + 3 * G]
-                at += 3 * G
-                j = torch.arange(P, device=x_in.device)
-                valid = j[None, :] < cnt[:, None]  # [G, P]
-                pos = (first[:, None] + j[None, :]).clamp_max(R - 1)
-                rows = torch.where(valid, order[pos], R)  # flat assignments t*K + k; R for padding
-                tok = torch.where(valid, rows // K, T)
+            for es, es_t, rows, tok in grouped_assignments(ids, E):
                 # GEMM operands in their stored dtype (bf16 on tensor cores, fp32 accumulation: grad_matmul)
-                wu = _group_weight(up, es, es_t, x_in.dtype)  # [G, I, D]
-                wd = _group_weight(down, es, es_t, x_in.dtype)  # [G, D, I]
+                wu = group_weight(up, es, es_t, x_in.dtype)  # [G, I, D]
+                wd = group_weight(down, es, es_t, x_in.dtype)  # [G, D, I]
                 xe, ge = x_pad[tok], g_pad[tok]  # [G, P, D]
                 u = grad_matmul(xe, wu.transpose(1, 2)).to(dt)
                 r = torch.relu(u)

@@ -4,7 +4,8 @@
 * **routers** (:class:`~.backward.RouteFn` with the sqrt-softplus score): ``w = rsf * s[ids] / (sum s[ids] + eps)``,
   ``s = sqrt(softplus(x W^T))``, differentiated w.r.t. ``x`` and the gate weight through the
   selected scores; ids (top-k or ``tid2eid``) are constants, the bias only selects (no gradient);
-* **experts** (:class:`SwigluExpertsFn`): per expert over its assignments, the forward's math
+* **experts** (:class:`SwigluExpertsFn`): per expert over its assignments (experts of one padded
+  assignment count batched: :func:`.backward.grouped_assignments`), the forward's math
   ``y = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)`` recomputed in fp32 (fp64 for fp64
   inputs) under autograd, gradients to ``x``, the routing weights, ``shared`` (identity) and
   the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from ..grad.helpers import acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
-from .backward import RouteFn
-from .common import MASTERS, ExpertWeight, expert_rows, expert_weight, quantizes_activations, stack_expert
+from .backward import RouteFn, group_weight, grouped_assignments
+from .common import MASTERS, ExpertWeight, quantizes_activations, stack_expert
 from .deepseek_cpu import fp8_activation_f64
 from .deepseek_reference import swiglu
 
@@ -40,8 +41,10 @@ def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _ste_fp8_activation(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a`` (rounded to the forward's ``dtype``) through the W4A8 activation rule, straight-through."""
-    return a + (fp8_activation_f64(a.detach().to(dtype)).to(a.dtype) - a).detach()
+    """``a`` (``[..., K]``, rows rounded to the forward's ``dtype``) through the W4A8 activation rule (per row),
+    straight-through."""
+    q = fp8_activation_f64(a.detach().to(dtype).reshape(-1, a.shape[-1])).view(a.shape)
+    return a + (q.to(a.dtype) - a).detach()
 
 
 class SwigluExpertsFn(torch.autograd.Function):
@@ -78,31 +81,37 @@ class SwigluExpertsFn(torch.autograd.Function):
         E = ctx.stacks[0].shape[0]
         K = ids.shape[1]
         need = (ng, nu, nd)
-        dx = torch.zeros_like(x) if nx else None
-        dw = torch.zeros_like(wts) if nw else None
+        R, T, D = ids.numel(), ids.shape[0], x.shape[1]
+        # per assignment (row R: the padding rows' sink), summed over each token's slots at the end
+        dx_rows = torch.zeros((R + 1, D), dtype=dt, device=x.device) if nx else None
+        dw_rows = torch.zeros(R + 1, dtype=dt, device=x.device) if nw else None
         dstacks = [torch.zeros(s.shape, dtype=wdt, device=x.device) if n else None
                    for s, n, wdt in zip(ctx.stacks, need, ctx.w_dtypes)]
         if nx or nw or any(need):
-            for e, rows in expert_rows(ids, E):
-                tok, slot = rows // K, rows % K
+            x_pad = torch.cat([x, x.new_zeros(1, D)])  # token T: zero input, zero gradient
+            g_pad = torch.cat([g, g.new_zeros(1, D)])
+            w_pad = torch.cat([wts.reshape(-1), wts.new_zeros(1)])
+            for es, es_t, rows, tok in grouped_assignments(ids, E):
                 with torch.enable_grad():
-                    xe = x[tok].detach().requires_grad_(nx)
-                    we = wts[tok, slot].detach().requires_grad_(nw)
-                    mats = [expert_weight(s, e, x_in.dtype).detach().to(dt).requires_grad_(n)
-                            for s, n in zip(ctx.stacks, need)]
+                    xe = x_pad[tok].detach().requires_grad_(nx)  # [G, P, D]
+                    we = w_pad[rows].detach().requires_grad_(nw)  # [G, P]
+                    mats = [group_weight(s, es, es_t, x_in.dtype).detach().to(dt).requires_grad_(n)
+                            for s, n in zip(ctx.stacks, need)]  # [G, N, K]
                     xq = _ste_fp8_activation(xe, x_in.dtype) if qg or qu else None
-                    h = swiglu((xq if qg else xe) @ mats[0].t(), (xq if qu else xe) @ mats[1].t(),
-                               ctx.limit) * we[:, None]
-                    y = (_ste_fp8_activation(h, x_in.dtype) if qd else h) @ mats[2].t()
+                    h = swiglu(torch.bmm(xq if qg else xe, mats[0].transpose(1, 2)),
+                               torch.bmm(xq if qu else xe, mats[1].transpose(1, 2)), ctx.limit) * we[..., None]
+                    y = torch.bmm(_ste_fp8_activation(h, x_in.dtype) if qd else h, mats[2].transpose(1, 2))
                     leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
-                    grads = list(torch.autograd.grad(y, leaves, g[tok]))
+                    grads = list(torch.autograd.grad(y, leaves, g_pad[tok]))
                 if nx:
-                    dx.index_add_(0, tok, grads.pop(0))
+                    dx_rows[rows] = grads.pop(0)
                 if nw:
-                    dw[tok, slot] = grads.pop(0)
+                    dw_rows[rows] = grads.pop(0)
                 for j in range(3):
                     if need[j]:
-                        dstacks[j][e] = grads.pop(0).to(dstacks[j].dtype)
+                        dstacks[j][es_t] = grads.pop(0).to(dstacks[j].dtype)
+        dx = dx_rows[:R].view(T, K, D).sum(1) if nx else None
+        dw = dw_rows[:R].view(T, K) if nw else None
         outs = [(d[0] if flat else d) if d is not None else None for d, flat in zip(dstacks, ctx.flat)]
         return (dx.to(x_in.dtype) if nx else None, dw.to(w_in.dtype) if nw else None,
                 g_TD.to(ctx.shared_dtype) if ns else None, *outs, None, None, None, None, None)
