@@ -159,3 +159,22 @@ def test_deepseek_swiglu_grouped_backward_matches_fp64_autograd(kind, E):
             continue
         err = float((a.grad.double() - b.grad).norm() / b.grad.norm())
         assert err <= 1e-5, f"{kind} {name}: {err:.2e}"
+
+
+def test_padding_rows_stay_zero_beside_an_infinite_weight():
+    """A helper's case: 9 assignments pad to 10 rows; an ``-inf`` in the up weight made the padding row's
+    ``0 * inf`` a NaN in the weight gradients, where one expert at a time (and fp64) gives 0."""
+    g = torch.Generator().manual_seed(0)
+    n, d, i = 9, 4, 3
+    x = torch.randn(n, d, generator=g).abs() + 0.1
+    ids = torch.zeros(n, 1, dtype=torch.int32)
+    w = torch.rand(n, 1, generator=g)
+    up = torch.randn(1, i, d, generator=g)
+    up[0, 0, 0] = -float("inf")  # u[:, 0] = -inf for every real row: relu^2 = 0
+    down = torch.randn(1, d, i, generator=g)
+    go = torch.randn(n, d, generator=g)
+    assert expert_groups_by_count([n]) == [(10, [0])]
+    u_, d_ = up.clone().requires_grad_(), down.clone().requires_grad_()
+    ops.moe_experts(x, ids, w, u_, d_).backward(go)
+    assert bool(torch.isfinite(d_.grad).all()) and bool(torch.isfinite(u_.grad).all())
+    assert float(d_.grad[0, :, 0].abs().max()) == 0.0 and float(u_.grad[0, 0].abs().max()) == 0.0

@@ -16,8 +16,8 @@ fp32 (fp64 for fp64 inputs) in plain torch:
   ``d up = du^T x``, ``dx += du up``, ``d shared = g``. The forward's roundings
   (``h`` to bf16, the output) pass gradients straight through. Experts whose
   assignment counts round up to the same padded size (:func:`expert_groups_by_count`)
-  run as one batched GEMM per product (zero rows pad them: exact zeros in every
-  sum), so a step launches a few dozen kernels per layer, not a few dozen per
+  run as one batched GEMM per product (zero rows pad them, their products masked
+  to zero: exact zeros in every sum, also beside a non-finite weight), so a step launches a few dozen kernels per layer, not a few dozen per
   expert; ``dx`` is summed over each token's ``k`` slots in slot order
   (deterministic: no atomics);
 * **NVFP4** (``nvfp4=True`` with bf16 master tensors): the forward quantizes
@@ -202,7 +202,8 @@ class ExpertsFn(torch.autograd.Function):
                 wu = group_weight(up, es, es_t, x_in.dtype)  # [G, I, D]
                 wd = group_weight(down, es, es_t, x_in.dtype)  # [G, D, I]
                 xe, ge = x_pad[tok], g_pad[tok]  # [G, P, D]
-                u = grad_matmul(xe, wu.transpose(1, 2)).to(dt)
+                keep = (rows < R)[..., None]  # padding rows stay exact zeros even beside a non-finite weight
+                u = torch.where(keep, grad_matmul(xe, wu.transpose(1, 2)).to(dt), 0.0)
                 r = torch.relu(u)
                 h = r * r
                 if nw:
@@ -212,7 +213,7 @@ class ExpertsFn(torch.autograd.Function):
                     if nd:
                         ddown[es_t] = grad_matmul(dy.transpose(1, 2), h, split_fp32=half).to(ddown.dtype)
                     if nx or nu:
-                        du = grad_matmul(dy, wd).to(dt) * (2.0 * r)
+                        du = torch.where(keep, grad_matmul(dy, wd).to(dt), 0.0) * (2.0 * r)
                         if nu:
                             dup[es_t] = grad_matmul(du.transpose(1, 2), xe).to(dup.dtype)
                         if nx:

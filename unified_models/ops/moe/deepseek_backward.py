@@ -98,8 +98,10 @@ class SwigluExpertsFn(torch.autograd.Function):
                     mats = [group_weight(s, es, es_t, x_in.dtype).detach().to(dt).requires_grad_(n)
                             for s, n in zip(ctx.stacks, need)]  # [G, N, K]
                     xq = _ste_fp8_activation(xe, x_in.dtype) if qg or qu else None
-                    h = swiglu(torch.bmm(xq if qg else xe, mats[0].transpose(1, 2)),
-                               torch.bmm(xq if qu else xe, mats[1].transpose(1, 2)), ctx.limit) * we[..., None]
+                    keep = (rows < R)[..., None]  # padding rows: exact zeros even beside a non-finite weight
+                    h = swiglu(torch.where(keep, torch.bmm(xq if qg else xe, mats[0].transpose(1, 2)), 0.0),
+                               torch.where(keep, torch.bmm(xq if qu else xe, mats[1].transpose(1, 2)), 0.0),
+                               ctx.limit) * we[..., None]
                     y = torch.bmm(_ste_fp8_activation(h, x_in.dtype) if qd else h, mats[2].transpose(1, 2))
                     leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
                     grads = list(torch.autograd.grad(y, leaves, g_pad[tok]))
