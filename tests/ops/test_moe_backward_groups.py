@@ -178,3 +178,40 @@ def test_padding_rows_stay_zero_beside_an_infinite_weight():
     ops.moe_experts(x, ids, w, u_, d_).backward(go)
     assert bool(torch.isfinite(d_.grad).all()) and bool(torch.isfinite(u_.grad).all())
     assert float(d_.grad[0, :, 0].abs().max()) == 0.0 and float(u_.grad[0, 0].abs().max()) == 0.0
+
+
+def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
+    """In a bf16 model the recomputation's GEMMs and their gradients go through ``grad_matmul``'s CUDA path
+    (emulated here: bf16 operands, exact products, fp32 sums): every call gets bf16 operands only (the
+    input and weights as one term, fp32 values split), and the gradients stay within the bf16 bounds of
+    fp64 autograd (the routing weights' fp32 gradient within 2^-15)."""
+    from unified_models.ops.grad import helpers
+    from unified_models.ops.moe import deepseek_backward, swiglu_experts_reference
+
+    calls = []
+
+    def emulated(a, b):
+        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
+        calls.append(tuple(a.shape))
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(deepseek_backward, "grad_matmul",
+                        lambda a, b, split_fp32=False: helpers.grad_matmul(a, b, split_fp32=split_fp32, mm=emulated))
+    E = 17
+    gen = torch.Generator().manual_seed(6)
+    ids = _ids("staircase", E, gen)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    mats = [(torch.randn(E, I, D, generator=gen) / D ** 0.5).bfloat16(),
+            (torch.randn(E, I, D, generator=gen) / D ** 0.5).bfloat16(),
+            (torch.randn(E, D, I, generator=gen) / I ** 0.5).bfloat16()]
+    g = torch.randn(T, D, generator=gen).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in (x, w, *mats)]
+    ops.swiglu_experts(leaves[0], ids, leaves[1], *leaves[2:], swiglu_limit=0.5).backward(g)
+    assert calls  # the groups' forward and backward GEMMs all took bf16 operands
+    ref = [t.double().requires_grad_() for t in (x, w, *mats)]
+    swiglu_experts_reference(ref[0], ids, ref[1], *ref[2:], swiglu_limit=0.5).backward(g.double())
+    for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), leaves, ref):
+        err = float((a.grad.double() - b.grad).norm() / b.grad.norm())
+        print(f"GRAD-ERR deepseek recompute tensor-core {name}: {err:.2e}")
+        assert err <= (2 ** -15 if a.dtype == torch.float32 else TOL[torch.bfloat16]), f"{name}: {err:.2e}"
