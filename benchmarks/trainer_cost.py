@@ -48,7 +48,8 @@ Every timed quantity is the median of ``--repeats`` runs after one warm-up run; 
 synchronized before each timer read (so phase times add up to the step). ``--profile`` adds one more
 profiled run per measurement and records its top kernels (torch.profiler, self device time on CUDA,
 self CPU time on the CPU) and, for a step, its backward by autograd node (device time, host time and ATen
-ops under each node: which layer's backward the time is in, and whether it is launch-bound). Each side runs in its own subprocess (``native``, ``ours``, ``megatron``, in
+ops under each node: which layer's backward the time is in, and whether it is launch-bound). Each side
+runs in its own subprocess (``native``, ``ours``, ``megatron``, in
 this order), so each meets a GPU with all its memory; a side that fails (cannot be built, OOM, ...) is
 recorded with its exact exception text and the others still run.
 
@@ -772,8 +773,8 @@ def format_table(report: dict) -> str:
         lines.append(f"Megatron Mamba stack needs: {meg['packages_importable']} (True = importable here)")
     nodes = ((ours.get("profile") or {}).get("step") or {}).get("backward_nodes")
     if nodes:
-        lines += ["", "| our step's backward by autograd node (profiled run) | calls | device ms | host ms | ATen ops |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["", "| our step's backward by autograd node (profiled run) | calls | device ms | host ms "
+                  "| ATen ops |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {x['node']} | {x['calls']} | {x['device_ms']:.1f} | {x['cpu_ms']:.1f} | {x['ops']} |"
                   for x in nodes[:12]]
     return "\n".join(lines)

@@ -29,8 +29,9 @@ _HALF = (torch.bfloat16, torch.float16)
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two bf16 (or two fp16) 2-D (or batched 3-D) tensors with fp32 accumulation and an fp32
-    result, on tensor cores (``torch.mm`` / ``torch.bmm`` with ``out_dtype=torch.float32``, cuBLAS). Every product of two bf16 values
-    is exact in fp32, so this is an fp32 GEMM of the upcasts up to summation order."""
+    result, on tensor cores (``torch.mm`` / ``torch.bmm`` with ``out_dtype=torch.float32``, cuBLAS). Every
+    product of two bf16 values is exact in fp32, so this is an fp32 GEMM of the upcasts up to summation
+    order."""
     op = torch.mm if a.dim() == 2 else torch.bmm
     try:
         try:

@@ -17,9 +17,9 @@ fp32 (fp64 for fp64 inputs) in plain torch:
   (``h`` to bf16, the output) pass gradients straight through. Experts whose
   assignment counts round up to the same padded size (:func:`expert_groups_by_count`)
   run as one batched GEMM per product (zero rows pad them, their products masked
-  to zero: exact zeros in every sum, also beside a non-finite weight), so a step launches a few dozen kernels per layer, not a few dozen per
-  expert; ``dx`` is summed over each token's ``k`` slots in slot order
-  (deterministic: no atomics);
+  to zero: exact zeros in every sum, also beside a non-finite weight), so a step
+  launches a few dozen kernels per layer, not a few dozen per expert; ``dx`` is
+  summed over each token's ``k`` slots in slot order (deterministic: no atomics);
 * **NVFP4** (``nvfp4=True`` with bf16 master tensors): the forward quantizes
   the masters by ModelOpt's rule on every call and computes with the
   dequantized weights ``W_q``; the backward uses ``W_q`` for the input
@@ -99,8 +99,8 @@ def group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, d
     if isinstance(w, torch.Tensor):
         return w if every else w.index_select(0, experts_t)
     if isinstance(w, NVFP4Weight):
-        sub = w if every else NVFP4Weight(w.weight.index_select(0, experts_t), w.weight_scale.index_select(0, experts_t),
-                                          w.weight_scale_2.index_select(0, experts_t))
+        sub = w if every else NVFP4Weight(*(t.index_select(0, experts_t)
+                                            for t in (w.weight, w.weight_scale, w.weight_scale_2)))
         return nvfp4_dequantize(sub, dtype)
     return torch.stack([expert_weight(w, e, dtype) for e in experts])
 
