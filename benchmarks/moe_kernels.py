@@ -77,7 +77,8 @@ def _native(x, up, down, weights, ids):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="nemotron_3_nano_reduced")
+    from unified_models.presets import preset_name
+    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced")
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 2048, 16384], help="tokens T per call")
     ap.add_argument("--iters", type=int, default=10, help="calls per captured graph")
     ap.add_argument("--formats", nargs="+", choices=["bf16", "nvfp4"], default=["bf16", "nvfp4"])

@@ -769,7 +769,8 @@ def parse_cpu_list(text: str) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, help="built-in preset to build (default nemotron_3_nano_reduced)")
+    from unified_models.presets import preset_name
+    src.add_argument("--preset", type=preset_name, default=None, help="built-in preset to build (default nemotron_3_nano_reduced)")
     src.add_argument("--model", default=None, help="checkpoint directory (config.json names NemotronHForCausalLM)")
     ap.add_argument("--workloads", nargs="+", type=parse_workload,
                     default=[parse_workload(w) for w in NAMED_WORKLOADS],
@@ -858,7 +859,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model_dir = str(Path(args.model).resolve()) if args.model else str(build_preset_checkpoint(preset))
     checkpoint_s = time.perf_counter() - t0
-    hf = load_hf_config(model_dir)
+    from unified_models.dsl.errors import CheckpointError
+
+    try:
+        hf = load_hf_config(model_dir)
+    except CheckpointError as e:  # a --model path that is not a checkpoint: a usage error, not a traceback
+        ap.error(f"--model: {e}")
     archs = list(getattr(hf, "architectures", None) or [])
     layout_note = None
     if "DeepseekV4ForCausalLM" in archs and "native" in engines:

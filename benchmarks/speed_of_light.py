@@ -11,7 +11,8 @@ context ``L`` must read at least (issue 18 item 6):
 * the Mamba-2 state of every Mamba layer, read and written: the SSM state (``heads x head_dim x
   d_state``, in ``mamba_ssm_cache_dtype``) and the conv state (``(conv_kernel - 1) x conv_dim``).
 
-A quantized preset (``"quantize"`` in ``presets/``, e.g. ``nemotron_3_nano_reduced_nvfp4``) counts its
+A quantized preset (one with ``quantize:`` in ``unified_models/configs/<name>.yaml``, e.g.
+``nemotron_3_nano_reduced_nvfp4``) counts its
 base preset's tensors in the stored formats of ModelOpt's export: an NVFP4 weight 0.5 + 1/16 bytes per
 element (two e2m1 values per byte, one e4m3 scale per 16 elements), an FP8 weight 1 byte, an FP8 KV cache
 1 byte per element; per-tensor fp32 scales are not counted.
@@ -161,10 +162,22 @@ def main(argv: list[str] | None = None) -> int:
                      "sol_tok_s": round(sol, 1), "ours_tok_s": ours, "native_tok_s": native,
                      "ours_of_sol": None if ours is None else float(f"{ours / sol:.4g}"),
                      "native_of_sol": None if native is None else float(f"{native / sol:.4g}")})
-    out = {"results": str(args.results), "preset": preset, "device": run.get("device"), "hbm_tb_s": args.hbm_tb_s,
+    try:  # inside the repo: a relative path, so the committed file does not change with the checkout's place
+        results_name = str(args.results.resolve().relative_to(ROOT.parent))
+    except ValueError:
+        results_name = str(args.results)
+    out = {"results": results_name, "preset": preset, "device": run.get("device"), "hbm_tb_s": args.hbm_tb_s,
            "formats": formats, "kv_bytes": kv_bytes, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.json.is_dir():
+        raise SystemExit(f"--json {args.json}: is a directory; give a file name")
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    try:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        tmp.replace(args.json)  # whole or not at all
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"--json {args.json}: cannot write the result there ({e.strerror or e})")
     print(f"{preset} on {run.get('device')}, HBM {args.hbm_tb_s} TB/s; formats {formats or 'model dtype'}; "
           "bytes per decode step in GB")
     print("| workload | B | L | weights (dense + experts) | KV | Mamba state | SoL tok/s | ours | native | ours/SoL | native/SoL |")

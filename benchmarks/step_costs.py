@@ -147,7 +147,8 @@ def _run_tree(tree: Path | None, args, tag: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="nemotron_h_wide")
+    from unified_models.presets import preset_name
+    ap.add_argument("--preset", type=preset_name, default="nemotron_h_wide")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: cuda when a GPU is visible")
     ap.add_argument("--baseline-tree", type=Path, default=None,

@@ -26,7 +26,8 @@ from pathlib import Path
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["ours", "native"], default="ours")
-    ap.add_argument("--preset", default="nemotron_h_dense_bench")
+    from unified_models.presets import preset_name
+    ap.add_argument("--preset", type=preset_name, default="nemotron_h_dense_bench")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)

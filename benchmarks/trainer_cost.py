@@ -199,7 +199,8 @@ def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> dict:
 
     def self_us(e) -> float:
         if device == "cuda":
-            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+            return float(e.self_device_time_total if hasattr(e, "self_device_time_total")
+                         else getattr(e, "self_cuda_time_total", 0.0))
         return float(e.self_cpu_time_total)
 
     events = sorted(prof.key_averages(), key=self_us, reverse=True)[:n]
@@ -220,7 +221,8 @@ def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> dict:
             continue
         rec = nodes.setdefault(_node_name(e.name), {"calls": 0, "device_us": 0.0, "cpu_us": 0.0, "ops": 0})
         rec["calls"] += 1
-        rec["device_us"] += float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) or 0.0)
+        dev_us = e.device_time_total if hasattr(e, "device_time_total") else getattr(e, "cuda_time_total", 0.0)
+        rec["device_us"] += float(dev_us or 0.0)
         rec["cpu_us"] += float(e.cpu_time_total)
         rec["ops"] += aten_leaves(e)
     key = "device_us" if device == "cuda" else "cpu_us"

@@ -35,3 +35,11 @@ def test_the_flag_is_a_usage_error_for_unavailable_cpus(capsys):
     with pytest.raises(SystemExit) as e:
         rt.main(["--engine-cpus", "100000", "--preset", "nemotron_h_tiny"])
     assert e.value.code == 2 and "--engine-cpus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["--preset", "nosuch"], "unknown preset 'nosuch'"),
+                                          (["--model", "/nonexistent/ckpt", "--engines", "ours"], "--model: ")])
+def test_unknown_presets_and_checkpoints_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        rt.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -62,3 +62,14 @@ def test_table_from_a_result_file(tmp_path, capsys):
     assert row["ours_of_sol"] == pytest.approx(100.0 / row["sol_tok_s"], rel=1e-3)
     with pytest.raises(SystemExit, match="not a rollout_throughput.py result"):
         sol.main(["--results", str(out), "--json", str(tmp_path / "x.json")])
+
+
+def test_output_paths(tmp_path):
+    """A directory as ``--json`` is refused by name (nothing written); a results file inside the repo is
+    recorded by its repo-relative path (the committed output does not change with the checkout's place)."""
+    with pytest.raises(SystemExit, match="is a directory"):
+        sol.main(["--json", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == [] and not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
+    out = tmp_path / "sol.json"
+    assert sol.main(["--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"] == "benchmarks/results/rollout_throughput.json"

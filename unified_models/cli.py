@@ -1,4 +1,4 @@
-"""Command line: ``unified-models check | rl | convert | quantize | inspect``."""
+"""Command line: ``unified-models check | rl | report | bisect | gates | convert | quantize | serve | inspect``."""
 
 from __future__ import annotations
 

@@ -55,6 +55,22 @@ def load_preset(name: str) -> dict:
     return yaml.safe_load((root / f"{name}.yaml").read_text())
 
 
+def preset_name(name: str) -> str:
+    """An argparse ``type=`` for a ``--preset`` flag: ``name`` when it is a built-in preset.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name (the message lists the known ones), which argparse
+            reports as a usage error (exit status 2) instead of a traceback.
+    """
+    import argparse
+
+    try:
+        load_preset(name)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def cache_root() -> Path:
     """``$UNIFIED_MODELS_CACHE`` or ``~/.cache/unified_models``."""
     return Path(os.environ.get("UNIFIED_MODELS_CACHE", Path.home() / ".cache" / "unified_models"))
