@@ -390,7 +390,8 @@ def measure(spec, model, batches, positions, *, chunk_index: int = 1, iters: int
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from unified_models.presets import preset_name
-    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced", help="widths of its first Mamba-2 layer")
+    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced",
+                   help="widths of its first Mamba-2 layer")
     for flag, field in WIDTH_FLAGS.items():
         ap.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=f"override {field}")
     ap.add_argument("--chunk", type=int, nargs="+", default=None,

@@ -237,7 +237,8 @@ def _same(a: dict, b: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from unified_models.presets import preset_name
-    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced", help="widths of its first Mamba-2 layer")
+    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced",
+                   help="widths of its first Mamba-2 layer")
     ap.add_argument("--batches", nargs="+", default=["8x2048", "64x256"], metavar="SxL",
                     help="prefill batches: S fresh sequences of L tokens")
     ap.add_argument("--iters", type=int, default=10, help="back-to-back calls per timing")

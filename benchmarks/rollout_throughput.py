@@ -770,7 +770,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     from unified_models.presets import preset_name
-    src.add_argument("--preset", type=preset_name, default=None, help="built-in preset to build (default nemotron_3_nano_reduced)")
+    src.add_argument("--preset", type=preset_name, default=None,
+                     help="built-in preset to build (default nemotron_3_nano_reduced)")
     src.add_argument("--model", default=None, help="checkpoint directory (config.json names NemotronHForCausalLM)")
     ap.add_argument("--workloads", nargs="+", type=parse_workload,
                     default=[parse_workload(w) for w in NAMED_WORKLOADS],

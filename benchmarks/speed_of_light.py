@@ -12,10 +12,10 @@ context ``L`` must read at least (issue 18 item 6):
   d_state``, in ``mamba_ssm_cache_dtype``) and the conv state (``(conv_kernel - 1) x conv_dim``).
 
 A quantized preset (one with ``quantize:`` in ``unified_models/configs/<name>.yaml``, e.g.
-``nemotron_3_nano_reduced_nvfp4``) counts its
-base preset's tensors in the stored formats of ModelOpt's export: an NVFP4 weight 0.5 + 1/16 bytes per
-element (two e2m1 values per byte, one e4m3 scale per 16 elements), an FP8 weight 1 byte, an FP8 KV cache
-1 byte per element; per-tensor fp32 scales are not counted.
+``nemotron_3_nano_reduced_nvfp4``) counts its base preset's tensors in the stored formats of ModelOpt's
+export: an NVFP4 weight 0.5 + 1/16 bytes per element (two e2m1 values per byte, one e4m3 scale per 16
+elements), an FP8 weight 1 byte, an FP8 KV cache 1 byte per element; per-tensor fp32 scales are not
+counted.
 
 The bound is ``B / (bytes / HBM bandwidth)`` tokens/s (4.8 TB/s: the H200's HBM3e). ``B`` =
 ``min(requests, max_num_seqs)`` of the run, ``L`` = prompt + half the completion. The measured

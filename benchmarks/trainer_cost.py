@@ -197,11 +197,12 @@ def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def device_us(e, kind: str) -> float:  # kind "self_" or "": torch's device_* names, else older cuda_*
+        name = f"{kind}device_time_total"
+        return float((getattr(e, name) if hasattr(e, name) else getattr(e, f"{kind}cuda_time_total", 0.0)) or 0.0)
+
     def self_us(e) -> float:
-        if device == "cuda":
-            return float(e.self_device_time_total if hasattr(e, "self_device_time_total")
-                         else getattr(e, "self_cuda_time_total", 0.0))
-        return float(e.self_cpu_time_total)
+        return device_us(e, "self_") if device == "cuda" else float(e.self_cpu_time_total)
 
     events = sorted(prof.key_averages(), key=self_us, reverse=True)[:n]
     top = [{"name": e.key[:120], "self_ms": round(self_us(e) / 1e3, 3), "calls": int(e.count)} for e in events]
@@ -221,8 +222,7 @@ def _top_kernels(fn: Callable[[], object], device: str, n: int = 15) -> dict:
             continue
         rec = nodes.setdefault(_node_name(e.name), {"calls": 0, "device_us": 0.0, "cpu_us": 0.0, "ops": 0})
         rec["calls"] += 1
-        dev_us = e.device_time_total if hasattr(e, "device_time_total") else getattr(e, "cuda_time_total", 0.0)
-        rec["device_us"] += float(dev_us or 0.0)
+        rec["device_us"] += device_us(e, "")
         rec["cpu_us"] += float(e.cpu_time_total)
         rec["ops"] += aten_leaves(e)
     key = "device_us" if device == "cuda" else "cpu_us"
@@ -786,7 +786,9 @@ def format_table(report: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit with argparse's usage error (status 2)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="nemotron_3_nano_reduced",
+    from unified_models.presets import preset_name
+
+    ap.add_argument("--preset", type=preset_name, default="nemotron_3_nano_reduced",
                     help="built-in preset (default nemotron_3_nano_reduced; nemotron_h_dense_bench for GPTModel)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when visible")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per step / recompute (default 64)")
@@ -829,13 +831,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not sides or any(s not in SIDES for s in sides):
         ap.error(f"--sides {args.sides!r}: a comma list of {', '.join(SIDES)}")
     args.sides = sides
-    from unified_models.dsl import SpecError
-    from unified_models.presets import load_preset
-
-    try:
-        load_preset(args.preset)
-    except SpecError as e:
-        ap.error(str(e))
     from unified_models.run_options import resolve_device
 
     try:
