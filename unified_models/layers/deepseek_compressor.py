@@ -113,7 +113,9 @@ def compress_step(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tens
     t, pos, seq = x_TD.shape[0], batch.positions.long(), batch.seq_idx.long()
     kv_TC = apply_linear(ctx.model, params, f"{pfx}.wkv", x_TD, out_dtype=torch.float32)
     sc_TC = apply_linear(ctx.model, params, f"{pfx}.wgate", x_TD, out_dtype=torch.float32)
-    sc_TC = sc_TC + params[f"{pfx}.ape"].float()[pos.clamp(min=0) % m]
+    # a table lookup through ops.embedding: its backward sums repeated rows in a fixed order (t[idx]'s
+    # CPU backward adds with atomics at this size: tests/ops/test_backward_determinism.py)
+    sc_TC = sc_TC + ops.embedding(pos.clamp(min=0) % m, params[f"{pfx}.ape"].float())
     row_T1R = torch.cat([kv_TC, sc_TC], dim=-1).view(t, 1, 2 * c * d)
     ops.write_kv_cache(row_T1R, row_T1R, rows.k_cache, rows.k_cache, rows.slot_mapping)
     if t == 0:

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from .._dispatch import host_to_device
-from ..grad.helpers import _HALF, acc, needs_grad
+from ..grad.helpers import _HALF, acc, index_add_rows, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .causal_grads import MAX_HEAD_DIM
@@ -425,8 +425,8 @@ class PagedAttentionFn(torch.autograd.Function):
         # gather transposed: key-row gradients summed back onto their sources
         dsrc_k = torch.zeros((sum(plan.sizes), *dk.shape[1:]), dtype=dk.dtype, device=dk.device)
         dsrc_v = torch.zeros_like(dsrc_k)
-        dsrc_k.index_add_(0, plan.index, dk)
-        dsrc_v.index_add_(0, plan.index, dv)
+        index_add_rows(dsrc_k, plan.index, dk)
+        index_add_rows(dsrc_v, plan.index, dv)
         dks, dvs = dsrc_k.split(plan.sizes)[1:-1], dsrc_v.split(plan.sizes)[1:-1]
         grads = []
         for i, t in enumerate(kv):
@@ -469,7 +469,7 @@ def _backward_compressed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, d
             dq[tk] = gq
             dk[ka:kb] += gk
             dv[ka:kb] += gv
-            dc_src.index_add_(0, cidx.reshape(-1), gc.reshape(-1, *gc.shape[2:]))
+            index_add_rows(dc_src, cidx.reshape(-1), gc.reshape(-1, *gc.shape[2:]))
     return dsink, list(dc_src.split(plan.c_sizes)[1:-1])
 
 
@@ -577,7 +577,7 @@ class ReadKVFn(torch.autograd.Function):
         plan = ctx.plan
         g = acc(g_XGE)
         dsrc = torch.zeros((sum(plan.sizes), *plan.row_shape), dtype=g.dtype, device=g.device)
-        dsrc.index_add_(0, plan.index, g)
+        index_add_rows(dsrc, plan.index, g)
         parts = dsrc.split(plan.sizes)[1:-1]
         return None, *(parts[i].to(dt) if ctx.needs_input_grad[1 + i] else None for i, dt in enumerate(ctx.dtypes))
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import acc, needs_grad
+from ..grad.helpers import acc, index_add_rows, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 
 
 class EmbeddingFn(torch.autograd.Function):
-    """``out[t] = W[ids[t]]``: ``dW = index_add(ids, dOut)`` (repeated ids accumulate)."""
+    """``out[t] = W[ids[t]]``: ``dW = index_add(ids, dOut)`` (repeated ids accumulate, in a fixed order:
+    :func:`~unified_models.ops.grad.helpers.index_add_rows`)."""
 
     @staticmethod
     def forward(ctx, input_ids_T, weight_VD):
@@ -28,7 +29,7 @@ class EmbeddingFn(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         w = ctx.weight
         g = acc(g_TD)
-        dw = torch.zeros(w.shape, dtype=g.dtype, device=g.device).index_add_(0, ids.long(), g)
+        dw = index_add_rows(torch.zeros(w.shape, dtype=g.dtype, device=g.device), ids.long(), g)
         return None, dw.to(w.dtype)
 
 

@@ -2,7 +2,8 @@
 
 :func:`acc` and :func:`_cast` pick the backward's accumulation dtype and cast a
 gradient back to its input's dtype; :func:`needs_grad` decides whether an entry
-point builds a graph at all.
+point builds a graph at all; :func:`index_add_rows` is the backward's scatter-add
+(the same bits on every run, also on CUDA); :func:`grad_matmul` its GEMM.
 """
 
 from __future__ import annotations
@@ -22,6 +23,40 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """True when grad mode is on and one of ``tensors`` requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def sorted_accumulate(t: torch.Tensor) -> bool:
+    """Whether :func:`index_add_rows` sums through ``index_put_(accumulate=True)`` for a tensor on
+    ``t``'s device (CUDA, and any other non-CPU device) rather than ``index_add_`` (the CPU).
+    ``tests/ops/test_backward_determinism.py`` forces it on the CPU to audit the CUDA form."""
+    return t.device.type != "cpu"
+
+
+def index_add_rows(dst_X: torch.Tensor, index_Y: torch.Tensor, src_Y: torch.Tensor) -> torch.Tensor:
+    """``dst[index[i]] += src[i]`` for every ``i`` along dim 0, in place, with the same bits on every run.
+
+    ``index_add_``'s CUDA kernel adds with atomics (``fastAtomicAdd``, PyTorch
+    ``aten/src/ATen/native/cuda/Indexing.cu``), so a destination row that several ``i`` hit (an
+    embedding row of a repeated token, a compressed entry several queries read) gets its sum in
+    a different order from run to run, and ``rl --resume`` could not continue bitwise. On CUDA
+    this sums through ``index_put_(indices, src, accumulate=True)`` instead, PyTorch's sort-based
+    kernel (what ``torch.use_deterministic_algorithms(True)`` makes ``index_add_`` do, without
+    switching that mode on for everything); on the CPU ``index_add_`` (serial over ``index``).
+
+    Args:
+        dst_X: ``[X, ...]`` floating tensor, updated in place.
+        index_Y: ``[Y]`` int32 / int64 destination rows, each in ``[0, X)`` (repeats allowed).
+        src_Y: ``[Y, ...]`` rows to add (``dst``'s dtype and trailing shape).
+
+    Returns:
+        ``dst_X`` itself.
+
+    Raises:
+        IndexError / RuntimeError: from torch, for an index out of range or mismatched shapes.
+    """
+    if sorted_accumulate(dst_X):
+        return dst_X.index_put_((index_Y.long(),), src_Y, accumulate=True)
+    return dst_X.index_add_(0, index_Y, src_Y)
 
 
 _HALF = (torch.bfloat16, torch.float16)

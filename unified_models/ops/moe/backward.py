@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import host_to_device
-from ..grad.helpers import acc, grad_matmul
+from ..grad.helpers import acc, grad_matmul, index_add_rows, sorted_accumulate
 from ..grad.weights import check_stamps, stamp
 from ..nvfp4 import NVFP4Weight, nvfp4_dequantize, nvfp4_quantize
 from . import dispatch
@@ -91,6 +91,18 @@ def grouped_assignments(ids_TK: torch.Tensor, num_experts: int):
         yield es, es_t, rows, torch.where(valid, rows // K, T)
 
 
+def put_rows(dst_X: torch.Tensor, rows_GP: torch.Tensor, val_GP: torch.Tensor) -> None:
+    """``dst[rows[i, j]] = val[i, j]`` into a zero-initialised ``dst`` whose real rows ``rows`` lists at most
+    once (the padding slots all name the sink row ``R``, whose value is dropped): an accumulating scatter
+    (:func:`~unified_models.ops.grad.helpers.index_add_rows`), so even the sink's many writes land in a fixed
+    order on CUDA and no op of the backward races (``tests/ops/test_backward_determinism.py``).
+
+    Args:
+        dst_X: ``[R + 1, ...]`` zeros (fp32 / fp64), written in place; rows_GP: ``[G, P]`` int64 rows;
+        val_GP: ``[G, P, ...]`` values (``dst``'s dtype and trailing shape)."""
+    index_add_rows(dst_X, rows_GP.reshape(-1), val_GP.reshape(-1, *val_GP.shape[2:]))
+
+
 def group_weight(w: ExpertWeight, experts: list[int], experts_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[G, N, K]``: the listed experts' weights as the kernels compute with them (:func:`expert_weight`);
     a tensor stack is indexed (not copied when the group is every expert in order), an NVFP4 stack
@@ -110,7 +122,11 @@ def _needs_grad(*ts) -> bool:
 
 
 def _route_weights(x, w, ids, norm_topk_prob, routed_scaling_factor, score=torch.sigmoid):
-    sel = score(x @ w.t()).gather(1, ids.long())
+    scores = score(x @ w.t())
+    if sorted_accumulate(scores):  # gather's CUDA backward (scatter_add) adds a row's repeated ids with atomics
+        sel = scores[torch.arange(ids.shape[0], device=ids.device)[:, None], ids.long()]
+    else:
+        sel = scores.gather(1, ids.long())
     if norm_topk_prob:
         sel = sel / (sel.sum(-1, keepdim=True) + NORM_EPS)
     return sel * routed_scaling_factor
@@ -207,7 +223,7 @@ class ExpertsFn(torch.autograd.Function):
                 r = torch.relu(u)
                 h = r * r
                 if nw:
-                    dw_rows[rows] = (ge * grad_matmul(h, wd.transpose(1, 2)).to(dt)).sum(-1)
+                    put_rows(dw_rows, rows, (ge * grad_matmul(h, wd.transpose(1, 2)).to(dt)).sum(-1))
                 if nx or nu or nd:
                     dy = ge * w_pad[rows][..., None]
                     if nd:
@@ -217,7 +233,7 @@ class ExpertsFn(torch.autograd.Function):
                         if nu:
                             dup[es_t] = grad_matmul(du.transpose(1, 2), xe).to(dup.dtype)
                         if nx:
-                            dx_rows[rows] = grad_matmul(du, wu).to(dt)
+                            put_rows(dx_rows, rows, grad_matmul(du, wu).to(dt))
         dx = dx_rows[:R].view(T, K, D).sum(1) if nx else None
         dw = dw_rows[:R].view(T, K) if nw else None
         return (dx.to(x_in.dtype) if nx else None,

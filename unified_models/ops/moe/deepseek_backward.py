@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..grad.helpers import acc, grad_matmul, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
-from .backward import RouteFn, group_weight, grouped_assignments
+from .backward import RouteFn, group_weight, grouped_assignments, put_rows
 from .common import MASTERS, ExpertWeight, quantizes_activations, stack_expert
 from .deepseek_cpu import fp8_activation_f64
 from .deepseek_reference import swiglu
@@ -140,9 +140,9 @@ class SwigluExpertsFn(torch.autograd.Function):
                     leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
                     grads = list(torch.autograd.grad(y, leaves, g_pad[tok]))
                 if nx:
-                    dx_rows[rows] = grads.pop(0)
+                    put_rows(dx_rows, rows, grads.pop(0))
                 if nw:
-                    dw_rows[rows] = grads.pop(0)
+                    put_rows(dw_rows, rows, grads.pop(0))
                 for j in range(3):
                     if need[j]:
                         dstacks[j][es_t] = grads.pop(0).to(dstacks[j].dtype)
