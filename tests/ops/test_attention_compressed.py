@@ -270,15 +270,21 @@ def test_compressed_k_zero_equals_all_minus_one(gen, inv, device, monkeypatch):
         torch.testing.assert_close(a.double(), ref, **BF16_TOL)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend,chunking", [("torch", "default"), ("triton", "default"),
+                                              ("torch", "chunks of 4, one per batch"), ("torch", "chunks of 4, one batch")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressed_gradients_match_fp64(backend, dtype, device, gen, inv, monkeypatch):
+def test_compressed_gradients_match_fp64(backend, chunking, dtype, device, gen, inv, monkeypatch):
     """Two packed sequences (21 and 9 tokens), window 5, ratio 4, CSA-like lists, a sink. Step 1
     (no grad) writes the first 6 tokens of sequence 0 and its first entry; step 2 writes the rest
     with grad and attends: gradients to q, the sink, the window K = V and the entries written in
     step 2 vs fp64 autograd of the dense oracle (step 1's keys and entries constants)."""
     if backend == "triton" and device == "cuda":
         pytest.skip("CPU inputs; the CUDA kernels' gradients run in tests/gpu/")
+    if chunking != "default":  # the windowed backward's layout: partial chunks, padded slots and spans, batches
+        from unified_models.ops.attention import backward as attn_backward
+
+        monkeypatch.setattr(attn_backward, "GRAD_TOKENS", 4)
+        monkeypatch.setattr(attn_backward, "GRAD_BATCH_ELEMENTS", 1 if chunking.endswith("per batch") else 1 << 40)
     monkeypatch.setenv("UM_OPS_BACKEND", backend)
     H, S, W, r, pages = 4, 16, 5, 4, 2
     lens, pre = [21, 9], 6

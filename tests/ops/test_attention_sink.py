@@ -103,13 +103,19 @@ def test_sink_argument_errors():
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend,chunking", [("torch", "default"), ("triton", "default"),
+                                              ("torch", "chunks of 4, one per batch"), ("torch", "chunks of 4, one batch")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sink_gradients_match_fp64(backend, dtype, device, gen, inv, monkeypatch):
+def test_sink_gradients_match_fp64(backend, chunking, dtype, device, gen, inv, monkeypatch):
     """Two packed sequences (21 and 6 tokens) over one shared K = V cache, window 7, a sink:
     gradients to q, k (= v) and the sink vs fp64 autograd of the oracle."""
     if backend == "triton" and device == "cuda":
         pytest.skip("CPU inputs; the CUDA kernels' gradients run in tests/gpu/")
+    if chunking != "default":  # the windowed backward's layout: partial chunks, padded slots and spans, batches
+        from unified_models.ops.attention import backward as attn_backward
+
+        monkeypatch.setattr(attn_backward, "GRAD_TOKENS", 4)
+        monkeypatch.setattr(attn_backward, "GRAD_BATCH_ELEMENTS", 1 if chunking.endswith("per batch") else 1 << 40)
     monkeypatch.setenv("UM_OPS_BACKEND", backend)
     H, G, S, W, E = 4, 1, 16, 7, 32
     lens = [21, 6]

@@ -45,9 +45,16 @@ compressed cache ``[N, S//ratio, G, E]`` carries its own tape (its entries are w
 with ``write_kv_cache(e, e, cache, cache, entry_slots)``); each listed entry of each row
 is resolved the same way (the latest taped write of its slot, else a constant snapshot),
 and the recomputation attends, per row, its window keys then its listed entries (K = V)
-in one softmax with the sink, in chunks of :data:`GRAD_TOKENS` tokens of one sequence
-(ordered by position; the keys of a chunk are its window span only), so its memory is
-``GRAD_TOKENS x K x G x E`` for the entries, whatever the sequence length.
+in one softmax with the sink.
+
+Windowed attention (a sliding window, with or without compressed entries: DeepSeek-V4's layers)
+is recomputed in chunks of :data:`GRAD_TOKENS` tokens of one sequence (by position; a chunk reads
+its window span only), the chunks of all sequences batched up to :data:`GRAD_BATCH_ELEMENTS`
+(:func:`_backward_windowed`): memory bounded whatever the sequence length (a whole-sequence
+``[H, T, T]`` score matrix is not), and the layout worked out on the host in the forward, so the
+backward waits for the device nowhere and launches a few dozen kernels per batch, not per sequence
+and chunk (DeepSeek-V4 tiny, 4 x 1,024 tokens: 51,278 ATen ops and 411 device reads in the step's
+backward before, 12,477 and 3 after).
 
 :func:`read_kv_cache` reads cache rows back (the compressor's per-token rows) and is
 differentiable the same way: rows of a taped write carry its graph, others are constants.
@@ -77,7 +84,13 @@ from .reference import softmax_with_sink
 TAPE_ATTR = "_um_kv_tape"
 
 GRAD_TOKENS = 64
-"""Query tokens per recomputation chunk of compressed attention's backward (memory only)."""
+"""Query tokens per chunk of the windowed backward (:func:`_backward_windowed`): a chunk is that many
+consecutive tokens of one sequence, read over its window span only (memory only, not the values)."""
+
+GRAD_BATCH_ELEMENTS = 1 << 28
+"""fp32 elements (1 GiB) the windowed backward's chunks of one batch may hold in gathered keys, entries
+and scores together (:func:`_window_layout`'s estimate): chunks of every sequence are batched up to it,
+so a micro-batch's backward is a few batches, not one loop per sequence and chunk."""
 
 
 @dataclass
@@ -209,12 +222,14 @@ class _Plan:
             return x.to(self.cache_dtype)
         return kv_fp8_roundtrip(x, (self.k_scale, self.v_scale)[which], self.read_dtype)
 
-    def build(self, mark_self_attention: bool = False) -> None:
+    def build(self, mark_self_attention: bool = False, num_heads: int = 1) -> None:
         """Resolve every key's source. The sequences' layout is read to the host once (one device
         read for ``seq_idx`` and ``positions`` together; it was three per sequence) and worked out
         in numpy; the index tensors go back in one non-blocking copy. With ``mark_self_attention``
         (:func:`fused_recompute_eligible`), also mark the groups whose queries are exactly their
-        keys ``0..P-1`` (:attr:`self_attention`)."""
+        keys ``0..P-1`` (:attr:`self_attention`). With a window or compressed entries, also lay out
+        the chunks of :func:`_backward_windowed` (:attr:`window_batches`; ``num_heads``: the query's
+        H, for the memory estimate)."""
         kc, vc = self.k_cache, self.v_cache
         dev, s = kc.device, kc.shape[1]
         n_slots = kc.shape[0] * s
@@ -249,6 +264,11 @@ class _Plan:
             tok = order_d[f:f + n]
             self.groups.append((tok, pos_d[tok], start, n_keys, lo))
             start += n_keys
+        self.window_batches = None
+        if self.sliding_window is not None or self.compressed is not None:
+            k_per_row = 0 if self.compressed is None else self.compressed.entries_TK.shape[1]
+            self.window_batches = _window_layout(order, pos_h, plan, self.sliding_window, t, int(key_p.shape[0]),
+                                                 k_per_row, num_heads, kc.shape[2] * kc.shape[3], dev)
         kslots = self.block_table.long().to(dev)[key_b_d, key_p_d // s] * s + key_p_d % s
         # constants (earlier chunks): the cache rows no taped write covers
         (self.k_const, self.v_const), self.index, self.sizes = _resolve(kslots, self.writes, n_slots, s, (kc, vc))
@@ -288,26 +308,109 @@ def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: i
     return o.transpose(0, 1)
 
 
-def _attend_compressed(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int, sliding_window: int, sink_H, c_TKGE,
-                       cvalid_TK):
-    """fp32 attention of queries at ``qpos`` over keys ``key0..key0+P-1`` (their windows) and then
-    each row's own compressed entries ``c_TKGE[t]`` (K = V; ``cvalid_TK`` the attended slots),
-    one softmax with the sink's column. Plain torch (differentiable); q heads grouped per kv
-    head (``[T, G, R, E]``), so no entry is repeated across heads."""
-    t, h, e = q_THE.shape
-    g = k_PGE.shape[1]
+def _attend_window(q_BTHE, k_BSGE, v_BSGE, mask_BTS, scale, sink_H, c_BTKGE=None, cvalid_BTK=None):
+    """fp32 attention of B chunks of queries over their chunk's keys (``mask_BTS``: which key each
+    query attends, its window) and, with ``c_BTKGE``, each query's own compressed entries (K = V;
+    ``cvalid_BTK`` the attended ones), one softmax per query with the sink's column. Plain torch
+    (differentiable); q heads grouped per kv head (``[B, T, G, R, E]``), so no key is repeated
+    across heads. Every query must attend at least one key or have a sink (else its row is NaN).
+
+    Returns:
+        ``[B, T, H, E]``.
+    """
+    b, t, h, e = q_BTHE.shape
+    g = k_BSGE.shape[2]
     r = h // g
-    kpos = key0 + torch.arange(k_PGE.shape[0], device=q_THE.device)
-    mask = (kpos[None, :] <= qpos_T[:, None]) & (kpos[None, :] > qpos_T[:, None] - sliding_window)
-    qg = q_THE.view(t, g, r, e)
-    sw = torch.einsum("tgre,pge->grtp", qg, k_PGE).reshape(h, t, -1) * scale
-    sw = sw.masked_fill(~mask, float("-inf"))
-    sc = torch.einsum("tgre,tkge->grtk", qg, c_TKGE).reshape(h, t, -1) * scale
-    sc = sc.masked_fill(~cvalid_TK, float("-inf"))
-    probs = softmax_with_sink(torch.cat([sw, sc], dim=-1), sink_H)  # [H, T, P + K]
-    n = k_PGE.shape[0]
-    pw, pc = probs[..., :n].view(g, r, t, n), probs[..., n:].view(g, r, t, -1)
-    return (torch.einsum("grtp,pge->tgre", pw, v_PGE) + torch.einsum("grtk,tkge->tgre", pc, c_TKGE)).reshape(t, h, e)
+    qg = q_BTHE.view(b, t, g, r, e)
+    sw = torch.einsum("btgre,bsge->grbts", qg, k_BSGE).reshape(h, b, t, -1) * scale
+    parts = [sw.masked_fill(~mask_BTS, float("-inf"))]
+    if c_BTKGE is not None:
+        sc = torch.einsum("btgre,btkge->grbtk", qg, c_BTKGE).reshape(h, b, t, -1) * scale
+        parts.append(sc.masked_fill(~cvalid_BTK, float("-inf")))
+    probs = softmax_with_sink(torch.cat(parts, dim=-1), sink_H)  # [H, B, T, S + K]
+    n = k_BSGE.shape[1]
+    out = torch.einsum("grbts,bsge->btgre", probs[..., :n].reshape(g, r, b, t, n), v_BSGE)
+    if c_BTKGE is not None:
+        out = out + torch.einsum("grbtk,btkge->btgre", probs[..., n:].reshape(g, r, b, t, -1), c_BTKGE)
+    return out.reshape(b, t, h, e)
+
+
+def _window_layout(order: np.ndarray, pos_h: np.ndarray, plan: list, window: int | None, t: int, n_keys: int,
+                   k_per_row: int, num_heads: int, kv_width: int, dev: torch.device) -> list:
+    """The chunks of :func:`_backward_windowed`, worked out on the host and batched.
+
+    Each sequence's real tokens (position >= 0), in position order, are cut into chunks of
+    :data:`GRAD_TOKENS`; a chunk reads the keys of its window span only (``window_start`` of its
+    first position .. its last position). Chunks of all sequences are batched in order while a
+    batch's estimate (gathered entries, keys and scores, fp32 elements) stays within
+    :data:`GRAD_BATCH_ELEMENTS`; each batch is padded to ``[B, GRAD_TOKENS]`` queries and ``[B, S]``
+    keys, S its widest span.
+
+    Args:
+        order: ``[T]`` row of each token, grouped by sequence, each sequence in position order;
+        pos_h: ``[T]`` positions (host); plan: per sequence ``(b, first index in order, n, lo, n keys)``
+            as :meth:`_Plan.build` lays them out (key rows of sequence i start at the sum of the earlier
+            ones' key counts, its key j at position ``lo + j``); window: W or None; t: T; n_keys: the key
+            rows in all (the zero key row's index); k_per_row: compressed entries per token (0: none);
+            num_heads: H; kv_width: G * E; dev: where the batches go.
+
+    Returns:
+        Per batch ``(tok [B, Q], ctok [B, Q], qpos [B, Q], krow [B, S], klo [B])`` int64 on ``dev`` (views
+        of one tensor copied once): the query rows (padding slots: ``t``, a zero row), the rows whose
+        entries and position a slot uses (a padding slot: its chunk's last token, so its softmax is a real
+        one), the keys' rows (past a chunk's span: ``n_keys``, a zero row) and the position of each
+        chunk's first key.
+    """
+    gt = GRAD_TOKENS
+    chunks = []  # (rows [n], positions [n], first key row, first key position, span)
+    key0 = 0
+    for _, f, n, lo, nk in plan:
+        rows = order[f:f + n]
+        rp = pos_h[rows]
+        real = rp >= 0
+        rows, rp = rows[real], rp[real]
+        for a in range(0, rows.shape[0], gt):
+            cr, cp = rows[a:a + gt], rp[a:a + gt]
+            clo = 0 if window is None else max(0, int(cp[0]) - window + 1)
+            chunks.append((cr, cp, key0 + clo - lo, clo, int(cp[-1]) - clo + 1))
+        key0 += nk
+    per_chunk = lambda span: 2 * gt * k_per_row * kv_width + 4 * span * kv_width + 6 * num_heads * gt * (span + k_per_row)  # noqa: E731
+    batches, cur, widest = [], [], 0
+    for c in chunks:
+        w_new = max(widest, c[4])
+        if cur and per_chunk(w_new) * (len(cur) + 1) > GRAD_BATCH_ELEMENTS:
+            batches.append((cur, widest))
+            cur, w_new = [], c[4]
+        cur.append(c)
+        widest = w_new
+    if cur:
+        batches.append((cur, widest))
+    host, shapes = [], []
+    for cs, span in batches:
+        b = len(cs)
+        tok = np.full((b, gt), t, dtype=np.int64)
+        ctok = np.empty((b, gt), dtype=np.int64)
+        qpos = np.empty((b, gt), dtype=np.int64)
+        krow = np.full((b, span), n_keys, dtype=np.int64)
+        klo = np.empty(b, dtype=np.int64)
+        for i, (cr, cp, kr, clo, sp) in enumerate(cs):
+            m = cr.shape[0]
+            tok[i, :m], ctok[i, :m], qpos[i, :m] = cr, cr, cp
+            ctok[i, m:], qpos[i, m:] = cr[-1], cp[-1]
+            krow[i, :sp] = np.arange(kr, kr + sp)
+            klo[i] = clo
+        host += [tok.ravel(), ctok.ravel(), qpos.ravel(), krow.ravel(), klo]
+        shapes.append((b, span))
+    if not host:
+        return []
+    flat = host_to_device(torch.from_numpy(np.concatenate(host)), dev)
+    out, at = [], 0
+    for b, span in shapes:
+        sizes = [b * gt, b * gt, b * gt, b * span, b]
+        tok, ctok, qpos, krow, klo = flat[at:at + sum(sizes)].split(sizes)
+        at += sum(sizes)
+        out.append((tok.view(b, gt), ctok.view(b, gt), qpos.view(b, gt), krow.view(b, span), klo))
+    return out
 
 
 #: The fused half-precision recompute (:func:`_fused_causal_grads`) is on unless
@@ -375,7 +478,7 @@ class PagedAttentionFn(torch.autograd.Function):
         out = dispatch.paged_attention(q_THE, plan.k_cache, plan.v_cache, plan.block_table, plan.seq_idx,
                                         plan.positions, plan.scale, plan.k_scale, plan.v_scale, plan.sliding_window,
                                         sink=sink_H, compressed=plan.compressed)
-        plan.build(mark_self_attention=fused_recompute_eligible(q_THE, plan, sink_H))
+        plan.build(mark_self_attention=fused_recompute_eligible(q_THE, plan, sink_H), num_heads=q_THE.shape[1])
         ctx.plan = plan
         ctx.sink = sink_H
         ctx.stamps = stamp(sink=sink_H)
@@ -398,9 +501,9 @@ class PagedAttentionFn(torch.autograd.Function):
         q, g = acc(q_in), acc(g_THE)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
         grads_c = []
-        if plan.has_compressed:
-            dsink, grads_c = _backward_compressed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
-        window_groups = [] if plan.has_compressed else plan.groups
+        if plan.window_batches is not None:
+            dsink, grads_c = _backward_windowed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
+        window_groups = [] if plan.window_batches is not None else plan.groups
         fused = [grp for grp, mark in zip(window_groups, plan.self_attention) if mark]
         if fused:  # whole prompts: one fused, deterministic recompute for all of them
             tok = torch.cat([grp[0] for grp in fused])
@@ -438,39 +541,50 @@ class PagedAttentionFn(torch.autograd.Function):
         return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), gsink, None, *grads
 
 
-def _backward_compressed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv):
-    """The recomputation of compressed attention (fills ``dq``/``dk``/``dv`` in place): per sequence,
-    its tokens by position in chunks of :data:`GRAD_TOKENS`, each over the keys of its windows and
-    its rows' listed entries. Returns ``(dsink, [gradient of each compressed write])``."""
-    const = acc(plan.c_const)
-    c_src = torch.cat([const] + [acc(t.to(plan.c_dtype)) for t in cw] + [const.new_zeros((1, *const.shape[1:]))])
-    dc_src = torch.zeros_like(c_src)
+def _backward_windowed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv):
+    """The recomputation of windowed attention, with or without compressed entries (adds into ``dq``,
+    ``dk``, ``dv`` in place): the chunks of :attr:`_Plan.window_batches` (every sequence's tokens by
+    position, :data:`GRAD_TOKENS` at a time, over their window span and their rows' listed entries),
+    a batch of chunks per recomputation. The layout was worked out on the host in the forward, so
+    nothing here waits for the device; the gradients go back to their rows through
+    :func:`~unified_models.ops.grad.helpers.index_add_rows` (a fixed order: a key row is read by
+    several chunks, an entry by many rows). Padding slots read a zero query and carry a zero
+    gradient, so they add exact zeros. Returns ``(dsink, [gradient of each compressed write])``."""
+    comp = plan.has_compressed
+    if comp:
+        const = acc(plan.c_const)
+        c_src = torch.cat([const] + [acc(t.to(plan.c_dtype)) for t in cw] + [const.new_zeros((1, *const.shape[1:]))])
+        dc_src = torch.zeros_like(c_src)
     w = plan.sliding_window
-    for tok, qpos, start, n, key0 in plan.groups:
-        real = qpos >= 0  # padding rows attend nothing (zero output, no gradient)
-        tok, qpos = tok[real], qpos[real]
-        order = torch.argsort(qpos, stable=True)
-        for a in range(0, tok.shape[0], GRAD_TOKENS):
-            sel = order[a:a + GRAD_TOKENS]
-            tk, qp = tok[sel], qpos[sel]
-            lo, hi = int(window_start(qp.min(), w)), int(qp.max())
-            ka, kb = start + lo - key0, start + hi - key0 + 1
-            cidx = plan.c_index[tk]  # [Tc, K]
-            with torch.enable_grad():
-                qb = q[tk].detach().requires_grad_()
-                kb_ = k_all[ka:kb].detach().requires_grad_()
-                vb = v_all[ka:kb].detach().requires_grad_()
-                cb = c_src[cidx].detach().requires_grad_()
-                sb = None if sink is None else sink.detach().requires_grad_()
-                ob = _attend_compressed(qb, kb_, vb, qp, plan.scale, lo, w, sb, cb, plan.c_valid[tk])
-                gq, gk, gv, gc, *gs = torch.autograd.grad(ob, (qb, kb_, vb, cb) + (() if sb is None else (sb,)), g[tk])
-            if gs:
-                dsink += gs[0]
-            dq[tk] = gq
-            dk[ka:kb] += gk
-            dv[ka:kb] += gv
-            index_add_rows(dc_src, cidx.reshape(-1), gc.reshape(-1, *gc.shape[2:]))
-    return dsink, list(dc_src.split(plan.c_sizes)[1:-1])
+    q_pad, g_pad = (torch.cat([x, x.new_zeros((1, *x.shape[1:]))]) for x in (q, g))  # row T: padding slots
+    k_pad, v_pad = (torch.cat([x, x.new_zeros((1, *x.shape[1:]))]) for x in (k_all, v_all))  # the zero key row
+    dq_pad, dk_pad, dv_pad = (torch.zeros_like(x) for x in (q_pad, k_pad, v_pad))
+    for tok, ctok, qpos, krow, klo in plan.window_batches:
+        kpos = klo[:, None] + torch.arange(krow.shape[1], device=krow.device)  # [B, S]
+        mask = kpos[:, None, :] <= qpos[:, :, None]
+        if w is not None:
+            mask &= kpos[:, None, :] > qpos[:, :, None] - w
+        cidx = plan.c_index[ctok] if comp else None  # [B, Q, K]
+        with torch.enable_grad():
+            qb = q_pad[tok].detach().requires_grad_()
+            kb = k_pad[krow].detach().requires_grad_()
+            vb = v_pad[krow].detach().requires_grad_()
+            cb = c_src[cidx].detach().requires_grad_() if comp else None
+            sb = None if sink is None else sink.detach().requires_grad_()
+            ob = _attend_window(qb, kb, vb, mask, plan.scale, sb, cb, plan.c_valid[ctok] if comp else None)
+            leaves = (qb, kb, vb) + ((cb,) if comp else ()) + (() if sb is None else (sb,))
+            grads = list(torch.autograd.grad(ob, leaves, g_pad[tok]))
+        index_add_rows(dq_pad, tok.reshape(-1), grads.pop(0).flatten(0, 1))
+        index_add_rows(dk_pad, krow.reshape(-1), grads.pop(0).flatten(0, 1))
+        index_add_rows(dv_pad, krow.reshape(-1), grads.pop(0).flatten(0, 1))
+        if comp:
+            index_add_rows(dc_src, cidx.reshape(-1), grads.pop(0).flatten(0, 2))
+        if grads:
+            dsink += grads.pop(0)
+    dq += dq_pad[:-1]
+    dk += dk_pad[:-1]
+    dv += dv_pad[:-1]
+    return dsink, (list(dc_src.split(plan.c_sizes)[1:-1]) if comp else [])
 
 
 def paged_attention_grad(q_THE, k_cache, v_cache, block_table_BN, seq_idx_T, positions_T, scale,
