@@ -271,7 +271,8 @@ def test_compressed_k_zero_equals_all_minus_one(gen, inv, device, monkeypatch):
 
 
 @pytest.mark.parametrize("backend,chunking", [("torch", "default"), ("triton", "default"),
-                                              ("torch", "chunks of 4, one per batch"), ("torch", "chunks of 4, one batch")])
+                                              ("torch", "chunks of 4, one per batch"),
+                                              ("torch", "chunks of 4, one batch")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressed_gradients_match_fp64(backend, chunking, dtype, device, gen, inv, monkeypatch):
     """Two packed sequences (21 and 9 tokens), window 5, ratio 4, CSA-like lists, a sink. Step 1

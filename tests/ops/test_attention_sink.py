@@ -104,7 +104,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 
 
 @pytest.mark.parametrize("backend,chunking", [("torch", "default"), ("triton", "default"),
-                                              ("torch", "chunks of 4, one per batch"), ("torch", "chunks of 4, one batch")])
+                                              ("torch", "chunks of 4, one per batch"),
+                                              ("torch", "chunks of 4, one batch")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sink_gradients_match_fp64(backend, chunking, dtype, device, gen, inv, monkeypatch):
     """Two packed sequences (21 and 6 tokens) over one shared K = V cache, window 7, a sink:

@@ -67,9 +67,10 @@ def _leaves(n, d, dtype, seed):
     def r(*shape, s=1.0):
         return (torch.randn(*shape, generator=g) * s).to(dtype).requires_grad_()
 
-    return (r(9, n, d), r(m, n * d, s=2 / (n * d) ** 0.5), r(m, s=0.5), (1 + 0.3 * torch.randn(3, generator=g)).to(dtype)
-            .requires_grad_(), r(n, n * d, s=2 / (n * d) ** 0.5), r(n, s=0.5), torch.tensor([1.3], dtype=dtype)
-            .requires_grad_())
+    scale = (1 + 0.3 * torch.randn(3, generator=g)).to(dtype).requires_grad_()
+    head_scale = torch.tensor([1.3], dtype=dtype).requires_grad_()
+    return (r(9, n, d), r(m, n * d, s=2 / (n * d) ** 0.5), r(m, s=0.5), scale, r(n, n * d, s=2 / (n * d) ** 0.5),
+            r(n, s=0.5), head_scale)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -92,7 +93,8 @@ def test_hc_pre_and_head_gradients_match_fp64(monkeypatch, backend, n, outputs):
 
     ref = _leaves(n, d, torch.float64, 5)
     loss(hc_pre_math(*ref[:4], NORM_EPS, HC_EPS, iters), hc_head_math(ref[0], *ref[4:], NORM_EPS, HC_EPS)).backward()
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5))[1 if backend == "triton" else 0:]:  # kernels: fp32
+    cases = ((torch.float64, 1e-10), (torch.float32, 1e-5))
+    for dtype, tol in cases[1:] if backend == "triton" else cases:  # the kernels take fp32
         xs = _leaves(n, d, dtype, 5)
         outs = ops.hc_pre(*xs[:4], norm_eps=NORM_EPS, hc_eps=HC_EPS, sinkhorn_iters=iters)
         head = ops.hc_head(xs[0], *xs[4:], norm_eps=NORM_EPS, hc_eps=HC_EPS)

@@ -374,7 +374,10 @@ def _window_layout(order: np.ndarray, pos_h: np.ndarray, plan: list, window: int
             clo = 0 if window is None else max(0, int(cp[0]) - window + 1)
             chunks.append((cr, cp, key0 + clo - lo, clo, int(cp[-1]) - clo + 1))
         key0 += nk
-    per_chunk = lambda span: 2 * gt * k_per_row * kv_width + 4 * span * kv_width + 6 * num_heads * gt * (span + k_per_row)  # noqa: E731
+
+    def per_chunk(span: int) -> int:  # gathered entries and their gradient, keys and values, ~6 score-sized tensors
+        return 2 * gt * k_per_row * kv_width + 4 * span * kv_width + 6 * num_heads * gt * (span + k_per_row)
+
     batches, cur, widest = [], [], 0
     for c in chunks:
         w_new = max(widest, c[4])
