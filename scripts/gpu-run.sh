@@ -41,7 +41,8 @@
 #   vLLM's native prefill, one optimizer step (64 x 1024 tokens) of ours vs Megatron's own model, per phase (~7 min).
 #   UM_TC_ARGS adds flags (e.g. "--profile", "--repeats 5"), UM_TC_PRESETS narrows the presets; JSON per preset in $OUT, side logs in trainer_cost_logs.tgz.
 #   First tests/gpu/test_autograd_gpu.py (the CUDA backward's gradients vs fp64 autograd; $OUT/autograd_gpu.log;
-#   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test).
+#   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test and two identical
+#   trainer backwards' bits), the batched MoE backward's and mHC's analytic backward's tests natively.
 #   UM_FUSED_ATTENTION_BACKWARD=0 times the fp32 attention recompute instead of the fused one (ops/attention/causal_grads.py).
 #   Megatron's MambaModel (the hybrid baseline) needs mamba_ssm: `bash scripts/mamba-ssm-wheel.sh` here once, then
 #   carry ".whl" in the device call (installed into /tmp/um-whl there); without it the row records the ImportError.
@@ -229,7 +230,8 @@ if [ "$stage" = trainer-cost ]; then  # issue 18 item 5: the trainer's cost (ben
       .whl/mamba_ssm-*.whl && export PYTHONPATH=/tmp/um-whl:$PYTHONPATH
   fi
   if [ "${UM_TC_GRADCHECK:-1}" = 1 ]; then  # the gradients the timed backward computes, against fp64 autograd
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_autograd_gpu.py tests/ops/test_moe_backward_groups.py -s 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_autograd_gpu.py tests/ops/test_moe_backward_groups.py \
+      tests/ops/test_mhc_backward.py -s 2>&1 \
       | tee "$OUT/autograd_gpu.log" \
       | grep -E "GRAD-ERR|passed|failed" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
   fi

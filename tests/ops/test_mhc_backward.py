@@ -32,7 +32,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("n,iters", [(4, 20), (3, 5), (2, 1), (4, 2)])
-def test_sinkhorn_grad_matches_fp64_autograd(n, iters):
+def test_sinkhorn_grad_matches_fp64_autograd(n, iters, device):
     """fp64 torch form == autograd of the loop to 1e-12 (the formulas); fp32 torch and the Triton kernel
     (interpreter; n = 3 pads the 4 x 4 tile) within 1e-6 relative. Logits of scale 3: peaked rows."""
     g = torch.Generator().manual_seed(n * 10 + iters)
@@ -42,15 +42,15 @@ def test_sinkhorn_grad_matches_fp64_autograd(n, iters):
     (ref,) = torch.autograd.grad(_comb(l64, HC_EPS, iters), l64, grad.double())
     assert _rel(sinkhorn_grad_torch(logits.double(), grad.double(), HC_EPS, iters), ref) < 1e-12
     assert _rel(sinkhorn_grad_torch(logits, grad, HC_EPS, iters), ref) < 1e-6
-    tri = sinkhorn_grad_triton(logits, grad, HC_EPS, iters)
+    tri = sinkhorn_grad_triton(logits.to(device), grad.to(device), HC_EPS, iters).cpu()
     assert tri.dtype == torch.float32 and _rel(tri, ref) < 1e-6
 
 
-def test_sinkhorn_grad_rows_are_independent_and_errors_name_the_shape():
+def test_sinkhorn_grad_rows_are_independent_and_errors_name_the_shape(device):
     """A token's gradient is the same bits alone as among others (the kernel's tiles), zero tokens give an
     empty result, and bad shapes or iteration counts are named."""
     g = torch.Generator().manual_seed(3)
-    logits, grad = torch.randn(70, 4, 4, generator=g), torch.randn(70, 4, 4, generator=g)
+    logits, grad = torch.randn(70, 4, 4, generator=g).to(device), torch.randn(70, 4, 4, generator=g).to(device)
     full = sinkhorn_grad_triton(logits, grad, HC_EPS, 20)
     assert torch.equal(sinkhorn_grad_triton(logits[33:34], grad[33:34], HC_EPS, 20), full[33:34])
     assert sinkhorn_grad_triton(logits[:0], grad[:0], HC_EPS, 20).shape == (0, 4, 4)
@@ -60,48 +60,51 @@ def test_sinkhorn_grad_rows_are_independent_and_errors_name_the_shape():
         sinkhorn_grad(logits, grad, hc_eps=HC_EPS, sinkhorn_iters=0)
 
 
-def _leaves(n, d, dtype, seed):
+def _leaves(n, d, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     m = (2 + n) * n
 
     def r(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=g) * s).to(device, dtype).requires_grad_()
 
-    scale = (1 + 0.3 * torch.randn(3, generator=g)).to(dtype).requires_grad_()
-    head_scale = torch.tensor([1.3], dtype=dtype).requires_grad_()
+    scale = (1 + 0.3 * torch.randn(3, generator=g)).to(device, dtype).requires_grad_()
+    head_scale = torch.tensor([1.3], dtype=dtype, device=device).requires_grad_()
     return (r(9, n, d), r(m, n * d, s=2 / (n * d) ** 0.5), r(m, s=0.5), scale, r(n, n * d, s=2 / (n * d) ** 0.5),
             r(n, s=0.5), head_scale)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("n,outputs", [(4, "x post comb"), (4, "x"), (4, "comb"), (3, "x post comb")])
-def test_hc_pre_and_head_gradients_match_fp64(monkeypatch, backend, n, outputs):
+def test_hc_pre_and_head_gradients_match_fp64(monkeypatch, device, backend, n, outputs):
     """``ops.hc_pre`` (of the outputs used: x alone leaves post and comb without a gradient) and
     ``ops.hc_head``, fp32 and fp64 inputs, against autograd of the fp64 formulas: every input's gradient
     within 1e-5 relative (fp32) and 1e-10 (fp64: the analytic formulas themselves)."""
     monkeypatch.setenv("UM_OPS_BACKEND", backend)
+    dev = device if backend == "triton" else "cpu"
     d, iters = 24, 20
     # upstream weights exact in fp32: post and comb are fp32 outputs (also for fp64 streams), so their
     # gradients arrive in fp32, and the fp64 comparison checks the formulas, not that rounding
     w = {k: torch.randn(*shape, generator=torch.Generator().manual_seed(7)).double()
          for k, shape in (("x", (9, d)), ("post", (9, n)), ("comb", (9, n, n)), ("head", (9, d)))}
 
-    def loss(outs, head):
+    def loss(outs, head, w_dev=None):
         x, post, comb = outs
         terms = {"x": x, "post": post, "comb": comb}
-        return sum((terms[k].double() * w[k]).sum() for k in outputs.split()) + (head.double() * w["head"]).sum()
+        ws = {k: v.to(w_dev or dev) for k, v in w.items()}
+        return sum((terms[k].double() * ws[k]).sum() for k in outputs.split()) + (head.double() * ws["head"]).sum()
 
     ref = _leaves(n, d, torch.float64, 5)
-    loss(hc_pre_math(*ref[:4], NORM_EPS, HC_EPS, iters), hc_head_math(ref[0], *ref[4:], NORM_EPS, HC_EPS)).backward()
+    loss(hc_pre_math(*ref[:4], NORM_EPS, HC_EPS, iters), hc_head_math(ref[0], *ref[4:], NORM_EPS, HC_EPS),
+         w_dev="cpu").backward()
     cases = ((torch.float64, 1e-10), (torch.float32, 1e-5))
     for dtype, tol in cases[1:] if backend == "triton" else cases:  # the kernels take fp32
-        xs = _leaves(n, d, dtype, 5)
+        xs = _leaves(n, d, dtype, 5, dev)
         outs = ops.hc_pre(*xs[:4], norm_eps=NORM_EPS, hc_eps=HC_EPS, sinkhorn_iters=iters)
         head = ops.hc_head(xs[0], *xs[4:], norm_eps=NORM_EPS, hc_eps=HC_EPS)
         loss(outs, head).backward()
         for name, a, b in zip(("h", "fn", "base", "scale", "hc_fn", "hc_base", "hc_scale"), xs, ref):
             assert a.grad is not None and a.grad.dtype == dtype, name
-            assert _rel(a.grad, b.grad) < tol, (dtype, name, _rel(a.grad, b.grad))
+            assert _rel(a.grad.cpu(), b.grad) < tol, (dtype, name, _rel(a.grad.cpu(), b.grad))
 
 
 class _Count(TorchDispatchMode):
@@ -114,16 +117,16 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_hc_pre_backward_launches_do_not_grow_with_iterations(monkeypatch):
+def test_hc_pre_backward_launches_do_not_grow_with_iterations(monkeypatch, device):
     """On the Triton path (a GPU's), one ``hc_pre`` backward runs the same ATen ops at 2 and at 20
     Sinkhorn iterations (the chain is one kernel): 110 (views included), where autograd of the formulas
     runs 98 at 2 iterations and 386 at 20 (:func:`_autograd_ops`, measured the same way)."""
     monkeypatch.setenv("UM_OPS_BACKEND", "triton")
     counts = []
     for iters in (2, 20):
-        h, fn, base, scale, *_ = _leaves(4, 16, torch.float32, 1)
+        h, fn, base, scale, *_ = _leaves(4, 16, torch.float32, 1, device)
         x, post, comb = ops.hc_pre(h, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, sinkhorn_iters=iters)
-        loss = x.sum() + post.sum() + (comb * torch.arange(16.0).view(4, 4)).sum()
+        loss = x.sum() + post.sum() + (comb * torch.arange(16.0, device=device).view(4, 4)).sum()
         with _Count() as c:
             loss.backward()
         counts.append(sum(c.ops.values()))
