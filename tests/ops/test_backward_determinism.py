@@ -137,6 +137,15 @@ def test_index_add_rows_sums_repeats_in_a_fixed_order(monkeypatch, cuda_form):
     assert torch.allclose(a.double(), ref, rtol=1e-5, atol=1e-6 * float(src.abs().max()))
 
 
+def test_index_add_rows_refuses_mismatched_rows():
+    """One src row per index, rows of dst's shape: anything else is named (the CUDA form, index_put_, would
+    broadcast a single row over every index)."""
+    with pytest.raises(ValueError, match="one src row per index"):
+        helpers.index_add_rows(torch.zeros(4, 2), torch.tensor([0, 1, 2]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="one src row per index"):
+        helpers.index_add_rows(torch.zeros(4, 2), torch.tensor([0, 1]), torch.ones(2, 3))
+
+
 @pytest.mark.parametrize("cuda_form", [False, True])
 def test_router_weights_with_a_repeated_expert(monkeypatch, cuda_form):
     """A routing row that lists an expert twice (a hash table can): the weights and their gradients are

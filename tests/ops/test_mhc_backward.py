@@ -142,3 +142,18 @@ def _autograd_ops(iters: int) -> int:
     with _Count() as c:
         loss.backward()
     return sum(c.ops.values())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_no_tokens(monkeypatch, device, backend):
+    """T = 0 (an empty batch): the forward gives empty outputs and the backward zero weight gradients, on both
+    paths (the CPU path's ``reshape(0, -1)`` raised before)."""
+    monkeypatch.setenv("UM_OPS_BACKEND", backend)
+    dev = device if backend == "triton" else "cpu"
+    h, fn, base, scale, hfn, hbase, hscale = _leaves(4, 8, torch.float32, 2, dev)
+    h = h[:0].detach().requires_grad_()
+    x, post, comb = ops.hc_pre(h, fn, base, scale, norm_eps=NORM_EPS, hc_eps=HC_EPS, sinkhorn_iters=20)
+    y = ops.hc_head(h, hfn, hbase, hscale, norm_eps=NORM_EPS, hc_eps=HC_EPS)
+    assert x.shape == (0, 8) and post.shape == (0, 4) and comb.shape == (0, 4, 4) and y.shape == (0, 8)
+    (x.sum() + post.sum() + comb.sum() + y.sum()).backward()
+    assert h.grad.shape == (0, 4, 8) and float(fn.grad.abs().sum()) == 0.0 and float(hscale.grad.abs().sum()) == 0.0

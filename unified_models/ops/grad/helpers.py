@@ -52,8 +52,15 @@ def index_add_rows(dst_X: torch.Tensor, index_Y: torch.Tensor, src_Y: torch.Tens
         ``dst_X`` itself.
 
     Raises:
-        IndexError / RuntimeError: from torch, for an index out of range or mismatched shapes.
+        ValueError: ``index`` is not 1-D, or ``src`` has another row count than ``index`` or another
+            row shape than ``dst``.
+        IndexError / RuntimeError: from torch on the CPU, for an index out of range. The CUDA form does not
+            check the range (that would wait for the device): a negative index wraps, as in ``t[idx]``.
+            Callers build the indices in range.
     """
+    if index_Y.dim() != 1 or src_Y.shape[0] != index_Y.shape[0] or src_Y.shape[1:] != dst_X.shape[1:]:
+        raise ValueError(f"index_add_rows: index {tuple(index_Y.shape)} (1-D), src {tuple(src_Y.shape)} and dst "
+                         f"{tuple(dst_X.shape)} must give one src row per index, rows of dst's shape")
     if sorted_accumulate(dst_X):
         return dst_X.index_put_((index_Y.long(),), src_Y, accumulate=True)
     return dst_X.index_add_(0, index_Y, src_Y)

@@ -35,7 +35,7 @@ def sum_chain(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def hc_mixes_torch(streams_TND: torch.Tensor, fn_MK: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """fp32 ``[T, M]`` logits ``F.linear(rms(flatten(h).float()), fn.float())`` (K = n D)."""
-    flat = streams_TND.reshape(streams_TND.shape[0], -1).float()
+    flat = streams_TND.reshape(streams_TND.shape[0], streams_TND.shape[1] * streams_TND.shape[2]).float()
     unit = torch.ones(flat.shape[1], dtype=torch.float32, device=flat.device)
     return linear_torch(rms_norm_torch(flat, unit, norm_eps, torch.float32), fn_MK.float(), None, torch.float32)
 

@@ -17,7 +17,7 @@ import torch
 
 
 def _normed_flat(streams_TND: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    flat = streams_TND.reshape(streams_TND.shape[0], -1)
+    flat = streams_TND.reshape(streams_TND.shape[0], streams_TND.shape[1] * streams_TND.shape[2])
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
 
 

@@ -65,6 +65,7 @@ def _sinkhorn_grad_kernel(logit_ptr, g_ptr, out_ptr, scratch_ptr, T, hc_eps,
     """``out[t] = d comb / d logits`` applied to ``g[t]`` for ``BLOCK_T`` tokens (row-major ``[T, N, N]``
     fp32 tensors; ``scratch``: ``[STEPS, T, N, N]`` fp32, each step's input)."""
     pid = tl.program_id(0)
+    plane = T.to(tl.int64) * (N * N)  # one step's scratch (int64: steps x T x n^2 may pass 2^31)
     offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     jj = tl.arange(0, NP)[None, :, None]
     kk = tl.arange(0, NP)[None, None, :]
@@ -79,7 +80,7 @@ def _sinkhorn_grad_kernel(logit_ptr, g_ptr, out_ptr, scratch_ptr, T, hc_eps,
     p = e / tl.where(den > 0, den, 1.0)
     c = tl.where(valid, p + hc_eps, 0.0)
     for step in tl.static_range(STEPS):
-        tl.store(scratch_ptr + step * T * (N * N) + off, c, mask=valid)
+        tl.store(scratch_ptr + step * plane + off, c, mask=valid)
         if step % 2 == 0:
             s = _col_sums(c) + hc_eps
         else:
@@ -87,7 +88,7 @@ def _sinkhorn_grad_kernel(logit_ptr, g_ptr, out_ptr, scratch_ptr, T, hc_eps,
         c = tl.where(valid, c / s, 0.0)
     g = tl.load(g_ptr + off, mask=valid, other=0.0)
     for step in tl.static_range(STEPS - 1, -1, -1):
-        c_in = tl.load(scratch_ptr + step * T * (N * N) + off, mask=valid, other=0.0)
+        c_in = tl.load(scratch_ptr + step * plane + off, mask=valid, other=0.0)
         if step % 2 == 0:
             s = _col_sums(c_in) + hc_eps
             g = (g - _col_sums(g * (c_in / s))) / s
