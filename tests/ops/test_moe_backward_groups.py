@@ -186,7 +186,7 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     input and weights as one term, fp32 values split), and the gradients stay within the bf16 bounds of
     fp64 autograd (the routing weights' fp32 gradient within 2^-15)."""
     from unified_models.ops.grad import helpers
-    from unified_models.ops.moe import deepseek_backward, swiglu_experts_reference
+    from unified_models.ops.moe import swiglu_experts_reference
 
     calls = []
 
@@ -195,8 +195,9 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
         calls.append(tuple(a.shape))
         return a.float() @ b.float()
 
-    monkeypatch.setattr(deepseek_backward, "grad_matmul",
-                        lambda a, b, split_fp32=False: helpers.grad_matmul(a, b, split_fp32=split_fp32, mm=emulated))
+    real = helpers.grad_matmul  # RecomputeBmm (ops/grad/helpers.py) calls the module's grad_matmul
+    monkeypatch.setattr(helpers, "grad_matmul",
+                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
     E = 17
     gen = torch.Generator().manual_seed(6)
     ids = _ids("staircase", E, gen)

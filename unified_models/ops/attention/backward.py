@@ -54,7 +54,9 @@ its window span only), the chunks of all sequences batched up to :data:`GRAD_BAT
 ``[H, T, T]`` score matrix is not), and the layout worked out on the host in the forward, so the
 backward waits for the device nowhere and launches a few dozen kernels per batch, not per sequence
 and chunk (DeepSeek-V4 tiny, 4 x 1,024 tokens: 51,278 ATen ops and 411 device reads in the step's
-backward before, 12,477 and 3 after).
+backward before, 12,477 and 3 after). In a bf16 model on CUDA its products are bf16 GEMMs with fp32 sums
+(:class:`~unified_models.ops.grad.helpers.RecomputeBmm`: queries, keys and entries are bf16 values, one
+term; probabilities and gradients ``hi + lo``), not fp32 GEMMs on CUDA cores.
 
 :func:`read_kv_cache` reads cache rows back (the compressor's per-token rows) and is
 differentiable the same way: rows of a taped write carry its graph, others are constants.
@@ -73,7 +75,7 @@ import numpy as np
 import torch
 
 from .._dispatch import host_to_device
-from ..grad.helpers import _HALF, acc, index_add_rows, needs_grad
+from ..grad.helpers import _HALF, RecomputeBmm, acc, index_add_rows, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .causal_grads import MAX_HEAD_DIM
@@ -308,30 +310,41 @@ def _causal(q_THE, k_PGE, v_PGE, qpos_T, scale, key0: int = 0, sliding_window: i
     return o.transpose(0, 1)
 
 
-def _attend_window(q_BTHE, k_BSGE, v_BSGE, mask_BTS, scale, sink_H, c_BTKGE=None, cvalid_BTK=None):
+def _attend_window(q_BTHE, k_BSGE, v_BSGE, mask_BTS, scale, sink_H, c_BTKGE=None, cvalid_BTK=None, half=None):
     """fp32 attention of B chunks of queries over their chunk's keys (``mask_BTS``: which key each
     query attends, its window) and, with ``c_BTKGE``, each query's own compressed entries (K = V;
     ``cvalid_BTK`` the attended ones), one softmax per query with the sink's column. Plain torch
-    (differentiable); q heads grouped per kv head (``[B, T, G, R, E]``), so no key is repeated
-    across heads. Every query must attend at least one key or have a sink (else its row is NaN).
+    (differentiable); q heads grouped per kv head, so no key is repeated across heads. Every query
+    must attend at least one key or have a sink (else its row is NaN). Its four products are batched
+    GEMMs through :class:`~unified_models.ops.grad.helpers.RecomputeBmm` (``half``: bf16 for a bf16 model
+    on CUDA, tensor cores; the queries, keys and entries are bf16 values, exact there, the probabilities
+    and gradients ``hi + lo``; None: plain fp32 products).
 
     Returns:
         ``[B, T, H, E]``.
     """
     b, t, h, e = q_BTHE.shape
-    g = k_BSGE.shape[2]
+    s, g = k_BSGE.shape[1], k_BSGE.shape[2]
     r = h // g
     qg = q_BTHE.view(b, t, g, r, e)
-    sw = torch.einsum("btgre,bsge->grbts", qg, k_BSGE).reshape(h, b, t, -1) * scale
-    parts = [sw.masked_fill(~mask_BTS, float("-inf"))]
+    q_win = qg.permute(0, 2, 3, 1, 4).reshape(b * g, r * t, e)  # batch (b, g): rows (r, t)
+    k_win = k_BSGE.permute(0, 2, 3, 1).reshape(b * g, e, s)
+    sw = RecomputeBmm.apply(q_win, k_win, True, True, half).view(b, g, r, t, s).permute(1, 2, 0, 3, 4)
+    parts = [(sw.reshape(h, b, t, s) * scale).masked_fill(~mask_BTS, float("-inf"))]
     if c_BTKGE is not None:
-        sc = torch.einsum("btgre,btkge->grbtk", qg, c_BTKGE).reshape(h, b, t, -1) * scale
-        parts.append(sc.masked_fill(~cvalid_BTK, float("-inf")))
+        k = c_BTKGE.shape[2]
+        q_tok = qg.reshape(b * t * g, r, e)  # batch (b, t, g): each token's own entries
+        c_tok = c_BTKGE.permute(0, 1, 3, 4, 2).reshape(b * t * g, e, k)
+        sc = RecomputeBmm.apply(q_tok, c_tok, True, True, half).view(b, t, g, r, k).permute(2, 3, 0, 1, 4)
+        parts.append((sc.reshape(h, b, t, k) * scale).masked_fill(~cvalid_BTK, float("-inf")))
     probs = softmax_with_sink(torch.cat(parts, dim=-1), sink_H)  # [H, B, T, S + K]
-    n = k_BSGE.shape[1]
-    out = torch.einsum("grbts,bsge->btgre", probs[..., :n].reshape(g, r, b, t, n), v_BSGE)
+    p_win = probs[..., :s].reshape(g, r, b, t, s).permute(2, 0, 1, 3, 4).reshape(b * g, r * t, s)
+    v_win = v_BSGE.permute(0, 2, 1, 3).reshape(b * g, s, e)
+    out = RecomputeBmm.apply(p_win, v_win, False, True, half).view(b, g, r, t, e).permute(0, 3, 1, 2, 4)
     if c_BTKGE is not None:
-        out = out + torch.einsum("grbtk,btkge->btgre", probs[..., n:].reshape(g, r, b, t, -1), c_BTKGE)
+        p_tok = probs[..., s:].reshape(g, r, b, t, k).permute(2, 3, 0, 1, 4).reshape(b * t * g, r, k)
+        c_val = c_BTKGE.permute(0, 1, 3, 2, 4).reshape(b * t * g, k, e)
+        out = out + RecomputeBmm.apply(p_tok, c_val, False, True, half).view(b, t, g, r, e)
     return out.reshape(b, t, h, e)
 
 
@@ -505,7 +518,8 @@ class PagedAttentionFn(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
         grads_c = []
         if plan.window_batches is not None:
-            dsink, grads_c = _backward_windowed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv)
+            half = torch.bfloat16 if q_in.is_cuda and q_in.dtype == torch.bfloat16 else None  # tensor cores
+            dsink, grads_c = _backward_windowed(plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv, half)
         window_groups = [] if plan.window_batches is not None else plan.groups
         fused = [grp for grp, mark in zip(window_groups, plan.self_attention) if mark]
         if fused:  # whole prompts: one fused, deterministic recompute for all of them
@@ -544,7 +558,7 @@ class PagedAttentionFn(torch.autograd.Function):
         return (dq.to(q_in.dtype) if ctx.needs_input_grad[0] else None), gsink, None, *grads
 
 
-def _backward_windowed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv):
+def _backward_windowed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk, dv, half=None):
     """The recomputation of windowed attention, with or without compressed entries (adds into ``dq``,
     ``dk``, ``dv`` in place): the chunks of :attr:`_Plan.window_batches` (every sequence's tokens by
     position, :data:`GRAD_TOKENS` at a time, over their window span and their rows' listed entries),
@@ -552,7 +566,8 @@ def _backward_windowed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk,
     nothing here waits for the device; the gradients go back to their rows through
     :func:`~unified_models.ops.grad.helpers.index_add_rows` (a fixed order: a key row is read by
     several chunks, an entry by many rows). Padding slots read a zero query and carry a zero
-    gradient, so they add exact zeros. Returns ``(dsink, [gradient of each compressed write])``."""
+    gradient, so they add exact zeros. ``half``: :func:`_attend_window`'s. Returns ``(dsink, [gradient of
+    each compressed write])``."""
     comp = plan.has_compressed
     if comp:
         const = acc(plan.c_const)
@@ -574,7 +589,7 @@ def _backward_windowed(plan: _Plan, q, g, k_all, v_all, cw, sink, dsink, dq, dk,
             vb = v_pad[krow].detach().requires_grad_()
             cb = c_src[cidx].detach().requires_grad_() if comp else None
             sb = None if sink is None else sink.detach().requires_grad_()
-            ob = _attend_window(qb, kb, vb, mask, plan.scale, sb, cb, plan.c_valid[ctok] if comp else None)
+            ob = _attend_window(qb, kb, vb, mask, plan.scale, sb, cb, plan.c_valid[ctok] if comp else None, half)
             leaves = (qb, kb, vb) + ((cb,) if comp else ()) + (() if sb is None else (sb,))
             grads = list(torch.autograd.grad(ob, leaves, g_pad[tok]))
         index_add_rows(dq_pad, tok.reshape(-1), grads.pop(0).flatten(0, 1))

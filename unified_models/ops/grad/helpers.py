@@ -158,3 +158,36 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
     while parts:
         out = out.add_(parts.pop())
     return out
+
+
+class RecomputeBmm(torch.autograd.Function):
+    """``a @ b`` (``[G, M, K] @ [G, K, N]`` fp32 tensors) inside a backward's recomputation under autograd
+    (DeepSeek-V4's experts, windowed attention), and its two gradients, through :func:`grad_matmul`: with
+    ``half`` (bf16: a bf16 model on CUDA) on tensor cores, an operand the caller marks exact (its values are
+    bf16 values: a bf16 input, K/V read back from a bf16 or FP8 cache, an FP8 activation, weights dequantized
+    to bf16) as one bf16 term, any other fp32 operand (probabilities, the SwiGLU output, the upstream
+    gradients) as ``hi + lo``; fp32 results (error below ``2^-15`` of ``|a| @ |b|``). On the CPU and for
+    fp32 / fp64 models (``half`` None): the plain product in the operands' dtype.
+
+    Apply as ``RecomputeBmm.apply(a, b, a_exact, b_exact, half)``."""
+
+    @staticmethod
+    def forward(ctx, a, b, a_exact: bool, b_exact: bool, half):
+        ctx.save_for_backward(a, b)
+        ctx.exact, ctx.half = (a_exact, b_exact), half
+        return grad_matmul(_as_half(a, a_exact, half), _as_half(b, b_exact, half), split_fp32=half is not None)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        (a_exact, b_exact), half = ctx.exact, ctx.half
+        split = half is not None
+        da = grad_matmul(g, _as_half(b, b_exact, half).transpose(1, 2), split_fp32=split).to(a.dtype) \
+            if ctx.needs_input_grad[0] else None
+        db = grad_matmul(_as_half(a, a_exact, half).transpose(1, 2), g, split_fp32=split).to(b.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return da, db, None, None, None
+
+
+def _as_half(t: torch.Tensor, exact: bool, half: torch.dtype | None) -> torch.Tensor:
+    return t.to(half) if exact and half is not None else t

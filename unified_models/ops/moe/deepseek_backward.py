@@ -8,7 +8,7 @@
   assignment count batched: :func:`.backward.grouped_assignments`), the forward's math
   ``y = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)`` recomputed in fp32 (fp64 for fp64
   inputs) under autograd (its GEMMs and their gradients through ``grad_matmul``: tensor cores on CUDA in a
-  bf16 model, :class:`_RecomputeBmm`), gradients to ``x``, the routing weights, ``shared`` (identity) and
+  bf16 model, :class:`RecomputeBmm`), gradients to ``x``, the routing weights, ``shared`` (identity) and
   the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
   the clamps pass no gradient where they clip (torch's ``clamp`` rule);
 * **MXFP4 (W4A8) and block-FP8 (W8A8) experts**: ``ops.mxfp4.MXFP4Master`` /
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..grad.helpers import acc, grad_matmul, needs_grad
+from ..grad.helpers import RecomputeBmm, acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
 from .backward import RouteFn, group_weight, grouped_assignments, put_rows
@@ -46,36 +46,6 @@ def _ste_fp8_activation(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     straight-through."""
     q = fp8_activation_f64(a.detach().to(dtype).reshape(-1, a.shape[-1])).view(a.shape)
     return a + (q.to(a.dtype) - a).detach()
-
-
-class _RecomputeBmm(torch.autograd.Function):
-    """``a @ b`` (``[G, M, K] @ [G, K, N]`` fp32 tensors) inside the experts' recomputation, and its two
-    gradients, through :func:`~unified_models.ops.grad.helpers.grad_matmul`: on CUDA in a bf16 model on
-    tensor cores, an operand the caller marks exact (its values are bf16 values: the bf16 input, its FP8
-    activation, weights dequantized to bf16) as one bf16 term, any other fp32 operand (the SwiGLU output,
-    the upstream gradients) as ``hi + lo``; fp32 results (error below ``2^-15`` of ``|a| @ |b|``). On the
-    CPU and for fp32 / fp64 models: the plain product in the operands' dtype."""
-
-    @staticmethod
-    def forward(ctx, a, b, a_exact: bool, b_exact: bool, half):
-        ctx.save_for_backward(a, b)
-        ctx.exact, ctx.half = (a_exact, b_exact), half
-        return grad_matmul(_as_half(a, a_exact, half), _as_half(b, b_exact, half), split_fp32=half is not None)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        (a_exact, b_exact), half = ctx.exact, ctx.half
-        split = half is not None
-        da = grad_matmul(g, _as_half(b, b_exact, half).transpose(1, 2), split_fp32=split).to(a.dtype) \
-            if ctx.needs_input_grad[0] else None
-        db = grad_matmul(_as_half(a, a_exact, half).transpose(1, 2), g, split_fp32=split).to(b.dtype) \
-            if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
-
-
-def _as_half(t: torch.Tensor, exact: bool, half: torch.dtype | None) -> torch.Tensor:
-    return t.to(half) if exact and half is not None else t
 
 
 class SwigluExpertsFn(torch.autograd.Function):
@@ -112,7 +82,7 @@ class SwigluExpertsFn(torch.autograd.Function):
         E = ctx.stacks[0].shape[0]
         K = ids.shape[1]
         need = (ng, nu, nd)
-        half = torch.bfloat16 if x_in.dtype == torch.bfloat16 else None  # tensor-core GEMMs (_RecomputeBmm)
+        half = torch.bfloat16 if x_in.dtype == torch.bfloat16 else None  # tensor-core GEMMs (RecomputeBmm)
         R, T, D = ids.numel(), ids.shape[0], x.shape[1]
         # per assignment (row R: the padding rows' sink), summed over each token's slots at the end
         dx_rows = torch.zeros((R + 1, D), dtype=dt, device=x.device) if nx else None
@@ -132,10 +102,10 @@ class SwigluExpertsFn(torch.autograd.Function):
                     xq = _ste_fp8_activation(xe, x_in.dtype) if qg or qu else None
                     keep = (rows < R)[..., None]  # padding rows: exact zeros even beside a non-finite weight
                     # the input, its FP8 activation and the (dequantized) weights hold bf16 values: exact
-                    pre = [torch.where(keep, _RecomputeBmm.apply(xq if q else xe, m.transpose(1, 2), True, True, half),
+                    pre = [torch.where(keep, RecomputeBmm.apply(xq if q else xe, m.transpose(1, 2), True, True, half),
                                        0.0) for q, m in ((qg, mats[0]), (qu, mats[1]))]
                     h = swiglu(pre[0], pre[1], ctx.limit) * we[..., None]
-                    y = _RecomputeBmm.apply(_ste_fp8_activation(h, x_in.dtype) if qd else h, mats[2].transpose(1, 2),
+                    y = RecomputeBmm.apply(_ste_fp8_activation(h, x_in.dtype) if qd else h, mats[2].transpose(1, 2),
                                             qd, True, half)
                     leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
                     grads = list(torch.autograd.grad(y, leaves, g_pad[tok]))
