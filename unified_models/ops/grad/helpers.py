@@ -3,7 +3,8 @@
 :func:`acc` and :func:`_cast` pick the backward's accumulation dtype and cast a
 gradient back to its input's dtype; :func:`needs_grad` decides whether an entry
 point builds a graph at all; :func:`index_add_rows` is the backward's scatter-add
-(the same bits on every run, also on CUDA); :func:`grad_matmul` its GEMM.
+(the same bits on every run, also on CUDA); :func:`grad_matmul` its GEMM, and
+:class:`RecomputeBmm` that GEMM inside a recomputation under autograd.
 """
 
 from __future__ import annotations
