@@ -132,3 +132,18 @@ def test_save_is_atomic_and_round_trips(tmp_path, tiny_model):
     back = load_file(str(out))
     assert all(torch.equal(back[k], v) for k, v in sd.items())
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_another_models_table_is_counted_not_dumped():
+    """Another model's checkpoint differs in hundreds of tensors: each kind lists its first
+    ``LISTED_TENSORS`` names and counts the rest (a newcomer's resume of a DeepSeek-V4 checkpoint into a
+    Nemotron-H run printed a 9.4 KB line); a short list is given whole."""
+    from unified_models.converters.hf_safetensors import LISTED_TENSORS, tensor_table_problems
+
+    expected = {f"a.{i}": (2,) for i in range(40)}
+    got = {f"b.{i}": (2,) for i in range(300)} | {"a.0": (3,)}
+    missing, extra, shaped = tensor_table_problems(expected, got)
+    assert missing.startswith("missing tensors: ['a.1', 'a.2'")
+    assert missing.endswith(f"and {39 - LISTED_TENSORS} more (39 in all)")
+    assert extra.endswith(f"and {300 - LISTED_TENSORS} more (300 in all)") and len(extra) < 400
+    assert shaped == "mis-shaped tensors: ['a.0: expected (2,), got (3,)']"

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from unified_models.ops.grad import helpers
 
-#: aten ops whose CUDA kernel (PyTorch 2.11) accumulates or writes with atomics, racing only when two
+#: aten ops whose CUDA kernel (PyTorch 2.11 on the H200, 2.13 here) accumulates or writes with atomics, racing only when two
 #: elements go to the same destination: index -> how to find the destinations in the call's arguments.
 ATOMIC_WHEN_REPEATED = {"aten.index_add", "aten.index_add_", "aten.scatter_add", "aten.scatter_add_",
                         "aten.scatter_reduce", "aten.scatter_reduce_", "aten.scatter", "aten.scatter_",

@@ -216,7 +216,8 @@ def tensor_table_problems(expected: dict[str, tuple[int, ...]], got: dict[str, t
 
     Returns:
         Human-readable problems (``missing tensors: [...]``, ``unexpected
-        tensors: [...]``, ``mis-shaped tensors: [...]``); empty when they match.
+        tensors: [...]``, ``mis-shaped tensors: [...]``, each listing its first
+        :data:`LISTED_TENSORS` and the count of the rest); empty when they match.
     """
     missing = [n for n in expected if n not in got] if require_all else []
     extra = [n for n in got if n not in expected]
@@ -224,12 +225,22 @@ def tensor_table_problems(expected: dict[str, tuple[int, ...]], got: dict[str, t
               for n in expected if n in got and tuple(got[n]) != tuple(expected[n])]
     problems = []
     if missing:
-        problems.append(f"missing tensors: {missing}")
+        problems.append(f"missing tensors: {_listed(missing)}")
     if extra:
-        problems.append(f"unexpected tensors: {extra}")
+        problems.append(f"unexpected tensors: {_listed(extra)}")
     if shaped:
-        problems.append(f"mis-shaped tensors: {shaped}")
+        problems.append(f"mis-shaped tensors: {_listed(shaped)}")
     return problems
+
+
+LISTED_TENSORS = 12
+"""Names an error lists per kind before it counts the rest (another model's checkpoint differs in hundreds)."""
+
+
+def _listed(names: list[str]) -> str:
+    if len(names) <= LISTED_TENSORS:
+        return str(names)
+    return f"{names[:LISTED_TENSORS]} and {len(names) - LISTED_TENSORS} more ({len(names)} in all)"
 
 
 def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, source: str,
