@@ -152,7 +152,7 @@ def test_router_weights_with_a_repeated_expert(monkeypatch, cuda_form):
     those of the gather, in the CUDA form (advanced indexing, sort-based backward) too."""
     from unified_models.ops.moe.backward import _route_weights
 
-    monkeypatch.setattr("unified_models.ops.moe.backward.sorted_accumulate", lambda t: cuda_form)
+    monkeypatch.setattr(helpers, "sorted_accumulate", lambda t: cuda_form)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -186,7 +186,6 @@ def test_trainer_backward_has_no_atomic_race(monkeypatch, preset):
     from unified_models.presets import build_preset_checkpoint
 
     monkeypatch.setattr(helpers, "sorted_accumulate", lambda t: True)
-    monkeypatch.setattr("unified_models.ops.moe.backward.sorted_accumulate", lambda t: True)
     _, spec, sd = spec_and_state_dict(build_preset_checkpoint(preset))
     prompts = [[1, 5, 9, 13, 5, 5, 9], [1, 7, 7, 7, 3]]
     completions = [[5, 5, 9, 22, 5, 9, 5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 3, [7, 7, 3, 5, 7] * 4]

@@ -32,20 +32,18 @@ __all__ = ["sinkhorn_grad", "sinkhorn_grad_torch"]
 def sinkhorn_grad_torch(logits_TNN: torch.Tensor, g_TNN: torch.Tensor, hc_eps: float,
                         sinkhorn_iters: int) -> torch.Tensor:
     """:func:`sinkhorn_grad` in torch (fp32, or fp64 for fp64 inputs): the forward chain with each step's
-    input kept, then the steps reversed; ~4 ops per step over all tokens."""
-    c = torch.softmax(logits_TNN, dim=-1)
-    p = c
-    c = c + hc_eps
-    inputs = []
+    sums and output kept, then the steps reversed; ~4 ops per step over all tokens."""
+    p = torch.softmax(logits_TNN, dim=-1)
+    c = p + hc_eps
+    steps = []  # (dim, sums + eps, output) of each normalisation
     for step in range(2 * sinkhorn_iters - 1):
-        inputs.append(c)
-        c = c / (c.sum(dim=-2 if step % 2 == 0 else -1, keepdim=True) + hc_eps)
-    g = g_TNN
-    for step in reversed(range(2 * sinkhorn_iters - 1)):
         dim = -2 if step % 2 == 0 else -1
-        c_in = inputs[step]
-        s = c_in.sum(dim=dim, keepdim=True) + hc_eps
-        g = (g - (g * (c_in / s)).sum(dim=dim, keepdim=True)) / s
+        s = c.sum(dim=dim, keepdim=True) + hc_eps
+        c = c / s
+        steps.append((dim, s, c))
+    g = g_TNN
+    for dim, s, out in reversed(steps):
+        g = (g - (g * out).sum(dim=dim, keepdim=True)) / s
     return p * (g - (g * p).sum(dim=-1, keepdim=True))
 
 

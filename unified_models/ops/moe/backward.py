@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import host_to_device
-from ..grad.helpers import acc, grad_matmul, index_add_rows, sorted_accumulate
+from ..grad import helpers as grad_helpers
+from ..grad.helpers import acc, grad_matmul, index_add_rows
 from ..grad.weights import check_stamps, stamp
 from ..nvfp4 import NVFP4Weight, nvfp4_dequantize, nvfp4_quantize
 from . import dispatch
@@ -123,7 +124,7 @@ def _needs_grad(*ts) -> bool:
 
 def _route_weights(x, w, ids, norm_topk_prob, routed_scaling_factor, score=torch.sigmoid):
     scores = score(x @ w.t())
-    if sorted_accumulate(scores):  # gather's CUDA backward (scatter_add) adds a row's repeated ids with atomics
+    if grad_helpers.sorted_accumulate(scores):  # gather's CUDA backward (scatter_add) adds a row's repeated ids with atomics
         sel = scores[torch.arange(ids.shape[0], device=ids.device)[:, None], ids.long()]
     else:
         sel = scores.gather(1, ids.long())
