@@ -16,7 +16,9 @@ difference between Triton releases; each record carries ``triton``, the version 
 Prints one JSON object per compiled kernel: ``triton``, ``case``, ``kernel``, ``constexprs`` (the
 specialization's compile-time values), ``num_warps``, ``num_stages``, ``shared`` (bytes of shared
 memory the launch needs), PTX instruction counts ``wgmma_m64``, ``mma_sync``,
-``tma_copies`` (``cp.async.bulk.tensor``), and ``wgmma_shapes`` (the distinct ``wgmma`` instructions).
+``tma_copies`` (``cp.async.bulk.tensor``), ``wgmma_shapes`` (the distinct ``wgmma`` instructions), and
+``reduce_operands`` (the tensor type, layout spelled out, of each ``tt.reduce``'s operand in the TTGIR:
+with the combine function, what fixes a reduction's order on the GPU).
 
     env -u TRITON_INTERPRET python tests/sm90_lowering.py
 """
@@ -61,6 +63,16 @@ def _count(ptx: str, pattern: str) -> int:
     return len(re.findall(pattern, ptx))
 
 
+def _reduce_operands(ttgir: str) -> list[str]:
+    layouts = dict(re.findall(r"^(#[\w]+) = (.*)$", ttgir, re.M))
+    found = []
+    for operand in re.findall(r'"tt\.reduce"\((%[\w.]+)\)', ttgir):
+        m = re.search(rf"^\s*{re.escape(operand)} = .*: (tensor<[^>]*>)\s*(loc\(.*\))?$", ttgir, re.M)
+        ty = m.group(1) if m else "?"
+        found.append(re.sub(r"#\w+", lambda a: layouts.get(a.group(0), a.group(0)), ty))
+    return found
+
+
 def _compile_only(run):
     def wrapped(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -70,7 +82,7 @@ def _compile_only(run):
             triton=triton.__version__, case=_CASE[0], kernel=self.fn.__name__, constexprs=consts, num_warps=kernel.metadata.num_warps,
             num_stages=kernel.metadata.num_stages, shared=kernel.metadata.shared,
             wgmma_m64=_count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64"), mma_sync=_count(ptx, r"\bmma\.sync"),
-            tma_copies=_count(ptx, r"cp\.async\.bulk\.tensor"),
+            tma_copies=_count(ptx, r"cp\.async\.bulk\.tensor"), reduce_operands=_reduce_operands(kernel.asm["ttgir"]),
             wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.[a-z0-9.]+", ptx)))))
         return kernel
     return wrapped
@@ -150,6 +162,14 @@ def main() -> int:
     }.items():
         _CASE[0] = name
         call()
+    # the fused residual add + RMSNorm next to the plain norm: Nano-30B, 8B / Flash hidden sizes
+    for d in (2688, 4096, 7168):
+        for stream in (bf16, torch.float32):
+            xs, wd = torch.zeros(7, d, dtype=stream), torch.ones(d, dtype=bf16)
+            _CASE[0] = f"rms_norm D={d} {str(stream).split('.')[-1]}"
+            rmsnorm.rms_norm_triton(xs, wd, 1e-5, bf16)
+            _CASE[0] = f"add_rms_norm D={d} {str(stream).split('.')[-1]}"
+            rmsnorm.add_rms_norm_triton(xs, xs.clone(), wd, 1e-5, bf16)
     for rec in RECORDS:
         print(json.dumps(rec, default=str))
     return 0

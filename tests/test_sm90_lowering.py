@@ -101,6 +101,20 @@ def test_elementwise_norm_and_fp8_kernels_lower(lowered):
     assert fp8_attention and fp8_attention[0]["constexprs"]["FP8"] and fp8_attention[0]["wgmma_m64"] > 0
 
 
+def test_fused_add_rms_norm_reduces_like_the_norm(lowered):
+    """The fused residual add + RMSNorm (``HAS_UPDATE``) sums the squares in the same layout as the
+    plain norm at the Nano-30B, 8B and Flash widths, bf16 and fp32 streams: the same reduction tree, so
+    the same bits for the same stream (the H200 test ``test_add_rms_norm_is_add_then_norm`` checks them)."""
+    by_case = {r["case"]: r for r in _by_kernel(lowered, "_rms_norm_kernel")}
+    for d in (2688, 4096, 7168):
+        for stream in ("bfloat16", "float32"):
+            plain, fused = by_case[f"rms_norm D={d} {stream}"], by_case[f"add_rms_norm D={d} {stream}"]
+            assert fused["constexprs"]["HAS_UPDATE"] and not plain["constexprs"]["HAS_UPDATE"]
+            assert len(plain["reduce_operands"]) == 1 and "blocked" in plain["reduce_operands"][0], plain
+            assert fused["reduce_operands"] == plain["reduce_operands"], (d, stream, plain, fused)
+            assert fused["num_warps"] == plain["num_warps"]
+
+
 def test_causal_attention_grads_lower_to_wgmma(lowered):
     """The trainer's fused attention backward (``ops/attention/causal_grads.py``): every dot of its
     three kernels a 64-row ``wgmma`` on sm_90, for head dims 64 and 128, within one block's shared memory."""

@@ -7,7 +7,8 @@ same ops; they differ only in the :class:`~unified_models.state.StateStore`
 the forward of its layer family (:func:`unified_models.layers.family_of`);
 stateful sublayers get their caches' views from the store by ``(layer index,
 cache name)``; the model's residual policy (:mod:`unified_models.layers.residual`)
-owns the stream between sublayers.
+owns the stream between sublayers (for one plain stream, each sublayer's residual add
+and the next norm are one fused kernel, ``ops.add_rms_norm``).
 
 Shapes: T tokens (flat, all sequences packed, THD), R selected rows, D hidden,
 V vocabulary.
@@ -56,18 +57,33 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
     h_TD = ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"])
     if taps.SINK is not None: h_TD = taps.SINK("embedding", h_TD)
     r = policy.expand(rspec, params, h_TD)
-    for sub, forward in sublayers:
-        x_TD = ops.rms_norm(policy.sublayer_input(rspec, params, r, sub), params[sub.norm.name + ".weight"],
-                            sub.norm.eps, out_dtype=spec.dtype)
+    first = sublayers[0][0]
+    x_TD = ops.rms_norm(policy.sublayer_input(rspec, params, r, first), params[first.norm.name + ".weight"],
+                        first.norm.eps, out_dtype=spec.dtype)
+    for i, (sub, forward) in enumerate(sublayers):
         if taps.SINK is not None: x_TD = taps.SINK(sub.norm.name, x_TD)
         y_TD = forward(sub.mixer, sub.index, params, x_TD, batch, store, ctx)
         if taps.SINK is not None: y_TD = taps.SINK(sub.mixer.name, y_TD)
-        r = policy.add(rspec, params, r, sub, y_TD)
-        if taps.SINK is not None: r = taps.SINK(sub.mixer.name + ".residual", r)
-    h_TD = policy.contract(rspec, params, r)
-    h_TD = ops.rms_norm(h_TD, params[spec.final_norm.name + ".weight"], spec.final_norm.eps, out_dtype=spec.dtype)
-    if taps.SINK is not None: h_TD = taps.SINK("final_norm", h_TD)
-    return h_TD
+        next_sub = sublayers[i + 1][0] if i + 1 < len(sublayers) else None
+        r, x_TD = _add_and_norm(spec, params, policy, r, sub, y_TD, next_sub)
+    if taps.SINK is not None: x_TD = taps.SINK("final_norm", x_TD)
+    return x_TD
+
+
+def _add_and_norm(spec: ModelSpec, params: Mapping[str, torch.Tensor], policy, r, sub, y_TD: torch.Tensor,
+                  next_sub) -> tuple[object, torch.Tensor]:
+    """The residual add of ``sub`` and the normed input of ``next_sub`` (the final norm of the
+    contracted stream when it is None): the policy's fused ``add_and_norm`` with taps off, else the
+    policy's steps one at a time with the ``<mixer>.residual`` tap between them (the same bits)."""
+    norm = spec.final_norm if next_sub is None else next_sub.norm
+    weight_D, rspec = params[norm.name + ".weight"], spec.residual
+    fused = getattr(policy, "add_and_norm", None)
+    if fused is not None and taps.SINK is None:
+        return fused(rspec, params, r, sub, y_TD, next_sub, weight_D, norm.eps, spec.dtype)
+    r = policy.add(rspec, params, r, sub, y_TD)
+    if taps.SINK is not None: r = taps.SINK(sub.mixer.name + ".residual", r)
+    x = policy.contract(rspec, params, r) if next_sub is None else policy.sublayer_input(rspec, params, r, next_sub)
+    return r, ops.rms_norm(x, weight_D, norm.eps, out_dtype=spec.dtype)
 
 
 def logits_fp32(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden_RD: torch.Tensor) -> torch.Tensor:

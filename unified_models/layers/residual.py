@@ -9,6 +9,12 @@ opaque residual *state* and call, in order::
         r = policy.add(rspec, params, r, sub, y_TD)
     h_TD = policy.contract(rspec, params, r)          # before the final norm
 
+A policy may also define ``add_and_norm(rspec, params, r, sub, y_TD, next_sub, weight_D, eps,
+out_dtype) -> (r, x_TD)``: ``add``, then ``sublayer_input`` of ``next_sub`` (``contract`` when
+``next_sub`` is None) and the RMSNorm of that input, in one step and bitwise equal to the
+three; the forward calls it where present (taps off), else the three steps.
+:class:`PlainResidual`'s is the fused add + RMSNorm kernel (``ops.add_rms_norm``).
+
 ``rspec`` is the model's ``ModelSpec.residual`` (a dataclass of :mod:`unified_models.dsl.residual`);
 a policy is registered for its type with :func:`register_residual`, optionally with a
 separate oracle (the reference model's fp32/fp64 form; default: the same object, valid
@@ -61,6 +67,14 @@ class PlainResidual:
 
     def contract(self, rspec, params, r):
         return r
+
+    def add_and_norm(self, rspec, params, r, sub, y_TD, next_sub, weight_D, eps, out_dtype):
+        """``r + y_TD`` and its RMSNorm in one kernel (``ops.add_rms_norm``; bitwise ``add`` then
+        ``ops.rms_norm``): ``(r, x_TD)``, the stream ``[T, D]`` and the next norm's output."""
+        if r.dtype != y_TD.dtype:  # the kernel adds two tensors of the stream's dtype
+            r = self.add(rspec, params, r, sub, y_TD)
+            return r, ops.rms_norm(r, weight_D, eps, out_dtype=out_dtype)
+        return ops.add_rms_norm(r, y_TD, weight_D, eps, out_dtype=out_dtype)
 
 
 @dataclass

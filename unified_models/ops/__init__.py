@@ -34,6 +34,7 @@ guard (:func:`bump_weight_version`, :class:`StaleWeightError`) lives there too.
 
 from .autograd import (
     StaleWeightError,
+    add_rms_norm,
     apply_rope,
     bump_on_step,
     bump_weight_version,
@@ -54,7 +55,7 @@ from .moe.backward import moe_experts, moe_route, moe_shared_expert
 from .nvfp4 import (NVFP4Error, NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, nvfp4_quantize_into, nvfp4_scale_2,
                     stack_nvfp4_experts, validate_nvfp4, validate_nvfp4_experts)
 
-__all__ = ["embedding", "rms_norm", "linear", "relu2", "swiglu", "write_kv_cache",
+__all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "relu2", "swiglu", "write_kv_cache",
            "paged_attention", "logprobs", "gather_token_logprobs", "rope_cos_sin", "apply_rope",
            "StaleWeightError", "bump_weight_version", "bump_on_step", "name_weights", "weight_version"]
 __all__ += ["moe_route", "moe_experts", "moe_shared_expert", "NVFP4Error", "NVFP4Weight", "nvfp4_quantize",

@@ -11,7 +11,7 @@ values are bitwise the same with and without a graph (DESIGN.md rule 11):
 op                          backward
 ==========================  ===============================================
 embedding                   analytic (``index_add`` of the row gradients)
-rms_norm                    analytic, fp32
+rms_norm, add_rms_norm      analytic, fp32
 linear                      analytic (``dX = dY W``, ``dW = dY^T X``, ``db``)
 relu2, swiglu               analytic, fp32
 apply_rope                  analytic (inverse rotation); tables constant
@@ -58,11 +58,11 @@ from .grad.helpers import needs_grad
 from .grad.weights import StaleWeightError, bump_on_step, bump_weight_version, name_weights, weight_version
 from .linear.backward import linear
 from .logprob.backward import gather_token_logprobs, logprobs
-from .rmsnorm.backward import rms_norm
+from .rmsnorm.backward import add_rms_norm, rms_norm
 from .rope.backward import apply_rope
 
 __all__ = [
-    "embedding", "rms_norm", "linear", "relu2", "swiglu", "apply_rope", "write_kv_cache", "paged_attention",
+    "embedding", "rms_norm", "add_rms_norm", "linear", "relu2", "swiglu", "apply_rope", "write_kv_cache", "paged_attention",
     "read_kv_cache", "CompressedKV",
     "logprobs", "gather_token_logprobs", "StaleWeightError", "bump_weight_version", "bump_on_step",
     "name_weights", "weight_version", "needs_grad",

@@ -30,3 +30,11 @@ def rms_norm_torch(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float, out_d
     # reduction is single-threaded and independent of the thread count.
     rows = max(1, min(16, 16384 // max(1, x_TD.shape[1])))
     return map_row_tiles(tile, x_TD, rows=rows)
+
+
+def add_rms_norm_torch(residual_TD: torch.Tensor, update_TD: torch.Tensor, weight_D: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU fused residual add + RMSNorm: torch's elementwise ``residual + update`` (one rounding of the
+    fp32 sum of two stream-dtype values, like the kernel) then :func:`rms_norm_torch`."""
+    s_TD = residual_TD + update_TD
+    return s_TD, rms_norm_torch(s_TD, weight_D, eps, out_dtype)
