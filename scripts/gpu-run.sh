@@ -8,6 +8,10 @@
 #   (ours vs vLLM's fused_experts per token count, launch candidates with their bits; ~3 min). hybrid-profile:
 #   benchmarks/rollout_throughput.py --profile on nemotron_3_nano_reduced 128x2048/128 (prefill-bound), both engines,
 #   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD override; ~6 min).
+#   or: scripts/gpu-run.sh norm-kernels   (issue 18 item 3; not part of `all`)
+# norm-kernels: tests/ops/test_rmsnorm.py natively (the fused residual add + RMSNorm == the add then the norm, bit for
+#   bit, at D = 64/200/2688) + benchmarks/residual_norm.py (fused vs add + norm vs vLLM's fused_add_rms_norm at D =
+#   2688/4096/7168, T = 1/64/256/8192, CUDA-graph timing; fails on any bit difference); JSON $OUT/residual_norm.json (~1 min).
 #   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
 #   or: scripts/gpu-run.sh decode-chunk   (issue 18 item 3; not part of `all`)
 # decode-chunk: benchmarks/decode_chunk_position.py: one Mamba-2 decode step of one layer at the
@@ -197,6 +201,12 @@ if [ "$stage" = moe-kernels ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_moe.py tests/ops/test_nvfp4.py \
     tests/ops/test_deepseek_moe.py tests/ops/test_moe_backward_groups.py 2>&1 | tee "$OUT/moe_ops.log" | grep -vE "DEBUG" | tail -8; rc=$((rc | ${PIPESTATUS[0]}))
   timeout 300 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tee "$OUT/moe_kernels.log" | tail -12
+  rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = norm-kernels ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_rmsnorm.py 2>&1 | tee "$OUT/rmsnorm_ops.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 150 python3 benchmarks/residual_norm.py --json "$OUT/residual_norm.json" 2>&1 | tee "$OUT/residual_norm.log" | tail -16
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = hybrid-profile ]; then
