@@ -102,6 +102,29 @@ def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "4"], "is at step 4; --steps 4 leaves nothing to do"),
+    (["--preset", "nemotron_h_hybrid_tiny", "--steps", "9"], "holds another model; missing tensors"),
+])
+def test_resume_refusals_come_before_any_engine(uninterrupted, argv, message, tmp_path, monkeypatch, capsys):
+    """A resume with nothing left to do, or of another model's checkpoint, is refused from the
+    checkpoint's metadata files before vLLM or the trainer start."""
+    from unified_models.backends.vllm import rollout
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine started before the resume checks")
+
+    monkeypatch.setattr(rollout, "RolloutEngine", no_engine)
+    status, d, model_dir = uninterrupted
+    model = [] if "--preset" in argv else ["--model", str(model_dir)]
+    metrics = tmp_path / "m.jsonl"
+    assert main(["rl", *model, *SMALL, *argv, "--resume", str(d / "ckpt"), "--metrics", str(metrics)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err and err.count("error:") == 1, err
+    assert not metrics.exists()
+
+
+@pytest.mark.slow
 def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """Without the weight sync, vLLM samples step 2 with the old weights while the trainer
     has the new ones: the run must stop at step 2 (exit 1) and name where."""

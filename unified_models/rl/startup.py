@@ -42,6 +42,8 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     if opts.max_new_tokens >= spec.max_position_embeddings:
         raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
                                  f"max_position_embeddings is {spec.max_position_embeddings}")
+    if opts.resume:  # a wrong model or nothing left to do: said now, from the checkpoint's metadata files
+        check_resume(opts, spec)
     tid = opts.target_token_id
     if tid != AUTO:
         if not isinstance(tid, int) or not 0 <= tid < spec.vocab_size:
@@ -72,6 +74,26 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
                  target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
 
 
+def check_resume(opts, spec) -> int:
+    """The ``--resume`` checkpoint's step, checked before any engine starts: it must hold the
+    parameters the trainer trains (the masters' spec of a quantized checkpoint) and leave steps to do.
+
+    Raises:
+        CheckpointError: missing, corrupt, or another model's checkpoint (names the tensors).
+        UnifiedModelsError: the checkpoint is already at ``--steps``.
+    """
+    from ..backends.megatron.checkpoint import check_training_checkpoint
+
+    if spec.stores_quantized_weights:
+        from ..converters.modelopt import master_spec
+
+        spec = master_spec(spec)
+    step = check_training_checkpoint(opts.resume, spec)
+    if step >= opts.steps:
+        raise UnifiedModelsError(f"--resume {opts.resume} is at step {step}; --steps {opts.steps} leaves nothing to do")
+    return step
+
+
 def start_engines(run: RLRun, console) -> int:
     """Start the vLLM engine and the trainer (module, optimizer, frozen reference) on
     ``run.state_dict``, then drop it; restore ``--resume``. Notes go to the rich ``console``.
@@ -80,8 +102,8 @@ def start_engines(run: RLRun, console) -> int:
         The last finished step (0 for a fresh run).
 
     Raises:
-        UnifiedModelsError: the resumed checkpoint is already at ``--steps``, or does not
-            record the target token that ``auto`` chose.
+        UnifiedModelsError: the resumed checkpoint does not record the target token that
+            ``auto`` chose (its model and step were checked by :func:`check_resume` in :func:`load_run`).
     """
     from ..backends.megatron import destroy_parallel_state
     from ..backends.megatron.optimizer import OptimizerConfig
@@ -127,8 +149,6 @@ def start_engines(run: RLRun, console) -> int:
         if changed:
             console.log(f"[yellow]note[/yellow]: resumed with other settings than the saved run: "
                         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-        if start >= o.steps:
-            raise UnifiedModelsError(f"--resume {o.resume} is at step {start}; --steps {o.steps} leaves nothing to do")
         run.sync()  # the engine starts from the checkpoint's weights
     elif run.trainer.trains_masters:
         # dequantize -> requantize is not the identity (scales are recomputed from the

@@ -247,6 +247,58 @@ def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
     return p
 
 
+def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tuple[Path, dict, dict]:
+    """The checkpoint directory, its common state and its unified_models entry, from its metadata
+    files only (no tensor data).
+
+    Raises:
+        CheckpointError: missing / incomplete / corrupt metadata, a model checkpoint without training
+            state, or another model than ``spec`` (tensors named).
+    """
+    d = layout.check_layout_files(_resolve(path, iteration))
+    try:
+        common = compat.load_common_state_dict(d)
+    except layout.IO_ERRORS as e:  # noqa: BLE001
+        raise layout.common_state_error(d, e, "checkpoint metadata") from None
+    try:
+        metadata = compat.load_tensors_metadata(d)
+    except layout.IO_ERRORS as e:  # noqa: BLE001
+        raise CheckpointError(f"{d}: checkpoint metadata is unreadable (corrupt?): {layout.describe_error(e)}") from None
+    entry = common.get(layout.COMMON_KEY) if isinstance(common, dict) else None
+    if not isinstance(entry, dict) or not entry.get("training"):
+        raise CheckpointError(f"{d} is not a unified_models training checkpoint (no optimizer/RNG state); "
+                              "load model-only checkpoints with UnifiedMegatronModel.load_dist_checkpoint")
+    stored = {n: tuple(m.global_shape) for n, m in metadata.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    problems = tensor_table_problems(spec.parameter_shapes(), stored, verb="stored")
+    if problems:
+        raise CheckpointError(f"training checkpoint {d} holds another model; " + "; ".join(problems))
+    return d, common, entry
+
+
+def check_training_checkpoint(path: str | os.PathLike, spec, *, iteration: int | None = None) -> int:
+    """Check, from the metadata files alone (seconds before any model is built), that ``path`` is a
+    training checkpoint of ``spec``'s parameters; what :func:`load_training_checkpoint` checks first.
+
+    Args:
+        path: a checkpoint root (the tracker file picks the iteration) or an ``iter_*`` directory.
+        spec: the trained model's spec (for a quantized checkpoint, its masters' spec:
+            :func:`unified_models.converters.modelopt.master_spec`).
+        iteration: check ``<path>/iter_<iteration>`` instead of the latest.
+
+    Returns:
+        The checkpoint's iteration (the last finished step).
+
+    Raises:
+        CheckpointError: as :func:`load_training_checkpoint` for a missing, corrupt or other model's
+            checkpoint.
+    """
+    d, common, _ = _training_entry(path, iteration, spec)
+    try:
+        return int(common["iteration"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d}: checkpoint metadata records no iteration ({layout.describe_error(e)})") from None
+
+
 @torch.no_grad()
 def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOptimizer, *,
                              iteration: int | None = None, restore_rng: bool = True) -> TrainingCheckpoint:
@@ -266,23 +318,7 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
             checkpoint without training state, another model (tensors named),
             or optimizer groups that do not match.
     """
-    d = layout.check_layout_files(_resolve(path, iteration))
-    try:
-        common = compat.load_common_state_dict(d)
-    except layout.IO_ERRORS as e:  # noqa: BLE001
-        raise layout.common_state_error(d, e, "checkpoint metadata") from None
-    try:
-        metadata = compat.load_tensors_metadata(d)
-    except layout.IO_ERRORS as e:  # noqa: BLE001
-        raise CheckpointError(f"{d}: checkpoint metadata is unreadable (corrupt?): {layout.describe_error(e)}") from None
-    entry = common.get(layout.COMMON_KEY) if isinstance(common, dict) else None
-    if not isinstance(entry, dict) or not entry.get("training"):
-        raise CheckpointError(f"{d} is not a unified_models training checkpoint (no optimizer/RNG state); "
-                              "load model-only checkpoints with UnifiedMegatronModel.load_dist_checkpoint")
-    stored = {n: tuple(m.global_shape) for n, m in metadata.items() if not n.startswith(OPTIMIZER_PREFIX)}
-    problems = tensor_table_problems(model.spec.parameter_shapes(), stored, verb="stored")
-    if problems:
-        raise CheckpointError(f"training checkpoint {d} holds another model; " + "; ".join(problems))
+    d, _, entry = _training_entry(path, iteration, model.spec)
     if entry.get("optimizer_backend") != optimizer.backend:
         raise CheckpointError(f"{d} holds {entry.get('optimizer_backend')!r} optimizer state; this run uses "
                               f"{optimizer.backend!r} (CPU AdamW and Megatron's CUDA optimizer do not share a state)")
