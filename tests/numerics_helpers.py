@@ -124,10 +124,11 @@ def drop_sublayer(index: int, kind: type | None = None):
 
 
 def skip_final_norm(monkeypatch, spec, params) -> list:
-    """The engine skips the final RMSNorm (``ops.rms_norm`` of the final norm's weight
-    returns its input, rounded to the requested dtype)."""
+    """The engine skips the final RMSNorm (``ops.rms_norm`` of the final norm's weight, or the
+    norm half of ``ops.add_rms_norm``, the fused residual add + norm of a plain stream, returns
+    its input, rounded to the requested dtype)."""
     weight = params[spec.final_norm.name + ".weight"]
-    real, hits = ops.rms_norm, []
+    real, real_fused, hits = ops.rms_norm, ops.add_rms_norm, []
 
     def rms_norm(x, w, *args, **kwargs):
         if w is weight:
@@ -135,7 +136,15 @@ def skip_final_norm(monkeypatch, spec, params) -> list:
             return x.to(kwargs.get("out_dtype") or x.dtype)
         return real(x, w, *args, **kwargs)
 
+    def add_rms_norm(r, u, w, *args, **kwargs):
+        if w is weight:
+            hits.append(1)
+            s = r + u
+            return s, s.to(kwargs.get("out_dtype") or s.dtype)
+        return real_fused(r, u, w, *args, **kwargs)
+
     monkeypatch.setattr(ops, "rms_norm", rms_norm)
+    monkeypatch.setattr(ops, "add_rms_norm", add_rms_norm)
     return hits
 
 

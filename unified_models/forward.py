@@ -57,9 +57,9 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
     h_TD = ops.embedding(batch.input_ids, params[spec.embedding.name + ".weight"])
     if taps.SINK is not None: h_TD = taps.SINK("embedding", h_TD)
     r = policy.expand(rspec, params, h_TD)
-    first = sublayers[0][0]
-    x_TD = ops.rms_norm(policy.sublayer_input(rspec, params, r, first), params[first.norm.name + ".weight"],
-                        first.norm.eps, out_dtype=spec.dtype)
+    first, norm = (sublayers[0][0], sublayers[0][0].norm) if sublayers else (None, spec.final_norm)
+    x_TD = policy.sublayer_input(rspec, params, r, first) if sublayers else policy.contract(rspec, params, r)
+    x_TD = ops.rms_norm(x_TD, params[norm.name + ".weight"], norm.eps, out_dtype=spec.dtype)
     for i, (sub, forward) in enumerate(sublayers):
         if taps.SINK is not None: x_TD = taps.SINK(sub.norm.name, x_TD)
         y_TD = forward(sub.mixer, sub.index, params, x_TD, batch, store, ctx)

@@ -125,6 +125,22 @@ def test_resume_refusals_come_before_any_engine(uninterrupted, argv, message, tm
 
 
 @pytest.mark.slow
+def test_quantized_run_saves_and_resumes(tmp_path):
+    """A ModelOpt NVFP4 run (the trainer trains bf16 masters) saves its checkpoint and resumes from
+    it: the resumed step equals the uninterrupted run's."""
+    args = ["rl", "--preset", "nemotron_h_hybrid_tiny_nvfp4", "--num-prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--reward", "token-set", "--no-plot"]
+    assert main([*args, "--steps", "2", "--metrics", str(tmp_path / "a.jsonl"), "--save", str(tmp_path / "ck"),
+                 "--save-every", "1"]) == 0
+    assert main([*args, "--steps", "2", "--metrics", str(tmp_path / "b.jsonl"),
+                 "--resume", str(tmp_path / "ck" / "iter_0000001")]) == 0
+    a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert [r["step"] for r in b] == [2] and _diff_zero(b[0])
+    for k in ("rollout_sha256", "loss", "grad_norm"):
+        assert a[1][k] == b[0][k], k
+
+
+@pytest.mark.slow
 def test_first_diff_stops_the_run_naming_step_sequence_and_position(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     """Without the weight sync, vLLM samples step 2 with the old weights while the trainer
     has the new ones: the run must stop at step 2 (exit 1) and name where."""

@@ -70,11 +70,16 @@ class PlainResidual:
 
     def add_and_norm(self, rspec, params, r, sub, y_TD, next_sub, weight_D, eps, out_dtype):
         """``r + y_TD`` and its RMSNorm in one kernel (``ops.add_rms_norm``; bitwise ``add`` then
-        ``ops.rms_norm``): ``(r, x_TD)``, the stream ``[T, D]`` and the next norm's output."""
-        if r.dtype != y_TD.dtype:  # the kernel adds two tensors of the stream's dtype
-            r = self.add(rspec, params, r, sub, y_TD)
-            return r, ops.rms_norm(r, weight_D, eps, out_dtype=out_dtype)
-        return ops.add_rms_norm(r, y_TD, weight_D, eps, out_dtype=out_dtype)
+        ``ops.rms_norm``): ``(r, x_TD)``, the stream ``[T, D]`` and the next norm's output. A subclass
+        that overrides ``add``, ``sublayer_input`` or ``contract`` gets its own steps, one at a time."""
+        cls = type(self)
+        own = (cls.add is PlainResidual.add and cls.sublayer_input is PlainResidual.sublayer_input
+               and cls.contract is PlainResidual.contract)
+        if own and r.dtype == y_TD.dtype:  # the kernel adds two tensors of the stream's dtype
+            return ops.add_rms_norm(r, y_TD, weight_D, eps, out_dtype=out_dtype)
+        r = self.add(rspec, params, r, sub, y_TD)
+        x = self.contract(rspec, params, r) if next_sub is None else self.sublayer_input(rspec, params, r, next_sub)
+        return r, ops.rms_norm(x, weight_D, eps, out_dtype=out_dtype)
 
 
 @dataclass

@@ -162,8 +162,12 @@ def start_engines(run: RLRun, console) -> int:
 
 def save_checkpoint(run: RLRun, step: int) -> Path:
     """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
-    (:func:`.options.run_identity`, the target token); returns its directory."""
+    (:func:`.options.run_identity`, the target token); returns its directory.
+
+    The checkpoint carries the model's ``config.json`` (readable by ``convert --from megatron``),
+    except for a quantized (ModelOpt) checkpoint, whose trainer holds the bf16 masters that config
+    does not describe: that checkpoint resumes (``--resume``) but holds no config."""
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step}}
-    return run.trainer.save(run.opts.save, iteration=step, hf_config=(run.model_dir / "config.json").read_text(),
-                            extra=extra, overwrite=True)
+    config = None if run.trainer.trains_masters else (run.model_dir / "config.json").read_text()
+    return run.trainer.save(run.opts.save, iteration=step, hf_config=config, extra=extra, overwrite=True)
 

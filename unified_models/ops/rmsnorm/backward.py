@@ -49,6 +49,8 @@ class AddRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual_TD, update_TD, weight_D, eps, out_dtype):
         s, y = dispatch.add_rms_norm(residual_TD, update_TD, weight_D, eps, out_dtype)
+        if not (residual_TD.requires_grad or update_TD.requires_grad):
+            ctx.mark_non_differentiable(s)  # as ``residual + update`` would be
         ctx.save_for_backward(s)
         ctx.weight, ctx.eps = weight_D, eps
         ctx.stamps = stamp(weight=weight_D)
