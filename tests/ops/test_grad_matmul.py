@@ -102,3 +102,24 @@ def test_shape_errors_name_the_operands():
         grad_matmul(torch.zeros(2, 3, 4), torch.zeros(4, 5))
     with pytest.raises(ValueError, match="batched"):
         grad_matmul(torch.zeros(2, 3, 4), torch.zeros(3, 4, 5))  # batch sizes differ
+
+
+@pytest.mark.parametrize("da,db,pairs", [(torch.float32, torch.bfloat16, 2), (torch.bfloat16, torch.float32, 2),
+                                         (torch.float32, torch.float32, 3)])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_activation_gradient_shapes_run_the_pairs_as_one_gemm(da, db, pairs, batch):
+    """A large fp32 result beside small operands (``M`` tokens x ``N`` features over a small ``K``):
+    the term pairs go side by side along ``K`` into one GEMM, within the same bound."""
+    g = torch.Generator().manual_seed(11)
+    lead = () if batch is None else (batch,)
+    a = (torch.randn(*lead, 512, 40, generator=g) * torch.logspace(-3, 3, 40)).to(da)
+    b = torch.randn(*lead, 40, 256, generator=g).to(db)
+    calls = []
+    out = grad_matmul(a, b, mm=_mm_emulated(calls), split_fp32=True)
+    assert out.dtype == torch.float32 and out.shape == (*lead, 512, 256)
+    assert len(calls) == 1 and calls[0][1][-1] == 40 * pairs and calls[0][2][-2] == 40 * pairs, calls
+    if batch is None:
+        assert _rel_err(out, a, b) <= 2 ** -15
+    else:
+        for i in range(batch):
+            assert _rel_err(out[i], a[i], b[i]) <= 2 ** -15

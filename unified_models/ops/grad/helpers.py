@@ -102,7 +102,9 @@ def _bf16_terms(t: torch.Tensor) -> list[torch.Tensor]:
     if t.dtype in _HALF:
         return [t]
     hi = t.to(torch.bfloat16)
-    return [hi, (t - hi.float()).to(torch.bfloat16)]
+    lo = torch.empty_like(hi)
+    torch.sub(t, hi, out=lo)  # one kernel: t - hi in fp32 (exact), rounded once to bf16
+    return [hi, lo]
 
 
 def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = False, mm=None) -> torch.Tensor:
@@ -122,7 +124,9 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
       fp32 accuracy; a bf16 model's backward passes ``split_fp32`` for its fp32 intermediates);
     * the result is the fp32 sum of the bf16 GEMMs of the term pairs, dropping ``lo x lo`` (1 GEMM for
       two half operands, 2 for one fp32 operand, 3 for two), each accumulated in fp32 with exact
-      products (:func:`_mm_fp32_out`).
+      products (:func:`_mm_fp32_out`); where the fp32 result is large beside the operands (an
+      activation gradient: ``M`` tokens), the pairs run as one GEMM over the terms concatenated along
+      ``K`` (no per-pair fp32 result to write, read and add; :func:`_one_gemm_is_cheaper`).
 
     The error against the fp32 GEMM is below ``2^-15`` of ``|a| @ |b|`` per element (Megatron-core's
     backward rounds both operands to bf16: ``2^-8``). Gradients are not bitwise across layouts
@@ -154,11 +158,28 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
         return mm(a_MK, b_KN)
     # bf16 stays one term; fp32 (and fp16 beside another dtype, via its exact fp32) becomes hi + lo
     ta, tb = (_bf16_terms(t if t.dtype in (torch.bfloat16, torch.float32) else t.float()) for t in (a_MK, b_KN))
-    parts = [mm(x, y) for i, x in enumerate(ta) for j, y in enumerate(tb) if i + j < 2]  # lo x lo dropped
+    pairs = [(x, y) for i, x in enumerate(ta) for j, y in enumerate(tb) if i + j < 2]  # lo x lo dropped
+    if _one_gemm_is_cheaper(a_MK, b_KN, len(pairs), len(ta), len(tb)):
+        # sum_p x_p y_p as one GEMM over the terms side by side along K: [x_1 .. x_n] @ [y_1; ..; y_n]
+        return mm(torch.cat([x for x, _ in pairs], dim=-1), torch.cat([y for _, y in pairs], dim=-2))
+    parts = [mm(x, y) for x, y in pairs]
     out = parts.pop()  # the smallest terms first: (hi lo + lo hi) + hi hi
     while parts:
         out = out.add_(parts.pop())
     return out
+
+
+def _one_gemm_is_cheaper(a_MK: torch.Tensor, b_KN: torch.Tensor, pairs: int, terms_a: int, terms_b: int) -> bool:
+    """Whether the term pairs run as one GEMM over concatenated operands (bytes written for the copies
+    of terms used twice) rather than one GEMM each (an fp32 ``[M, N]`` result per extra pair, written,
+    read and added: 12 bytes per element); the former for an activation gradient (``M`` tokens, small
+    ``K``), the latter for a weight gradient (``K`` tokens, small ``[M, N]``)."""
+    if pairs == 1:
+        return False
+    M, K, N = a_MK.shape[-2], a_MK.shape[-1], b_KN.shape[-1]
+    concat = 2 * K * (pairs * M + pairs * N)  # both operands written side by side, bf16
+    separate = 12 * (pairs - 1) * M * N
+    return concat < separate
 
 
 class RecomputeBmm(torch.autograd.Function):
