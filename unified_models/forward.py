@@ -73,13 +73,16 @@ def forward_hidden(spec: ModelSpec, params: Mapping[str, torch.Tensor], batch: F
 def _add_and_norm(spec: ModelSpec, params: Mapping[str, torch.Tensor], policy, r, sub, y_TD: torch.Tensor,
                   next_sub) -> tuple[object, torch.Tensor]:
     """The residual add of ``sub`` and the normed input of ``next_sub`` (the final norm of the
-    contracted stream when it is None): the policy's fused ``add_and_norm`` with taps off, else the
-    policy's steps one at a time with the ``<mixer>.residual`` tap between them (the same bits)."""
+    contracted stream when it is None): the policy's fused ``add_and_norm`` with taps off (unless it
+    returns None), else the policy's steps one at a time with the ``<mixer>.residual`` tap between
+    them (the same bits)."""
     norm = spec.final_norm if next_sub is None else next_sub.norm
     weight_D, rspec = params[norm.name + ".weight"], spec.residual
     fused = getattr(policy, "add_and_norm", None)
     if fused is not None and taps.SINK is None:
-        return fused(rspec, params, r, sub, y_TD, next_sub, weight_D, norm.eps, spec.dtype)
+        out = fused(rspec, params, r, sub, y_TD, next_sub, weight_D, norm.eps, spec.dtype)
+        if out is not None:
+            return out
     r = policy.add(rspec, params, r, sub, y_TD)
     if taps.SINK is not None: r = taps.SINK(sub.mixer.name + ".residual", r)
     x = policy.contract(rspec, params, r) if next_sub is None else policy.sublayer_input(rspec, params, r, next_sub)

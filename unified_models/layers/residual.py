@@ -12,7 +12,8 @@ opaque residual *state* and call, in order::
 A policy may also define ``add_and_norm(rspec, params, r, sub, y_TD, next_sub, weight_D, eps,
 out_dtype) -> (r, x_TD)``: ``add``, then ``sublayer_input`` of ``next_sub`` (``contract`` when
 ``next_sub`` is None) and the RMSNorm of that input, in one step and bitwise equal to the
-three; the forward calls it where present (taps off), else the three steps.
+three, or None where it cannot; the forward calls it where present (taps off), and takes the
+three steps where it is absent or returns None.
 :class:`PlainResidual`'s is the fused add + RMSNorm kernel (``ops.add_rms_norm``).
 
 ``rspec`` is the model's ``ModelSpec.residual`` (a dataclass of :mod:`unified_models.dsl.residual`);
@@ -70,16 +71,15 @@ class PlainResidual:
 
     def add_and_norm(self, rspec, params, r, sub, y_TD, next_sub, weight_D, eps, out_dtype):
         """``r + y_TD`` and its RMSNorm in one kernel (``ops.add_rms_norm``; bitwise ``add`` then
-        ``ops.rms_norm``): ``(r, x_TD)``, the stream ``[T, D]`` and the next norm's output. A subclass
-        that overrides ``add``, ``sublayer_input`` or ``contract`` gets its own steps, one at a time."""
+        ``ops.rms_norm``): ``(r, x_TD)``, the stream ``[T, D]`` and the next norm's output. None (the
+        forward takes the steps) for a subclass that overrides ``add``, ``sublayer_input`` or
+        ``contract``, or an update of another dtype than the stream's."""
         cls = type(self)
         own = (cls.add is PlainResidual.add and cls.sublayer_input is PlainResidual.sublayer_input
                and cls.contract is PlainResidual.contract)
-        if own and r.dtype == y_TD.dtype:  # the kernel adds two tensors of the stream's dtype
-            return ops.add_rms_norm(r, y_TD, weight_D, eps, out_dtype=out_dtype)
-        r = self.add(rspec, params, r, sub, y_TD)
-        x = self.contract(rspec, params, r) if next_sub is None else self.sublayer_input(rspec, params, r, next_sub)
-        return r, ops.rms_norm(x, weight_D, eps, out_dtype=out_dtype)
+        if not own or r.dtype != y_TD.dtype:  # the kernel adds two tensors of the stream's dtype
+            return None
+        return ops.add_rms_norm(r, y_TD, weight_D, eps, out_dtype=out_dtype)
 
 
 @dataclass
