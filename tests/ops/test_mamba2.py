@@ -517,6 +517,25 @@ def test_grad_conv_dt_norm(dtype, backend, gen, inv):
            [y, z, nw], torch.randn(T, F_, generator=gen).to(dtype), f"norm {dtype} {backend}", inv)
 
 
+def test_grad_conv_sequences_shorter_than_the_width(gen, inv):
+    """The conv's written-out backward (gathers through the inverse tap table) on packed sequences of
+    1, 2, W and W + 1 tokens and padding rows: each x row's gradient from its own sequence's taps only."""
+    lens = [1, 2, W, W + 1, 3]
+    cu = _packed(lens)
+    T = int(cu[-1])
+    meta = mamba2_metadata(cu, torch.zeros(len(lens), dtype=torch.long), Q, num_tokens=T + 3)
+    x = torch.randn(T + 3, CD, generator=gen)
+    w = torch.randn(CD, W, generator=gen) * 0.4
+    bias = torch.randn(CD, generator=gen) * 0.1
+
+    def conv_ref(x_, w_, b_):
+        return torch.cat([causal_conv1d_reference(x_[cu[i]:cu[i + 1]], w_, b_) for i in range(len(lens))]
+                         + [x_.new_zeros(3, CD)])
+
+    _grads(lambda x_, w_, b_: ops.causal_conv1d(x_, w_, b_, meta), conv_ref, [x, w, bias],
+           torch.randn(T + 3, CD, generator=gen), "conv short sequences", inv)
+
+
 def _ssd_inputs(T, dtype, gen):
     return [torch.randn(T, H, P, generator=gen).to(dtype), torch.rand(T, H, generator=gen) * 0.3 + 0.01,
             torch.log(torch.arange(1, H + 1, dtype=torch.float32)).to(dtype),
@@ -586,6 +605,80 @@ def test_grad_ssd_and_conv_continuation(backend, gen, inv):
 
     _grads(conv_op, lambda x_, w_, b_: causal_conv1d_reference(x_, w_, b_, x[:L0]), [x[L0:], w, bias],
            torch.randn(L1, CD, generator=gen), f"conv continuation {backend}", inv)
+
+
+def test_grad_ssd_continued_beside_fresh_sequences(gen, inv):
+    """One call holding a sequence continued from cached state (autograd of its recomputation) between
+    sequences from position 0 (the analytic backward, two chunk counts): each row gets its own
+    sequence's gradient, A_log and D the sum of both parts (fp32, vs fp64 autograd of the recurrence)."""
+    dtype = torch.float32
+    L0, L1, La, Lb = Q + 5, Q + 2, 2 * Q + 3, 5
+    full = _ssd_inputs(L0 + L1, dtype, gen)
+    state = Mamba2State.allocate(3, num_heads=H, head_dim=P, n_groups=G, state_size=N, conv_width=W, chunk_size=Q,
+                                 dtype=dtype, fill=float("nan"))
+    m0 = mamba2_metadata(torch.tensor([0, L0]), torch.tensor([0]), Q, state_idx_B=torch.tensor([1]))
+    with torch.no_grad():
+        ops.ssd_chunk_scan(*(t[:L0] if t.dim() > 1 else t for t in full), m0, state)
+    snap = Mamba2State(**{k: v.clone() for k, v in vars(state).items()})
+    fresh = _ssd_inputs(La + Lb, dtype, gen)
+    # rows: fresh a, the continued chunk, fresh b
+    ins = [torch.cat([f[:La], n[L0:], f[La:]]) if n.dim() > 1 else n for f, n in zip(fresh, full)]
+    cu = _packed([La, L1, Lb])
+    m1 = mamba2_metadata(cu, torch.tensor([0, L0, 0]), Q, state_idx_B=torch.tensor([0, 1, 2]))
+
+    def op(*a):
+        return ops.ssd_chunk_scan(*a, m1, Mamba2State(**{k: v.clone() for k, v in vars(snap).items()}))
+
+    bq = (L0 // Q) * Q
+
+    def ref(x, dt, A_log, B, C, D):
+        s_b = ssd_reference(full[0][:bq], full[1][:bq], A_log.detach(), full[3][:bq], full[4][:bq], None)[1]
+        a, b = slice(0, La), slice(La + L1, La + L1 + Lb)
+        mid = [torch.cat([full[i][bq:L0].double(), t[La:La + L1]]) for i, t in ((0, x), (1, dt), (3, B), (4, C))]
+        return torch.cat([ssd_reference(x[a], dt[a], A_log, B[a], C[a], D)[0],
+                          ssd_reference(mid[0], mid[1], A_log, mid[2], mid[3], D, s_b.detach())[0][L0 - bq:],
+                          ssd_reference(x[b], dt[b], A_log, B[b], C[b], D)[0]])
+
+    _grads(op, ref, ins, torch.randn(La + L1 + Lb, H, P, generator=gen), "ssd continued beside fresh", inv)
+
+
+@pytest.mark.parametrize("with_D", [True, False])
+def test_ssd_analytic_backward_equals_autograd(with_D, gen):
+    """The analytic SSD backward (``ssd_chunked_backward``) equals autograd of the chunked form it
+    differentiates, in fp64 to rounding: sequences of several chunk counts zero-padded to one length
+    (zero rows past the end, as the trainer's groups), a group of 2 and of 1 heads per B/C group."""
+    from unified_models.ops.mamba2.ssd_backward import ssd_chunked_backward
+
+    for Hh, Gg, L in ((H, G, 3 * Q - 3), (H, H, Q), (2, 1, 5)):
+        Bt = 3
+        x = torch.randn(Bt, L, Hh, P, generator=gen, dtype=torch.float64)
+        dt = torch.rand(Bt, L, Hh, generator=gen, dtype=torch.float64) * 0.5
+        B = torch.randn(Bt, L, Gg, N, generator=gen, dtype=torch.float64) * 0.5
+        C = torch.randn(Bt, L, Gg, N, generator=gen, dtype=torch.float64) * 0.5
+        for t in (x, dt, B, C):
+            t[1, L // 2:] = 0  # a shorter sequence, zero-padded
+        A_log = torch.randn(Hh, generator=gen, dtype=torch.float64)
+        D = torch.randn(Hh, generator=gen, dtype=torch.float64) if with_D else None
+        leaves = [t.clone().requires_grad_() for t in (x, dt, A_log, B, C) + ((D,) if with_D else ())]
+        y = ssd_chunked_torch_batched(*leaves[:5], leaves[5] if with_D else None, Q)
+        gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+        want = torch.autograd.grad(y, leaves, gy)
+        got = ssd_chunked_backward(x, dt, A_log, B, C, D, Q, gy)
+        assert got[5] is None if not with_D else got[5].shape == (Hh,)
+        for name, a, b in zip(("x", "dt", "A_log", "B", "C", "D"), got, want):
+            assert a.shape == b.shape and a.dtype == torch.float64, name
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12, msg=lambda m: f"d{name} (H={Hh}, G={Gg}): {m}")
+
+
+def test_ssd_analytic_backward_errors(gen):
+    from unified_models.ops.mamba2.ssd_backward import ssd_chunked_backward
+
+    x = torch.randn(1, 4, H, P, generator=gen)
+    dt, A_log, B = torch.rand(1, 4, H, generator=gen), torch.zeros(H), torch.randn(1, 4, G, N, generator=gen)
+    with pytest.raises(ValueError, match="must be"):
+        ssd_chunked_backward(x, dt, A_log, B, B[:, :3], None, Q, x)
+    with pytest.raises(ValueError, match="dtype"):
+        ssd_chunked_backward(x, dt.double(), A_log, B, B, None, Q, x)
 
 
 def test_grad_mixer_core_composed(backend, gen, inv):

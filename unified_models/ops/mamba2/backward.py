@@ -17,8 +17,10 @@ causal_conv1d       gather of each token's W inputs, fp32 multiply-add, SiLU
 mamba2_dt           ``clamp(softplus(dt + bias), lo, hi)``
 ssd_chunk_scan      chunked SSD with the einsums of transformers' torch path
                     (:func:`~.reference.ssd_chunked_torch_batched`): sequences from
-                    position 0 batched by chunk count; a continued sequence alone
-                    from its chunk boundary (pending rows and boundary state are inputs)
+                    position 0 batched by chunk count, differentiated analytically
+                    (:func:`~.ssd_backward.ssd_chunked_backward`, no graph); a
+                    continued sequence alone from its chunk boundary (pending rows
+                    and boundary state are inputs), by autograd
 gated_rms_norm      ``rmsnorm_group(y * silu(z)) * w``
 ==================  ==========================================================
 
@@ -43,8 +45,9 @@ from ..grad.helpers import acc
 from ..grad.weights import check_stamps, stamp
 from . import dispatch
 from .common import _need_state
-from .cpu import conv_source_index
+from .cpu import conv_source_index, conv_source_inverse
 from .reference import ssd_chunked_torch, ssd_chunked_torch_batched
+from .ssd_backward import ssd_chunked_backward
 
 
 __all__ = ["causal_conv1d", "mamba2_dt", "ssd_chunk_scan", "gated_rms_norm"]
@@ -67,6 +70,18 @@ class _Recompute:
     def graph(self, *leaves):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def grads(self, leaves: list, need: tuple, g: torch.Tensor) -> list:
+        """The gradients of the inputs marked in ``need`` (None elsewhere): autograd of ``graph`` at
+        ``leaves`` (the saved inputs in the accumulation dtype, None for absent ones) against ``g``."""
+        with torch.enable_grad():
+            leaves = [None if t is None else t.requires_grad_(bool(need[i])) for i, t in enumerate(leaves)]
+            out = self.graph(*leaves)
+        want = [i for i, t in enumerate(leaves) if t is not None and need[i]]
+        res = [None] * len(leaves)
+        for i, d in zip(want, torch.autograd.grad(out, [leaves[i] for i in want], g, allow_unused=True)):
+            res[i] = d
+        return res
+
 
 class RecomputeFn(torch.autograd.Function):
     """Inputs ``(spec, *tensors)``: the output is ``spec.run()``; the gradient of each
@@ -85,14 +100,12 @@ class RecomputeFn(torch.autograd.Function):
         check_stamps(spec.name, spec.stamps)
         ins = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]
-        leaves = [None if t is None else acc(t).detach().requires_grad_(bool(need[i])) for i, t in enumerate(ins)]
-        with torch.enable_grad():
-            out = spec.graph(*leaves)
-        want = [i for i, t in enumerate(leaves) if t is not None and need[i]]
-        grads = torch.autograd.grad(out, [leaves[i] for i in want], acc(g), allow_unused=True)
+        leaves = [None if t is None else acc(t).detach() for t in ins]
+        grads = spec.grads(leaves, need, acc(g))
         res: list[torch.Tensor | None] = [None] * len(ins)
-        for i, d in zip(want, grads):
-            res[i] = (torch.zeros_like(ins[i]) if d is None else d.to(ins[i].dtype))
+        for i, t in enumerate(ins):
+            if t is not None and need[i]:
+                res[i] = torch.zeros_like(t) if grads[i] is None else grads[i].to(t.dtype)
         return (None, *res)
 
 
@@ -123,6 +136,31 @@ class _Conv(_Recompute):
         if b is not None:
             y = y + b
         return F.silu(y) * self.valid[:, None].to(y.dtype)
+
+    def grads(self, leaves, need, g):
+        """Written out, gathers only (autograd of :meth:`graph` scatter-adds ``[T, W, C]`` rows back into the
+        table: a sort per call on CUDA): with ``y = sum_j w_j x[idx_j] + b`` and ``gp = g silu'(y)`` on
+        valid rows, ``dw_j = sum_t gp x[idx_j]``, ``db = sum_t gp``, ``dx[t] = sum_j w_j gp[inv_j[t]]``
+        (:func:`~.cpu.conv_source_inverse`: the token whose tap ``j`` reads row ``t``)."""
+        x, w, b = leaves
+        T, W = x.shape[0], w.shape[1]
+        table = torch.cat([x, self.const.to(x.dtype), x.new_zeros((1, x.shape[1]))])
+        taps = [table[self.idx[:, j]] for j in range(W)]  # [T, C] each
+        y = sum(taps[j] * w[:, j] for j in range(W))
+        if b is not None:
+            y = y + b
+        s = torch.sigmoid(y)
+        gp = g * (s * (1 + y * (1 - s))) * self.valid[:, None].to(y.dtype)  # d silu(y) / dy = s (1 + y (1 - s))
+        dx = dw = db = None
+        if need[0]:
+            inv = conv_source_inverse(self.args[3], W, T, x.device)
+            gp_pad = torch.cat([gp, gp.new_zeros((1, gp.shape[1]))])
+            dx = sum(gp_pad[inv[:, j]] * w[:, j] for j in range(W))
+        if need[1]:
+            dw = torch.stack([(gp * taps[j]).sum(0) for j in range(W)], dim=1)
+        if need[2] and b is not None:
+            db = gp.sum(0)
+        return [dx, dw, db]
 
 
 def causal_conv1d(x_TC, weight_CW, bias_C, meta, state=None):
@@ -183,15 +221,21 @@ class _Ssd(_Recompute):
     def run(self):
         return dispatch.ssd_chunk_scan(*self.args)
 
-    def graph(self, x, dt, A_log, B, C, D):
-        meta = self.args[6]
-        Q = meta.chunk_size
-        T, H, P = x.shape
-        ys, rows = [], []
-        fresh: dict[int, list[tuple[int, int]]] = {}  # chunk count -> (first row, length) of sequences from 0
-        for c0, L, cnt, s0, pend in self.seqs:
+    def _fresh_groups(self) -> dict[int, list[tuple[int, int]]]:
+        """Chunk count -> ``(first row, length)`` of the sequences that start at position 0."""
+        Q = self.args[6].chunk_size
+        fresh: dict[int, list[tuple[int, int]]] = {}
+        for c0, L, _cnt, s0, pend in self.seqs:
             if s0 is None and pend is None:
                 fresh.setdefault(-(-L // Q), []).append((c0, L))
+        return dict(sorted(fresh.items()))
+
+    def _continued(self, x, dt, A_log, B, C, D):
+        """Outputs and rows of the sequences continued from cached state (one recomputation each)."""
+        Q = self.args[6].chunk_size
+        ys, rows = [], []
+        for c0, L, cnt, s0, pend in self.seqs:
+            if s0 is None and pend is None:
                 continue
             xs, dts, Bs, Cs = x[c0:c0 + L], dt[c0:c0 + L], B[c0:c0 + L], C[c0:c0 + L]
             if pend is not None:
@@ -201,14 +245,70 @@ class _Ssd(_Recompute):
             y = ssd_chunked_torch(xs, dts, A_log, Bs, Cs, D, Q, None if s0 is None else s0.to(x.dtype))
             ys.append(y[cnt:])
             rows.append(torch.arange(c0, c0 + L, device=x.device))
-        for chunks, group in sorted(fresh.items()):  # one batched recomputation per chunk count
+        return ys, rows
+
+    def graph(self, x, dt, A_log, B, C, D):
+        Q = self.args[6].chunk_size
+        ys, rows = self._continued(x, dt, A_log, B, C, D)
+        for chunks, group in self._fresh_groups().items():  # one batched recomputation per chunk count
             y, r = _ssd_group(x, dt, A_log, B, C, D, Q, chunks, group)
             ys.append(y)
             rows.append(r)
-        out = x.new_zeros((T, H, P))
+        out = x.new_zeros(x.shape)
         if ys:
             out = out.index_put((torch.cat(rows),), torch.cat(ys))
         return out
+
+    def grads(self, leaves, need, g):
+        """Continued sequences: autograd of their recomputation; sequences from position 0: the analytic
+        backward (:func:`~.ssd_backward.ssd_chunked_backward`), batched by chunk count as in :meth:`graph`.
+        Each row belongs to one sequence, so the two parts write disjoint rows; ``A_log`` and ``D`` sum."""
+        x, dt, A_log, B, C, D = leaves
+        res: list[torch.Tensor | None] = [None] * 6
+        if any(s0 is not None or pend is not None for _c0, _L, _cnt, s0, pend in self.seqs):
+            with torch.enable_grad():
+                lv = [None if t is None else t.requires_grad_(bool(need[i])) for i, t in enumerate(leaves)]
+                ys, rows = self._continued(*lv)
+                out = x.new_zeros(x.shape).index_put((torch.cat(rows),), torch.cat(ys))
+            want = [i for i, t in enumerate(lv) if t is not None and need[i]]
+            for i, d in zip(want, torch.autograd.grad(out, [lv[i] for i in want], g, allow_unused=True)):
+                res[i] = d
+            leaves = [None if t is None else t.detach() for t in leaves]
+            x, dt, A_log, B, C, D = leaves
+        res = [None if t is None or not need[i] else (torch.zeros_like(t) if res[i] is None else res[i])
+               for i, t in enumerate(leaves)]
+        Q = self.args[6].chunk_size
+        orig = self.args
+        split = x.is_cuda and any(t.dtype in (torch.bfloat16, torch.float16) for t in (orig[0], orig[3], orig[4]))
+        for chunks, group in self._fresh_groups().items():
+            idx, keep = _group_rows(group, chunks * Q, x.shape[0], x.device)
+
+            def gathered(t):
+                return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[idx]
+
+            parts = ssd_chunked_backward(gathered(x), gathered(dt), A_log, gathered(B), gathered(C), D, Q,
+                                         gathered(g), split_fp32=split)
+            rows = idx.view(-1)[keep]
+            for i, d in enumerate(parts):
+                if res[i] is None or d is None:
+                    continue
+                if i in (2, 5):  # A_log, D: per head, summed over every sequence
+                    res[i] += d
+                else:  # per row: each row is one sequence's, written once
+                    res[i].index_put_((rows,), d.reshape(-1, *d.shape[2:])[keep])
+        return res
+
+
+def _group_rows(group: list[tuple[int, int]], width: int, T: int, device):
+    """``(idx [n, width], keep)``: row ``i`` of ``idx`` lists sequence ``i``'s flat rows, ``T`` (a zero row
+    appended by the caller) past its end; ``keep`` the real entries of ``idx.view(-1)``, worked out on the host
+    (one host-to-device copy each, no device read)."""
+    idx = torch.full((len(group), width), T, dtype=torch.int64)
+    keep = []
+    for i, (c0, L) in enumerate(group):
+        idx[i, :L] = torch.arange(c0, c0 + L)
+        keep.append(torch.arange(i * width, i * width + L))
+    return host_to_device(idx, device), host_to_device(torch.cat(keep), device)
 
 
 def _ssd_group(x, dt, A_log, B, C, D, Q: int, chunks: int, group: list[tuple[int, int]]):
@@ -221,13 +321,7 @@ def _ssd_group(x, dt, A_log, B, C, D, Q: int, chunks: int, group: list[tuple[int
         ``(y [R, H, P], rows [R] int64)``: the sequences' outputs and their flat rows, R = sum of lengths.
     """
     T, H, P = x.shape
-    width = chunks * Q
-    idx = torch.full((len(group), width), T, dtype=torch.int64)  # T: the zero row appended below
-    keep = []  # the sequences' entries in the flattened [len(group) * width], worked out on the host
-    for i, (c0, L) in enumerate(group):
-        idx[i, :L] = torch.arange(c0, c0 + L)
-        keep.append(torch.arange(i * width, i * width + L))
-    idx, keep = host_to_device(idx, x.device), host_to_device(torch.cat(keep), x.device)
+    idx, keep = _group_rows(group, chunks * Q, T, x.device)  # T: the zero row appended below
 
     def gathered(t):
         return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[idx]

@@ -76,6 +76,20 @@ def conv_source_index(meta: Mamba2Metadata, W: int, T: int, device) -> tuple[tor
     return res
 
 
+def conv_source_inverse(meta: Mamba2Metadata, W: int, T: int, device) -> torch.Tensor:
+    """``inv [T, W]``: the token whose tap ``j`` reads x row ``t`` (:func:`conv_source_index`), ``T`` where
+    none does (each x row is read by at most one token per tap); the backward's gather in place of a
+    scatter-add. Worked out on the host, cached in the metadata per ``(W, device)``."""
+    key = ("conv_inv", W, T, str(device))
+    if key not in meta.host:
+        idx = conv_source_index(meta, W, T, "cpu")[0]
+        inv = torch.full((T + 1, W), T, dtype=torch.int64)  # row T: a sink for taps reading no x row
+        taps = torch.arange(W).expand(T, W)
+        inv[idx.clamp(max=T), taps] = torch.arange(T).view(-1, 1).expand(T, W)
+        meta.host[key] = inv[:T].to(device)
+    return meta.host[key]
+
+
 def causal_conv1d_torch(x_TC, weight_CW, bias_C, meta, state) -> torch.Tensor:
     """CPU: per-token gather of the W inputs, fp32 multiply-adds in tap order (exact IEEE
     elementwise ops, no BLAS), SiLU through :func:`_ew`."""

@@ -1,0 +1,175 @@
+"""The analytic backward of the chunked SSD scan, for sequences that start at position 0 (the
+trainer's THD batches).
+
+DESIGN.md rule 11 lets a backward compute its gradients any correct way; before this module the SSD's
+came from autograd over the chunked einsums of :func:`~.reference.ssd_chunked_torch_batched`, which
+keeps a dozen ``[Bt, c, Q, Q, H]`` fp32 intermediates and walks them again in the backward (the
+hybrid step's largest backward node on the H200, ``benchmarks/RESULTS.md`` session 33). Here the
+gradients of the same formula are written out (Mamba-2, Dao & Gu 2024, section 6, the SSD chunked
+form; ``mamba_ssm/ops/triton/ssd_combined.py``'s backward splits it the same way), each product a
+batched GEMM (:func:`~unified_models.ops.grad.helpers.grad_matmul`: tensor cores on CUDA for a bf16
+model), with four ``[Bt, c, H, Q, Q]`` tensors in all and the heads of a B/C group stacked along a
+GEMM dimension.
+
+The forward, per head ``h`` (group ``g``), chunk ``k`` of ``Q`` rows, rows ``l, s`` of it::
+
+    a = dt A,  A = -exp(A_log),  acum_l = sum_{j <= l} a_j  (within the chunk),  xd = x dt
+    y_l = sum_{s <= l} (C_l . B_s) exp(acum_l - acum_s) xd_s       (intra-chunk)
+        + exp(acum_l) C_l . S_k                                   (inter-chunk)
+        + D x_l
+    S_{k+1} = exp(acum_{Q-1}) S_k + sum_s exp(acum_{Q-1} - acum_s) xd_s B_s^T,   S_0 = 0
+
+and the backward, given ``gy``: the intra-chunk matrix ``M = CB * Lm`` gives ``dxd = M^T gy`` and
+``dM = gy xd^T``; ``dM * Lm`` summed over a group's heads is ``d(CB)`` (hence ``dC``, ``dB``), and
+``dM * Lm * CB`` gives ``dacum`` (its row sums minus its column sums); the inter-chunk term gives
+``dS = (gy e^acum)^T C``, ``dC``, ``dacum``; the state recurrence runs backwards over the chunks;
+the chunk states give ``dxd``, ``dB``, ``dacum``; ``dacum`` becomes ``da`` by a reverse cumulative
+sum, and ``a = dt A``, ``xd = x dt`` give ``ddt``, ``dA_log``, ``dx``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..grad.helpers import grad_matmul
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
+    """``a @ b`` over any leading batch dimensions (equal in both), through :func:`grad_matmul`."""
+    lead = a.shape[:-2]
+    out = grad_matmul(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), split_fp32=split)
+    return out.view(*lead, a.shape[-2], b.shape[-1]).to(a.dtype)
+
+
+def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: torch.Tensor,
+                         B_BLGN: torch.Tensor, C_BLGN: torch.Tensor, D_H: torch.Tensor | None, chunk_size: int,
+                         gy_BLHP: torch.Tensor, *, split_fp32: bool = False):
+    """Gradients of :func:`~.reference.ssd_chunked_torch_batched` (no initial state) at the given inputs.
+
+    Rows past a sequence's end are zero rows (``x = dt = B = C = 0``), as the forward allows; their
+    gradients are returned like any row's and the caller drops them.
+
+    Args:
+        x_BLHP: ``[Bt, L, H, P]``; dt_BLH: ``[Bt, L, H]`` (after softplus / limits); A_log_H: ``[H]``;
+            B_BLGN, C_BLGN: ``[Bt, L, G, N]`` (G divides H); D_H: ``[H]`` or None; chunk_size: ``Q``;
+            gy_BLHP: ``[Bt, L, H, P]``, the output's gradient. All one floating dtype (fp32 or fp64:
+            the backward's accumulation dtype) on one device.
+        split_fp32: the GEMMs' fp32 operands split into bf16 ``hi + lo`` terms on tensor cores (a bf16
+            model on CUDA; :func:`grad_matmul`), else plain GEMMs in the inputs' dtype.
+
+    Returns:
+        ``(dx, ddt, dA_log, dB, dC, dD)`` in the inputs' shapes and dtype (``dD`` None when ``D_H`` is).
+
+    Raises:
+        ValueError: inconsistent shapes or dtypes.
+    """
+    Bt, L, H, P = x_BLHP.shape
+    G, N = B_BLGN.shape[2:]
+    dtype = x_BLHP.dtype
+    if (dt_BLH.shape != (Bt, L, H) or B_BLGN.shape != C_BLGN.shape or B_BLGN.shape[:2] != (Bt, L) or H % G
+            or gy_BLHP.shape != x_BLHP.shape or A_log_H.shape != (H,) or (D_H is not None and D_H.shape != (H,))):
+        raise ValueError(f"ssd_chunked_backward: x {tuple(x_BLHP.shape)}, dt {tuple(dt_BLH.shape)}, A_log "
+                         f"{tuple(A_log_H.shape)}, B {tuple(B_BLGN.shape)}, C {tuple(C_BLGN.shape)}, gy "
+                         f"{tuple(gy_BLHP.shape)} must be [Bt,L,H,P], [Bt,L,H], [H], [Bt,L,G,N] x2 (G | H), [Bt,L,H,P]")
+    if any(t is not None and t.dtype != dtype for t in (dt_BLH, A_log_H, B_BLGN, C_BLGN, D_H, gy_BLHP)):
+        raise ValueError("ssd_chunked_backward: every input must have x's dtype (the accumulation dtype)")
+    Q = chunk_size
+    r = H // G
+    pad = (-L) % Q
+    c = (L + pad) // Q
+
+    def chunked(t):  # [Bt, L, ...] -> [Bt, c, Q, ...], zero rows appended
+        t = torch.cat([t, t.new_zeros((Bt, pad, *t.shape[2:]))], dim=1) if pad else t
+        return t.view(Bt, c, Q, *t.shape[2:])
+
+    def head_major(t):  # [Bt, c, Q, X, Y] -> [Bt, c, X, Q, Y]
+        return t.permute(0, 1, 3, 2, 4).contiguous()
+
+    A = -torch.exp(A_log_H)
+    x, gy = head_major(chunked(x_BLHP)), head_major(chunked(gy_BLHP))  # [Bt, c, H, Q, P]
+    dt = chunked(dt_BLH).permute(0, 1, 3, 2).contiguous()  # [Bt, c, H, Q]
+    Bg, Cg = head_major(chunked(B_BLGN)), head_major(chunked(C_BLGN))  # [Bt, c, G, Q, N]
+    acum = torch.cumsum(dt * A[:, None], dim=-1)  # [Bt, c, H, Q]
+    xd = x * dt[..., None]
+
+    def grouped(t):  # [Bt, c, H, ...] -> [Bt, c, G, r, ...]
+        return t.view(Bt, c, G, r, *t.shape[3:])
+
+    def rows_of_group(t):  # [Bt, c, H, Q, P] -> [Bt, c, G, Q, r*P]: a group's heads side by side
+        return grouped(t).permute(0, 1, 2, 4, 3, 5).reshape(Bt, c, G, Q, r * P)
+
+    def heads_of_rows(t):  # inverse of rows_of_group
+        return t.view(Bt, c, G, Q, r, P).permute(0, 1, 2, 4, 3, 5).reshape(Bt, c, H, Q, P)
+
+    # ---- intra-chunk: M = CB * Lm (lower triangle), y = M xd
+    CB = _bmm(Cg, Bg.transpose(-1, -2), split_fp32)  # [Bt, c, G, Q(l), Q(s)]
+    lower = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    Lm = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~lower, -torch.inf))  # [Bt, c, H, Q, Q]
+    M = (grouped(Lm) * CB[:, :, :, None]).view(Bt, c, H, Q, Q)
+    dxd = _bmm(M.transpose(-1, -2), gy, split_fp32)  # [Bt, c, H, Q, P]
+    del M
+    dM = _bmm(gy, xd.transpose(-1, -2), split_fp32)  # [Bt, c, H, Q, Q]
+    dM.mul_(Lm)  # d(CB) per head
+    del Lm
+    dCB = grouped(dM).sum(3)  # [Bt, c, G, Q, Q]
+    dM.view(Bt, c, G, r, Q, Q).mul_(CB[:, :, :, None])  # d(acum_l - acum_s)
+    dacum = dM.sum(-1) - dM.sum(-2)  # [Bt, c, H, Q]
+    del dM, CB
+    dC = _bmm(dCB, Bg, split_fp32)  # [Bt, c, G, Q, N]
+    dB = _bmm(dCB.transpose(-1, -2), Cg, split_fp32)
+    del dCB
+
+    # ---- chunk states S_k (entering chunk k) by the recurrence
+    w = torch.exp(acum[..., -1:] - acum)  # [Bt, c, H, Q]: decay from row s to the chunk's end
+    xdw = xd * w[..., None]
+    states = _bmm(rows_of_group(xdw).transpose(-1, -2), Bg, split_fp32).view(Bt, c, H, P, N)  # chunk's own
+    end = torch.exp(acum[..., -1])  # [Bt, c, H]
+    S = torch.zeros((Bt, c, H, P, N), dtype=dtype, device=x.device)
+    for k in range(1, c):
+        S[:, k] = end[:, k - 1, :, None, None] * S[:, k - 1] + states[:, k - 1]
+    del states
+
+    # ---- inter-chunk: y += exp(acum) C . S
+    gyE = gy * torch.exp(acum)[..., None]  # [Bt, c, H, Q, P]
+    gyE_rows = rows_of_group(gyE)  # [Bt, c, G, Q, r*P]
+    S_rows = S.view(Bt, c, G, r * P, N)
+    dS = _bmm(gyE_rows.transpose(-1, -2), Cg, split_fp32).view(Bt, c, H, P, N)
+    dC += _bmm(gyE_rows, S_rows, split_fp32)
+    y_off = heads_of_rows(_bmm(Cg, S_rows.transpose(-1, -2), split_fp32))  # exp(acum) dropped: in gyE
+    dacum += (gyE * y_off).sum(-1)
+    del gyE, gyE_rows, y_off
+
+    # ---- the recurrence backwards: G_k = dS_k + end_k G_{k+1}; d(states_k) = G_{k+1}
+    dstates = torch.zeros_like(S)
+    Gk = torch.zeros_like(S[:, 0])
+    for k in range(c - 1, 0, -1):
+        Gk = dS[:, k] + end[:, k, :, None, None] * Gk  # (Gk = 0 at k = c - 1)
+        dstates[:, k - 1] = Gk
+        dacum[:, k - 1, :, -1] += end[:, k - 1] * (S[:, k - 1] * Gk).sum((-1, -2))
+    del dS, S
+
+    # ---- chunk states: states_k = sum_s w_s xd_s B_s^T
+    ds_rows = dstates.view(Bt, c, G, r * P, N)
+    U = heads_of_rows(_bmm(Bg, ds_rows.transpose(-1, -2), split_fp32))  # [Bt, c, H, Q, P]: B_s dstates^T
+    dxd += U * w[..., None]
+    dB += _bmm(rows_of_group(xdw), ds_rows, split_fp32)
+    dw = (xd * U).sum(-1) * w  # [Bt, c, H, Q]
+    dacum -= dw
+    dacum[..., -1] += dw.sum(-1)
+    del U, xdw, dstates
+
+    # ---- acum = cumsum(dt A), xd = x dt, y += D x
+    da = dacum.flip(-1).cumsum(-1).flip(-1)
+    ddt = da * A[:, None] + (dxd * x).sum(-1)
+    dA_log = (da * dt).sum((0, 1, 3)) * A
+    dx = dxd * dt[..., None]
+    dD = None
+    if D_H is not None:
+        dx += gy * D_H[:, None, None]
+        dD = (gy * x).sum((0, 1, 3, 4))
+
+    def unchunked(t):  # [Bt, c, X, Q, ...] -> [Bt, L, X, ...]
+        t = t.transpose(2, 3)
+        return t.reshape(Bt, c * Q, *t.shape[3:])[:, :L]
+
+    return (unchunked(dx), unchunked(ddt.unsqueeze(-1)).squeeze(-1), dA_log, unchunked(dB), unchunked(dC), dD)
