@@ -89,7 +89,10 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     x, gy = head_major(chunked(x_BLHP)), head_major(chunked(gy_BLHP))  # [Bt, c, H, Q, P]
     dt = chunked(dt_BLH).permute(0, 1, 3, 2).contiguous()  # [Bt, c, H, Q]
     Bg, Cg = head_major(chunked(B_BLGN)), head_major(chunked(C_BLGN))  # [Bt, c, G, Q, N]
-    acum = torch.cumsum(dt * A[:, None], dim=-1)  # [Bt, c, H, Q]
+    # the within-chunk cumulative sums in fp64: the decays are exponentials of their differences, which
+    # cancel (|acum| reaches hundreds: an fp32 difference would carry an absolute error of 2^-24 |acum|)
+    acum64 = torch.cumsum(dt.double() * A.double()[:, None], dim=-1)  # [Bt, c, H, Q]
+    acum = acum64.to(dtype)
     xd = x * dt[..., None]
 
     def grouped(t):  # [Bt, c, H, ...] -> [Bt, c, G, r, ...]
@@ -104,7 +107,7 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     # ---- intra-chunk: M = CB * Lm (lower triangle), y = M xd
     CB = _bmm(Cg, Bg.transpose(-1, -2), split_fp32)  # [Bt, c, G, Q(l), Q(s)]
     lower = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    Lm = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~lower, -torch.inf))  # [Bt, c, H, Q, Q]
+    Lm = torch.exp((acum64[..., :, None] - acum64[..., None, :]).to(dtype).masked_fill_(~lower, -torch.inf))
     M = (grouped(Lm) * CB[:, :, :, None]).view(Bt, c, H, Q, Q)
     dxd = _bmm(M.transpose(-1, -2), gy, split_fp32)  # [Bt, c, H, Q, P]
     del M
@@ -113,30 +116,32 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     del Lm
     dCB = grouped(dM).sum(3)  # [Bt, c, G, Q, Q]
     dM.view(Bt, c, G, r, Q, Q).mul_(CB[:, :, :, None])  # d(acum_l - acum_s)
-    dacum = dM.sum(-1) - dM.sum(-2)  # [Bt, c, H, Q]
+    # dacum in fp64 (small: [Bt, c, H, Q]): its row-sum-minus-column-sum terms cancel, and an fp32 sum
+    # would leave an error of 2^-24 of the sums where the difference is far smaller (dt and A_log)
+    dacum = dM.sum(-1, dtype=torch.float64) - dM.sum(-2, dtype=torch.float64)  # [Bt, c, H, Q]
     del dM, CB
     dC = _bmm(dCB, Bg, split_fp32)  # [Bt, c, G, Q, N]
     dB = _bmm(dCB.transpose(-1, -2), Cg, split_fp32)
     del dCB
 
     # ---- chunk states S_k (entering chunk k) by the recurrence
-    w = torch.exp(acum[..., -1:] - acum)  # [Bt, c, H, Q]: decay from row s to the chunk's end
+    w = torch.exp(acum64[..., -1:] - acum64).to(dtype)  # [Bt, c, H, Q]: decay from row s to the chunk's end
     xdw = xd * w[..., None]
     states = _bmm(rows_of_group(xdw).transpose(-1, -2), Bg, split_fp32).view(Bt, c, H, P, N)  # chunk's own
-    end = torch.exp(acum[..., -1])  # [Bt, c, H]
+    end = torch.exp(acum64[..., -1]).to(dtype)  # [Bt, c, H]
     S = torch.zeros((Bt, c, H, P, N), dtype=dtype, device=x.device)
     for k in range(1, c):
         S[:, k] = end[:, k - 1, :, None, None] * S[:, k - 1] + states[:, k - 1]
     del states
 
     # ---- inter-chunk: y += exp(acum) C . S
-    gyE = gy * torch.exp(acum)[..., None]  # [Bt, c, H, Q, P]
+    gyE = gy * torch.exp(acum64).to(dtype)[..., None]  # [Bt, c, H, Q, P]
     gyE_rows = rows_of_group(gyE)  # [Bt, c, G, Q, r*P]
     S_rows = S.view(Bt, c, G, r * P, N)
     dS = _bmm(gyE_rows.transpose(-1, -2), Cg, split_fp32).view(Bt, c, H, P, N)
     dC += _bmm(gyE_rows, S_rows, split_fp32)
     y_off = heads_of_rows(_bmm(Cg, S_rows.transpose(-1, -2), split_fp32))  # exp(acum) dropped: in gyE
-    dacum += (gyE * y_off).sum(-1)
+    dacum += (gyE * y_off).sum(-1, dtype=torch.float64)
     del gyE, gyE_rows, y_off
 
     # ---- the recurrence backwards: G_k = dS_k + end_k G_{k+1}; d(states_k) = G_{k+1}
@@ -145,7 +150,7 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     for k in range(c - 1, 0, -1):
         Gk = dS[:, k] + end[:, k, :, None, None] * Gk  # (Gk = 0 at k = c - 1)
         dstates[:, k - 1] = Gk
-        dacum[:, k - 1, :, -1] += end[:, k - 1] * (S[:, k - 1] * Gk).sum((-1, -2))
+        dacum[:, k - 1, :, -1] += end[:, k - 1] * (S[:, k - 1] * Gk).sum((-1, -2), dtype=torch.float64)
     del dS, S
 
     # ---- chunk states: states_k = sum_s w_s xd_s B_s^T
@@ -153,15 +158,16 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     U = heads_of_rows(_bmm(Bg, ds_rows.transpose(-1, -2), split_fp32))  # [Bt, c, H, Q, P]: B_s dstates^T
     dxd += U * w[..., None]
     dB += _bmm(rows_of_group(xdw), ds_rows, split_fp32)
-    dw = (xd * U).sum(-1) * w  # [Bt, c, H, Q]
+    dw = (xd * U).sum(-1, dtype=torch.float64) * w  # [Bt, c, H, Q]
     dacum -= dw
     dacum[..., -1] += dw.sum(-1)
     del U, xdw, dstates
 
     # ---- acum = cumsum(dt A), xd = x dt, y += D x
-    da = dacum.flip(-1).cumsum(-1).flip(-1)
-    ddt = da * A[:, None] + (dxd * x).sum(-1)
-    dA_log = (da * dt).sum((0, 1, 3)) * A
+    da = dacum.flip(-1).cumsum(-1).flip(-1)  # fp64
+    A64 = A.double()
+    ddt = (da * A64[:, None]).to(dtype) + (dxd * x).sum(-1)
+    dA_log = ((da * dt.double()).sum((0, 1, 3)) * A64).to(dtype)
     dx = dxd * dt[..., None]
     dD = None
     if D_H is not None:
