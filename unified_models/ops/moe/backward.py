@@ -12,8 +12,9 @@ fp32 (fp64 for fp64 inputs) in plain torch:
   none);
 * **experts** (:class:`ExpertsFn`): per expert, over its assignments,
   ``u = x up^T``, ``h = relu(u)^2``, ``y = h down^T``, ``out += w y``:
-  ``dw = <g, y>``, ``dy = w g``, ``d down = dy^T h``, ``du = 2 relu(u) (dy down)``,
-  ``d up = du^T x``, ``dx += du up``, ``d shared = g``. The forward's roundings
+  ``dw = <g, y> = <g down, h>``, ``d down = (w g)^T h = g^T (w h)``, ``du = 2 relu(u) w (g down)``,
+  ``d up = du^T x``, ``dx += du up``, ``d shared = g`` (the routing weight a row scaling, so the GEMMs
+  take ``g`` itself: exact in bf16 for a bf16 model, one tensor-core term; ``g down`` serves ``dw`` too). The forward's roundings
   (``h`` to bf16, the output) pass gradients straight through. Experts whose
   assignment counts round up to the same padded size (:func:`expert_groups_by_count`)
   run as one batched GEMM per product (zero rows pad them, their products masked
@@ -212,7 +213,10 @@ class ExpertsFn(torch.autograd.Function):
         ddown = torch.zeros((E, D, I), dtype=ctx.down_dtype, device=x_in.device) if nd else None
         if nx or nw or nu or nd:
             x_pad = torch.cat([x_in, x_in.new_zeros(1, D)])  # token T: the padding rows' zero input
-            g_pad = torch.cat([g, g.new_zeros(1, D)])
+            # the upstream gradient as a GEMM operand: in its own dtype where that holds it exactly (a bf16
+            # model's bf16 gradient: one tensor-core term, not an fp32 hi + lo pair)
+            g_op = g_TD if half and g_TD.dtype == x_in.dtype else g
+            g_pad = torch.cat([g_op, g_op.new_zeros(1, D)])
             w_pad = torch.cat([wts.reshape(-1), wts.new_zeros(1)])
             for es, es_t, rows, tok in grouped_assignments(ids, E):
                 # GEMM operands in their stored dtype (bf16 on tensor cores, fp32 accumulation: grad_matmul)
@@ -223,18 +227,20 @@ class ExpertsFn(torch.autograd.Function):
                 u = torch.where(keep, grad_matmul(xe, wu.transpose(1, 2)).to(dt), 0.0)
                 r = torch.relu(u)
                 h = r * r
+                wr = w_pad[rows][..., None]  # [G, P, 1]: each assignment's routing weight (0 on padding)
+                # dy = w g is a row scaling, so dy down = w (g down) and dy^T h = g^T (w h): the GEMMs take g
+                # itself; and dw = <g, h down^T> = <g down, h> reuses g down (no GEMM of its own)
+                gd = torch.where(keep, grad_matmul(ge, wd).to(dt), 0.0) if nw or nx or nu else None  # [G, P, I]
                 if nw:
-                    put_rows(dw_rows, rows, (ge * grad_matmul(h, wd.transpose(1, 2)).to(dt)).sum(-1))
-                if nx or nu or nd:
-                    dy = ge * w_pad[rows][..., None]
-                    if nd:
-                        ddown[es_t] = grad_matmul(dy.transpose(1, 2), h, split_fp32=half).to(ddown.dtype)
-                    if nx or nu:
-                        du = torch.where(keep, grad_matmul(dy, wd).to(dt), 0.0) * (2.0 * r)
-                        if nu:
-                            dup[es_t] = grad_matmul(du.transpose(1, 2), xe).to(dup.dtype)
-                        if nx:
-                            put_rows(dx_rows, rows, grad_matmul(du, wu).to(dt))
+                    put_rows(dw_rows, rows, (gd * h).sum(-1))
+                if nd:
+                    ddown[es_t] = grad_matmul(ge.transpose(1, 2), h * wr, split_fp32=half).to(ddown.dtype)
+                if nx or nu:
+                    du = gd * wr * (2.0 * r)
+                    if nu:
+                        dup[es_t] = grad_matmul(du.transpose(1, 2), xe).to(dup.dtype)
+                    if nx:
+                        put_rows(dx_rows, rows, grad_matmul(du, wu).to(dt))
         dx = dx_rows[:R].view(T, K, D).sum(1) if nx else None
         dw = dw_rows[:R].view(T, K) if nw else None
         return (dx.to(x_in.dtype) if nx else None,
