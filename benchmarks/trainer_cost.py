@@ -723,8 +723,18 @@ def build_report(plan: dict, sides: dict[str, dict], meta: dict) -> dict:
     step["same_parameter_count"] = (ours.get("trainable_parameters") == meg.get("trainable_parameters")
                                     if ours.get("trainable_parameters") and meg.get("trainable_parameters") else None)
     return {"benchmark": "trainer_cost", **meta, "tokens_per_step": plan["sequences"] * plan["seq_len"],
-            "settings": {k: v for k, v in plan.items() if k not in ("model",)},
+            "settings": {**{k: v for k, v in plan.items() if k not in ("model",)}, **_backward_settings()},
             "recompute": rec, "step": step, "sides": sides}
+
+
+def _backward_settings() -> dict:
+    """The environment's choices for our backward (recorded with every report): the GEMM operands' mode
+    (``UM_BACKWARD_GEMM``, :func:`~unified_models.ops.grad.helpers.backward_gemm_mode`) and whether the
+    fused attention backward runs (``UM_FUSED_ATTENTION_BACKWARD``)."""
+    from unified_models.ops.attention.backward import FUSED_BACKWARD
+    from unified_models.ops.grad.helpers import backward_gemm_mode
+
+    return {"backward_gemm": backward_gemm_mode(), "fused_attention_backward": FUSED_BACKWARD}
 
 
 def format_table(report: dict) -> str:

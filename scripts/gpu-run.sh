@@ -52,6 +52,8 @@
 #   UM_TC_GRADCHECK=0 skips it; it includes the fused attention backward's determinism test and two identical
 #   trainer backwards' bits), the batched MoE backward's and mHC's analytic backward's tests natively.
 #   UM_FUSED_ATTENTION_BACKWARD=0 times the fp32 attention recompute instead of the fused one (ops/attention/causal_grads.py).
+#   UM_BACKWARD_GEMM=bf16 times our backward with fp32 GEMM operands rounded to bf16 (Megatron-core's precision) instead
+#   of split into hi + lo (the default); the JSON's settings record both choices.
 #   Megatron's MambaModel (the hybrid baseline) needs mamba_ssm: `bash scripts/mamba-ssm-wheel.sh` here once, then
 #   carry ".whl" in the device call (installed into /tmp/um-whl there); without it the row records the ImportError.
 # deepseek-v4-ops: tests/gpu/test_deepseek_gpu.py -k wide (window + compressed attention at head dim 512 x 64 heads)

@@ -22,7 +22,8 @@ TINY = ["--device", "cpu", "--sequences", "2", "--seq-len", "32", "--micro-batch
         "--in-process"]
 
 
-def test_ours_and_megatron_gpt_step_on_the_tiny_preset(tmp_path):
+def test_ours_and_megatron_gpt_step_on_the_tiny_preset(tmp_path, monkeypatch):
+    monkeypatch.delenv("UM_BACKWARD_GEMM", raising=False)
     out = tmp_path / "tc.json"
     report = tc.run(tc.parse_args(["--preset", "nemotron_h_tiny", "--sides", "ours,megatron", "--json", str(out),
                                    *TINY]))
@@ -46,6 +47,8 @@ def test_ours_and_megatron_gpt_step_on_the_tiny_preset(tmp_path):
     assert report["step"]["same_parameter_count"] is True
     assert report["step"]["ratio_tok_s_ours_over_megatron"] > 0
     assert report["recompute"]["native_prefill_tok_s"] is None  # native not run
+    assert report["settings"]["backward_gemm"] == "split"  # the default mode, recorded
+    assert isinstance(report["settings"]["fused_attention_backward"], bool)
     table = tc.format_table(report)
     assert "GPTModel (18,581,248 params)" in table and "| backward |" in table and "| not run |" in table
 

@@ -123,3 +123,34 @@ def test_activation_gradient_shapes_run_the_pairs_as_one_gemm(da, db, pairs, bat
     else:
         for i in range(batch):
             assert _rel_err(out[i], a[i], b[i]) <= 2 ** -15
+
+
+@pytest.mark.parametrize("da,db", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                   (torch.float32, torch.float32)])
+def test_bf16_mode_rounds_each_operand_once(da, db, monkeypatch):
+    """``UM_BACKWARD_GEMM=bf16`` (Megatron-core's backward precision): one GEMM of the operands rounded
+    to bf16, within ``2^-8`` of ``|a| @ |b|`` (two roundings of ``2^-9`` each), where the default split
+    is within ``2^-15``; bf16 operands are unchanged (one exact GEMM in either mode)."""
+    g = torch.Generator().manual_seed(11)
+    a = (torch.randn(40, 256, generator=g) * torch.logspace(-3, 3, 256)).to(da)
+    b = torch.randn(256, 16, generator=g).to(db)
+    monkeypatch.setenv("UM_BACKWARD_GEMM", "bf16")
+    calls = []
+    out = grad_matmul(a, b, mm=_mm_emulated(calls), split_fp32=True)
+    assert len(calls) == 1 and out.dtype == torch.float32
+    assert torch.equal(out, a.to(torch.bfloat16).float() @ b.to(torch.bfloat16).float())
+    err = _rel_err(out, a, b)
+    assert 2 ** -15 < err <= 2 ** -8, err
+    monkeypatch.setenv("UM_BACKWARD_GEMM", "split")
+    split_calls = []
+    assert _rel_err(grad_matmul(a, b, mm=_mm_emulated(split_calls), split_fp32=True), a, b) <= 2 ** -15
+    assert len(split_calls) > 1
+
+
+def test_bad_backward_gemm_mode_is_named(monkeypatch):
+    a, b = torch.randn(4, 8), torch.randn(8, 2).bfloat16()
+    monkeypatch.setenv("UM_BACKWARD_GEMM", "fp8")
+    with pytest.raises(ValueError, match="UM_BACKWARD_GEMM='fp8'.*split, bf16"):
+        grad_matmul(a, b, mm=_mm_emulated([]))
+    monkeypatch.setenv("UM_BACKWARD_GEMM", "")  # empty: the default
+    assert grad_matmul(a, b, mm=_mm_emulated([])).shape == (4, 2)

@@ -9,6 +9,8 @@ point builds a graph at all; :func:`index_add_rows` is the backward's scatter-ad
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -95,13 +97,44 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _MM_FALLBACK_WARNED = False
 
 
-def _bf16_terms(t: torch.Tensor) -> list[torch.Tensor]:
+BACKWARD_GEMM_ENV = "UM_BACKWARD_GEMM"
+"""Environment variable choosing how the backward's GEMMs on CUDA take an fp32 operand in a half-precision
+model (:func:`backward_gemm_mode`)."""
+
+BACKWARD_GEMM_MODES = ("split", "bf16")
+
+
+def backward_gemm_mode() -> str:
+    """How :func:`grad_matmul` feeds an fp32 operand to bf16 tensor cores, from ``UM_BACKWARD_GEMM``
+    (read on every call, so a test or a run can set it):
+
+    * ``split`` (default, also when unset or empty): ``hi + lo``, two bf16 terms (16 significant bits;
+      error below ``2^-15`` of ``|a| @ |b|``);
+    * ``bf16``: rounded to bf16, one term (error below ``2^-8`` of ``|a| @ |b|``): what Megatron-core's
+      backward does with every operand; fewer GEMMs (the lm head's input and weight gradients: 2, not 4).
+
+    The sampler's and the trainer's logprobs do not depend on it (forward only); gradients do, within
+    those bounds. ``scripts/gpu-run.sh trainer-cost`` records the mode it ran under.
+
+    Raises:
+        ValueError: any other value, naming the variable and the values it takes.
+    """
+    mode = os.environ.get(BACKWARD_GEMM_ENV, "") or "split"
+    if mode not in BACKWARD_GEMM_MODES:
+        raise ValueError(f"{BACKWARD_GEMM_ENV}={mode!r}: expected one of {', '.join(BACKWARD_GEMM_MODES)} "
+                         "(split: fp32 operands as two bf16 terms, the default; bf16: rounded, one term)")
+    return mode
+
+
+def _bf16_terms(t: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
     """``t`` as a sum of bf16 tensors: itself when half precision; else ``hi + lo`` with
     ``hi = bf16(t)``, ``lo = bf16(t - hi)`` (16 significant bits of each fp32 value; the rest, below
-    ``2^-16`` of it, is dropped)."""
+    ``2^-16`` of it, is dropped), or ``hi`` alone without ``split``."""
     if t.dtype in _HALF:
         return [t]
     hi = t.to(torch.bfloat16)
+    if not split:
+        return [hi]
     lo = torch.empty_like(hi)
     torch.sub(t, hi, out=lo)  # one kernel: t - hi in fp32 (exact), rounded once to bf16
     return [hi, lo]
@@ -129,7 +162,8 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
       ``K`` (no per-pair fp32 result to write, read and add; :func:`_one_gemm_is_cheaper`).
 
     The error against the fp32 GEMM is below ``2^-15`` of ``|a| @ |b|`` per element (Megatron-core's
-    backward rounds both operands to bf16: ``2^-8``). Gradients are not bitwise across layouts
+    backward rounds both operands to bf16: ``2^-8``; ``UM_BACKWARD_GEMM=bf16`` does the same here, one
+    term per operand: :func:`backward_gemm_mode`). Gradients are not bitwise across layouts
     anyway (DESIGN.md rule 11); the forward's logprob bits do not depend on this function.
 
     Args:
@@ -141,7 +175,7 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
 
     Raises:
         ValueError: operands that are not both 2-D (or both 3-D with one batch size) or whose inner
-            sizes differ.
+            sizes differ; a bad ``UM_BACKWARD_GEMM`` (on the CUDA path with an fp32 operand).
     """
     if a_MK.dim() != b_KN.dim() or a_MK.dim() not in (2, 3) or a_MK.shape[-1] != b_KN.shape[-2] or \
             a_MK.shape[:-2] != b_KN.shape[:-2]:
@@ -157,7 +191,9 @@ def grad_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, *, split_fp32: bool = Fa
     if a_MK.dtype == b_KN.dtype and a_MK.dtype in _HALF:
         return mm(a_MK, b_KN)
     # bf16 stays one term; fp32 (and fp16 beside another dtype, via its exact fp32) becomes hi + lo
-    ta, tb = (_bf16_terms(t if t.dtype in (torch.bfloat16, torch.float32) else t.float()) for t in (a_MK, b_KN))
+    split = backward_gemm_mode() == "split"
+    ta, tb = (_bf16_terms(t if t.dtype in (torch.bfloat16, torch.float32) else t.float(), split)
+              for t in (a_MK, b_KN))
     pairs = [(x, y) for i, x in enumerate(ta) for j, y in enumerate(tb) if i + j < 2]  # lo x lo dropped
     if _one_gemm_is_cheaper(a_MK, b_KN, len(pairs), len(ta), len(tb)):
         # sum_p x_p y_p as one GEMM over the terms side by side along K: [x_1 .. x_n] @ [y_1; ..; y_n]
