@@ -91,3 +91,29 @@ def test_torch_impl_vs_reference_and_invariant(temperature, gen, inv):
     full = inv.check_rows(lambda a: logprobs_torch(a, temperature), (x,), _pad(torch.float32, gen), gen,
                           what="logprobs_torch")
     torch.testing.assert_close(full.double(), torch.log_softmax(x.double() / temperature, -1), **TOL)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_triton_backward_vs_the_formula(temperature, device, gen):
+    """The logprobs' backward kernel (``(g - exp(y) sum(g)) / T`` in one kernel) against the same formula in
+    fp64 torch, on rows whose gradient is dense, one-hot (the token gather's) and zero, across a ragged
+    second chunk; and its refusals."""
+    from unified_models.ops.logprob.triton import logprobs_backward_triton
+
+    z = _logits(4, torch.float32, gen).to(device)
+    y = torch.log_softmax(z / temperature, -1)
+    g = torch.randn(4, V, generator=gen).to(device)
+    g[1] = 0.0
+    g[1, 1999] = -2.5  # one-hot
+    g[2] = 0.0
+    dz = logprobs_backward_triton(y, g, temperature)
+    ref = (g.double() - y.double().exp() * g.double().sum(-1, keepdim=True)) / temperature
+    assert dz.dtype == torch.float32 and dz.shape == (4, V)
+    torch.testing.assert_close(dz.double(), ref, rtol=1e-5, atol=1e-6)
+    assert float(dz[2].abs().max()) == 0.0
+    with pytest.raises(ValueError, match="fp32"):
+        logprobs_backward_triton(y.bfloat16(), g, temperature)
+    with pytest.raises(ValueError, match="unit stride"):
+        logprobs_backward_triton(y.t().contiguous().t(), g, temperature)
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_backward_triton(y, g, 0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dispatch import use_triton
 from ..grad.helpers import acc, needs_grad
 from . import dispatch
 
@@ -24,7 +25,12 @@ class LogprobsFn(torch.autograd.Function):
     def backward(ctx, g_TV):
         (y,) = ctx.saved_tensors
         g = acc(g_TV)
-        dz = (g - torch.exp(acc(y)) * g.sum(-1, keepdim=True)) / ctx.temperature
+        if use_triton(y) and y.dtype == torch.float32:  # one kernel: a [T, V] tensor read or written 3 times
+            from .triton import logprobs_backward_triton
+
+            dz = logprobs_backward_triton(y, g.contiguous(), ctx.temperature)
+        else:
+            dz = (g - torch.exp(acc(y)) * g.sum(-1, keepdim=True)) / ctx.temperature
         return dz.to(ctx.z_dtype), None
 
 

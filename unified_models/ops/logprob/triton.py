@@ -86,3 +86,54 @@ def logprobs_triton(logits_TV: torch.Tensor, temperature: float = 1.0) -> torch.
     _logprobs_kernel[(T,)](logits_TV, out, V, t32, logits_TV.stride(0), logits_TV.stride(1),
                            out.stride(0), out.stride(1), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return out
+
+
+@triton.jit
+def _logprobs_backward_kernel(y_ptr, g_ptr, dz_ptr, V, temperature, stride_yt, stride_gt, stride_dt,
+                              BLOCK_V: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    y_row, g_row, d_row = y_ptr + t * stride_yt, g_ptr + t * stride_gt, dz_ptr + t * stride_dt
+    cols = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        acc += tl.load(g_row + c, mask=c < V, other=0.0)
+    s = tl.sum(acc, axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        mask = c < V
+        g = tl.load(g_row + c, mask=mask, other=0.0)
+        p = tl.exp(tl.load(y_row + c, mask=mask, other=0.0))
+        tl.store(d_row + c, tl.math.div_rn(g - p * s, temperature), mask=mask)
+
+
+def logprobs_backward_triton(logprobs_TV: torch.Tensor, grad_TV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The gradient of :func:`logprobs_triton` w.r.t. its logits, one pass per row for ``sum(g)`` and one
+    for ``dz = (g - exp(y) sum(g)) / temperature`` (``y`` the log-probabilities; PyTorch's
+    ``_log_softmax_backward_data`` formula, divided by the temperature): three fp32 ``[T, V]`` tensors
+    read or written once each, where the same formula in torch ops makes a dozen passes.
+
+    Args:
+        logprobs_TV: fp32 ``[T, V]``, the forward's output; grad_TV: fp32 ``[T, V]``, its gradient (both
+            with unit stride along V); temperature: the forward's, positive and finite in fp32.
+
+    Returns:
+        fp32 ``[T, V]``: the logits' gradient (in fp32; the caller casts to the logits' dtype).
+
+    Raises:
+        ValueError: shapes, dtypes or strides other than these; a CPU tensor without the interpreter.
+    """
+    if (logprobs_TV.dim() != 2 or grad_TV.shape != logprobs_TV.shape or logprobs_TV.dtype != torch.float32
+            or grad_TV.dtype != torch.float32 or logprobs_TV.stride(1) != 1 or grad_TV.stride(1) != 1):
+        raise ValueError(f"logprobs_backward_triton: logprobs {tuple(logprobs_TV.shape)} {logprobs_TV.dtype} and grad "
+                         f"{tuple(grad_TV.shape)} {grad_TV.dtype} must be fp32 [T, V], unit stride along V")
+    t32 = float(torch.tensor(float(temperature), dtype=torch.float32))
+    if not (t32 > 0.0 and t32 != float("inf")):
+        raise ValueError(f"logprobs_backward_triton: temperature must be positive and finite in fp32, got {temperature}")
+    check_device("logprobs_backward_triton", logprobs_TV)
+    T, V = logprobs_TV.shape
+    dz = torch.empty((T, V), dtype=torch.float32, device=logprobs_TV.device)
+    if T and V:
+        _logprobs_backward_kernel[(T,)](logprobs_TV, grad_TV, dz, V, t32, logprobs_TV.stride(0), grad_TV.stride(0),
+                                        dz.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return dz
