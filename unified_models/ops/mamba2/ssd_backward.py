@@ -22,7 +22,8 @@ The forward, per head ``h`` (group ``g``), chunk ``k`` of ``Q`` rows, rows ``l, 
 and the backward, given ``gy``: the intra-chunk matrix ``M = CB * Lm`` gives ``dxd = M^T gy`` and
 ``dM = gy xd^T``; ``dM * Lm`` summed over a group's heads is ``d(CB)`` (hence ``dC``, ``dB``), and
 ``dM * Lm * CB`` gives ``dacum`` (its row sums minus its column sums); the inter-chunk term gives
-``dS = (gy e^acum)^T C``, ``dC``, ``dacum``; the state recurrence runs backwards over the chunks;
+``dS = (gy e^acum)^T C``, ``dC``, ``dacum``; the state recurrence, in closed form (a lower-triangular
+decay matrix over the chunks), gives ``d(states) = Dm^T dS`` and the chunk decays' gradients;
 the chunk states give ``dxd``, ``dB``, ``dacum``; ``dacum`` becomes ``da`` by a reverse cumulative
 sum, and ``a = dt A``, ``xd = x dt`` give ``ddt``, ``dA_log``, ``dx``.
 """
@@ -124,16 +125,20 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     dB = _bmm(dCB.transpose(-1, -2), Cg, split_fp32)
     del dCB
 
-    # ---- chunk states S_k (entering chunk k) by the recurrence
+    # ---- chunk states S_k (entering chunk k): the recurrence in closed form, S = Dm states with
+    # Dm[k, j] = exp(e_{j+1} + ... + e_{k-1}) for j < k (e_i: chunk i's total decay exponent), one GEMM per
+    # (sequence, head) however many chunks (no loop over them), the exponents from fp64 prefix sums
     w = torch.exp(acum64[..., -1:] - acum64).to(dtype)  # [Bt, c, H, Q]: decay from row s to the chunk's end
     xdw = xd * w[..., None]
     states = _bmm(rows_of_group(xdw).transpose(-1, -2), Bg, split_fp32).view(Bt, c, H, P, N)  # chunk's own
-    end = torch.exp(acum64[..., -1]).to(dtype)  # [Bt, c, H]
-    S = torch.zeros((Bt, c, H, P, N), dtype=dtype, device=x.device)
-    for k in range(1, c):
-        S[:, k] = end[:, k - 1, :, None, None] * S[:, k - 1] + states[:, k - 1]
+    e_cum = acum64[..., -1].cumsum(1)  # [Bt, c, H]: e_0 + ... + e_m
+    e_before = torch.cat([e_cum.new_zeros((Bt, 1, H)), e_cum[:, :-1]], dim=1)  # e_0 + ... + e_{k-1}
+    earlier = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # j < k
+    Dm = torch.exp((e_before[:, :, None] - e_cum[:, None]).masked_fill(~earlier[..., None], -torch.inf))
+    Dm = Dm.permute(0, 3, 1, 2).to(dtype)  # [Bt, H, c(k), c(j)]
+    st_h = states.permute(0, 2, 1, 3, 4).reshape(Bt, H, c, P * N)
     del states
-
+    S = _bmm(Dm, st_h, split_fp32).view(Bt, H, c, P, N).permute(0, 2, 1, 3, 4).contiguous()  # [Bt, c, H, P, N]
     # ---- inter-chunk: y += exp(acum) C . S
     gyE = gy * torch.exp(acum64).to(dtype)[..., None]  # [Bt, c, H, Q, P]
     gyE_rows = rows_of_group(gyE)  # [Bt, c, G, Q, r*P]
@@ -144,14 +149,17 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     dacum += (gyE * y_off).sum(-1, dtype=torch.float64)
     del gyE, gyE_rows, y_off
 
-    # ---- the recurrence backwards: G_k = dS_k + end_k G_{k+1}; d(states_k) = G_{k+1}
-    dstates = torch.zeros_like(S)
-    Gk = torch.zeros_like(S[:, 0])
-    for k in range(c - 1, 0, -1):
-        Gk = dS[:, k] + end[:, k, :, None, None] * Gk  # (Gk = 0 at k = c - 1)
-        dstates[:, k - 1] = Gk
-        dacum[:, k - 1, :, -1] += end[:, k - 1] * (S[:, k - 1] * Gk).sum((-1, -2), dtype=torch.float64)
+    # ---- the closed form backwards: d(states) = Dm^T dS; d(exponent[k, j]) = <dS_k, states_j> Dm[k, j]
+    # (fp64: tiny), and e_i gets those of every (k, j) with j < i < k
+    dS_h = dS.permute(0, 2, 1, 3, 4).reshape(Bt, H, c, P * N)
     del dS, S
+    dstates = _bmm(Dm.transpose(-1, -2), dS_h, split_fp32)  # [Bt, H, c, P*N]
+    Z = _bmm(dS_h, st_h.transpose(-1, -2), split_fp32).double() * Dm.double()  # [Bt, H, c(k), c(j)]
+    del dS_h, st_h, Dm
+    before_i = Z.cumsum(-1) - Z  # [k, i]: sum over j < i
+    after_k = before_i.flip(-2).cumsum(-2).flip(-2) - before_i  # [k, i]: sum over k' > k
+    dacum[..., -1] += after_k.diagonal(dim1=-2, dim2=-1).transpose(1, 2)  # k = i: sum over j < i < k'
+    dstates = dstates.view(Bt, H, c, P, N).permute(0, 2, 1, 3, 4).contiguous()  # [Bt, c, H, P, N]
 
     # ---- chunk states: states_k = sum_s w_s xd_s B_s^T
     ds_rows = dstates.view(Bt, c, G, r * P, N)
