@@ -6,11 +6,14 @@
   selected scores; ids (top-k or ``tid2eid``) are constants, the bias only selects (no gradient);
 * **experts** (:class:`SwigluExpertsFn`): per expert over its assignments (experts of one padded
   assignment count batched: :func:`.backward.grouped_assignments`), the forward's math
-  ``y = w2((silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)) * w)`` recomputed in fp32 (fp64 for fp64
-  inputs) under autograd (its GEMMs and their gradients through ``grad_matmul``: tensor cores on CUDA in a
-  bf16 model, :class:`RecomputeBmm`), gradients to ``x``, the routing weights, ``shared`` (identity) and
-  the three weight stacks; the roundings (``h``, the output) pass gradients straight through;
-  the clamps pass no gradient where they clip (torch's ``clamp`` rule);
+  ``y = w2(s w)``, ``s = silu(min(x w1^T, L)) * clamp(x w3^T, -L, L)``, differentiated by hand in fp32
+  (fp64 for fp64 inputs; the elementwise ``s`` by autograd): the routing weight is a row scaling, so
+  ``dh = g w2`` and ``d w2 = g^T (s w)`` take ``g`` itself (exact in bf16 for a bf16 model: one tensor-core
+  term), ``dw = <g w2, s>``, and ``ds = w dh`` goes back through the clamps and the two input GEMMs;
+  every GEMM through ``grad_matmul`` (tensor cores on CUDA in a bf16 model); the output ``y`` is never
+  recomputed. Gradients to ``x``, the routing weights, ``shared`` (identity) and the three weight
+  stacks; the roundings (``h``, the output) pass gradients straight through; the clamps pass no
+  gradient where they clip (torch's ``clamp`` rule);
 * **MXFP4 (W4A8) and block-FP8 (W8A8) experts**: ``ops.mxfp4.MXFP4Master`` /
   ``ops.fp8_block.FP8BlockMaster`` stacks are quantized by their format's rule on every forward and
   the recomputation uses the dequantized weights, handing ``dL/dW_q`` to the masters unchanged
@@ -28,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..grad.helpers import RecomputeBmm, acc, needs_grad
+from ..grad import helpers as grad_helpers
+from ..grad.helpers import acc, needs_grad
 from ..grad.weights import check_stamps, stamp
 from . import deepseek
 from .backward import RouteFn, group_weight, grouped_assignments, put_rows
@@ -41,11 +45,16 @@ def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(F.softplus(logits))
 
 
-def _ste_fp8_activation(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a`` (``[..., K]``, rows rounded to the forward's ``dtype``) through the W4A8 activation rule (per row),
-    straight-through."""
-    q = fp8_activation_f64(a.detach().to(dtype).reshape(-1, a.shape[-1])).view(a.shape)
-    return a + (q.to(a.dtype) - a).detach()
+def _fp8_values(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (``[..., K]``) through the W4A8 / W8A8 activation rule per row, as fp64 values (exact in bf16)."""
+    return fp8_activation_f64(a.reshape(-1, a.shape[-1])).view(a.shape)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, half: bool) -> torch.Tensor:
+    """A backward GEMM through ``grad_matmul`` (looked up on its module, so tests can emulate the CUDA path):
+    in a half-precision model (``half``) bf16 operands as one tensor-core term and fp32 ones split (``split_fp32``),
+    else the plain product. Result in the accumulation dtype (fp32; fp64 for fp64 operands)."""
+    return grad_helpers.grad_matmul(a, b, split_fp32=half)
 
 
 class SwigluExpertsFn(torch.autograd.Function):
@@ -78,44 +87,52 @@ class SwigluExpertsFn(torch.autograd.Function):
         qg, qu, qd = (quantizes_activations(s) for s in ctx.stacks)
         g = acc(g_TD)
         dt = g.dtype if x_in.dtype != torch.float64 else torch.float64
-        g, x, wts = g.to(dt), x_in.to(dt), w_in.to(dt)
+        g, wts = g.to(dt), w_in.to(dt)
         E = ctx.stacks[0].shape[0]
         K = ids.shape[1]
         need = (ng, nu, nd)
-        half = torch.bfloat16 if x_in.dtype == torch.bfloat16 else None  # tensor-core GEMMs (RecomputeBmm)
-        R, T, D = ids.numel(), ids.shape[0], x.shape[1]
+        half = torch.bfloat16 if x_in.dtype == torch.bfloat16 else None  # tensor-core GEMMs on CUDA (grad_matmul)
+        R, T, D = ids.numel(), ids.shape[0], x_in.shape[1]
         # per assignment (row R: the padding rows' sink), summed over each token's slots at the end
-        dx_rows = torch.zeros((R + 1, D), dtype=dt, device=x.device) if nx else None
-        dw_rows = torch.zeros(R + 1, dtype=dt, device=x.device) if nw else None
-        dstacks = [torch.zeros(s.shape, dtype=wdt, device=x.device) if n else None
+        dx_rows = torch.zeros((R + 1, D), dtype=dt, device=x_in.device) if nx else None
+        dw_rows = torch.zeros(R + 1, dtype=dt, device=x_in.device) if nw else None
+        dstacks = [torch.zeros(s.shape, dtype=wdt, device=x_in.device) if n else None
                    for s, n, wdt in zip(ctx.stacks, need, ctx.w_dtypes)]
         if nx or nw or any(need):
-            x_pad = torch.cat([x, x.new_zeros(1, D)])  # token T: zero input, zero gradient
-            g_pad = torch.cat([g, g.new_zeros(1, D)])
+            mdt = x_in.dtype  # the GEMMs' operands: the input, FP8 activations and weights hold its values exactly
+            hm = half is not None
+            x_pad = torch.cat([x_in, x_in.new_zeros(1, D)])  # token T: zero input, zero gradient
+            # the upstream gradient as a GEMM operand in its own dtype where that holds it exactly (a bf16
+            # model's bf16 gradient: one tensor-core term); the routing weight enters as a row scaling
+            g_op = g_TD if half is not None and g_TD.dtype == mdt else g
+            g_pad = torch.cat([g_op, g_op.new_zeros(1, D)])
             w_pad = torch.cat([wts.reshape(-1), wts.new_zeros(1)])
             for es, es_t, rows, tok in grouped_assignments(ids, E):
-                with torch.enable_grad():
-                    xe = x_pad[tok].detach().requires_grad_(nx)  # [G, P, D]
-                    we = w_pad[rows].detach().requires_grad_(nw)  # [G, P]
-                    mats = [group_weight(s, es, es_t, x_in.dtype).detach().to(dt).requires_grad_(n)
-                            for s, n in zip(ctx.stacks, need)]  # [G, N, K]
-                    xq = _ste_fp8_activation(xe, x_in.dtype) if qg or qu else None
-                    keep = (rows < R)[..., None]  # padding rows: exact zeros even beside a non-finite weight
-                    # the input, its FP8 activation and the (dequantized) weights hold bf16 values: exact
-                    pre = [torch.where(keep, RecomputeBmm.apply(xq if q else xe, m.transpose(1, 2), True, True, half),
-                                       0.0) for q, m in ((qg, mats[0]), (qu, mats[1]))]
-                    h = swiglu(pre[0], pre[1], ctx.limit) * we[..., None]
-                    y = RecomputeBmm.apply(_ste_fp8_activation(h, x_in.dtype) if qd else h, mats[2].transpose(1, 2),
-                                            qd, True, half)
-                    leaves = [t for t, n in ((xe, nx), (we, nw), *zip(mats, need)) if n]
-                    grads = list(torch.autograd.grad(y, leaves, g_pad[tok]))
-                if nx:
-                    put_rows(dx_rows, rows, grads.pop(0))
+                wg, wu, wd = (group_weight(st, es, es_t, mdt) for st in ctx.stacks)  # [G, I, D], [G, I, D], [G, D, I]
+                xe, ge = x_pad[tok], g_pad[tok]  # [G, P, D]
+                we = w_pad[rows][..., None]  # [G, P, 1]
+                keep = (rows < R)[..., None]  # padding rows: exact zeros even beside a non-finite weight
+                xq = _fp8_values(xe).to(mdt) if qg or qu else None  # the W4A8 / W8A8 activation (STE)
+                pre = [torch.where(keep, _mm(xq if q else xe, m.transpose(1, 2), hm), 0.0)
+                       for q, m in ((qg, wg), (qu, wu))]  # [G, P, I] fp32 (fp64)
+                with torch.enable_grad():  # the elementwise epilogue only: torch's clamp rule, exact
+                    pre = [p.requires_grad_() for p in pre]
+                    sw = swiglu(pre[0], pre[1], ctx.limit)
+                h = sw.detach() * we  # the down GEMM's input (its bf16 rounding and FP8 rule: straight through)
+                # y = h down^T: dh = g down (the row scaling applied after), d down = g^T h
+                gd = torch.where(keep, _mm(ge, wd, hm), 0.0) if nx or nw or ng or nu else None  # [G, P, I]
+                if nd:
+                    hq = _fp8_values(h.to(mdt)).to(mdt) if qd else h  # FP8 values are exact in the model dtype
+                    dstacks[2][es_t] = _mm(ge.transpose(1, 2), hq, hm).to(dstacks[2].dtype)
                 if nw:
-                    put_rows(dw_rows, rows, grads.pop(0))
-                for j in range(3):
-                    if need[j]:
-                        dstacks[j][es_t] = grads.pop(0).to(dstacks[j].dtype)
+                    put_rows(dw_rows, rows, (gd * sw.detach()).sum(-1))
+                if nx or ng or nu:
+                    dpre = torch.autograd.grad(sw, pre, gd * we)  # [G, P, I] each
+                    if nx:
+                        put_rows(dx_rows, rows, _mm(dpre[0], wg, hm) + _mm(dpre[1], wu, hm))
+                    for j, q, dp in ((0, qg, dpre[0]), (1, qu, dpre[1])):
+                        if need[j]:
+                            dstacks[j][es_t] = _mm(dp.transpose(1, 2), xq if q else xe, hm).to(dstacks[j].dtype)
         dx = dx_rows[:R].view(T, K, D).sum(1) if nx else None
         dw = dw_rows[:R].view(T, K) if nw else None
         outs = [(d[0] if flat else d) if d is not None else None for d, flat in zip(dstacks, ctx.flat)]
