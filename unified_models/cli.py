@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("src")
     v.add_argument("dst")
     v.add_argument("--overwrite", action="store_true", help="replace a non-empty DST")
+    v.add_argument("--requantize", action="store_true",
+                   help="--from megatron: a training checkpoint of a quantized model's masters (rl --save on a "
+                        "ModelOpt or block-FP8 checkpoint) is written quantized again under the recipe it was "
+                        "trained under (the codes the rollout engine ran), not as its bf16 masters")
     _add_plugin_flag(v)
 
     q = sub.add_parser("quantize", help="export a bf16 checkpoint quantized: Nemotron-H in NVIDIA ModelOpt's format "
@@ -318,6 +322,30 @@ def _nemotron_quantize_options(args):
     return spec
 
 
+def _convert_from_megatron(args) -> int:
+    """``convert --from megatron --to hf``; says what was written when the checkpoint holds a
+    quantized model's masters (the masters in the model dtype, or with ``--requantize`` the
+    checkpoint quantized again under the recorded recipe)."""
+    from .backends.megatron.dist_ckpt import check_dist_checkpoint, megatron_to_hf
+
+    info = check_dist_checkpoint(args.src)  # metadata only: what the checkpoint holds
+    out = megatron_to_hf(args.src, args.dst, overwrite=args.overwrite, requantize=args.requantize)
+    print(f"wrote {out}")
+    if info.recipe is None:
+        return 0
+    dtype = str(info.spec.dtype).removeprefix("torch.")
+    if args.requantize:
+        print(f"note: {out} holds the trained masters of {args.src} quantized again under the recipe they were "
+              f"trained under ({info.recipe.describe()}), by the rule of the trainer's forward and the weight "
+              "sync, with the recorded static scales; config.json is the recorded quantized one", file=sys.stderr)
+    else:
+        print(f"note: {out} holds the trained {dtype} masters of {args.src} (config.json without "
+              f"quantization_config); they were trained under a quantization recipe ({info.recipe.describe()}), "
+              f"kept in the training checkpoint: `unified-models convert --from megatron --to hf --requantize "
+              f"{args.src} DST` writes the quantized checkpoint under that recipe", file=sys.stderr)
+    return 0
+
+
 def _check_rl_paths(opts) -> None:
     """``rl --save DIR`` must not be, hold or lie inside ``--model`` (checked before anything is read).
 
@@ -396,15 +424,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             if args.src_format == args.dst_format:
                 raise UnifiedModelsError(f"--from and --to are both {args.src_format!r}")
+            if args.requantize and args.src_format != "megatron":
+                raise UnifiedModelsError("--requantize applies to --from megatron --to hf (a training checkpoint "
+                                         "of a quantized model's masters); to quantize a Hugging Face checkpoint "
+                                         "use `unified-models quantize`")
             check_destination(args.src, args.dst)  # before anything is imported or read
             interrupts.on_interrupt(destination_report(args.dst))
             _quiet_megatron()
-            from .backends.megatron.dist_ckpt import hf_to_megatron, megatron_to_hf
+            if args.src_format == "hf":
+                from .backends.megatron.dist_ckpt import hf_to_megatron
 
-            fn = hf_to_megatron if args.src_format == "hf" else megatron_to_hf
-            out = fn(args.src, args.dst, overwrite=args.overwrite)
-            print(f"wrote {out}")
-            return 0
+                print(f"wrote {hf_to_megatron(args.src, args.dst, overwrite=args.overwrite)}")
+                return 0
+            return _convert_from_megatron(args)
         if args.command == "quantize":
             check_destination(args.src, args.dst)
             interrupts.on_interrupt(destination_report(args.dst))

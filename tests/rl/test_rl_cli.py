@@ -138,6 +138,27 @@ def test_quantized_run_saves_and_resumes(tmp_path):
     assert [r["step"] for r in b] == [2] and _diff_zero(b[0])
     for k in ("rollout_sha256", "loss", "grad_norm"):
         assert a[1][k] == b[0][k], k
+    # the result converts back: the trained bf16 masters (config without quantization_config) and,
+    # with --requantize, the NVFP4 checkpoint under the recipe they were trained under
+    from unified_models.converters.hf_safetensors import read_tensors, spec_and_state_dict
+    from unified_models.converters.modelopt import master_spec
+    from unified_models.presets import build_preset_checkpoint
+
+    src = build_preset_checkpoint("nemotron_h_hybrid_tiny_nvfp4")
+    _, spec, _ = spec_and_state_dict(src)
+    step, state = _trained_state(tmp_path / "ck", master_spec(spec))
+    assert step == 2
+    last = str(tmp_path / "ck" / "iter_0000002")
+    assert main(["convert", "--from", "megatron", "--to", "hf", last, str(tmp_path / "hf")]) == 0
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    back = read_tensors(tmp_path / "hf")
+    assert len(back) > 60 and all(torch.equal(t, state[f"param.{n}"]) for n, t in back.items())
+    _, plain, _ = spec_and_state_dict(tmp_path / "hf")
+    assert not plain.stores_quantized_weights
+    assert main(["convert", "--from", "megatron", "--to", "hf", "--requantize", last, str(tmp_path / "q")]) == 0
+    assert (tmp_path / "q" / "config.json").read_text() == (src / "config.json").read_text()
+    _, qspec, _ = spec_and_state_dict(tmp_path / "q")
+    assert qspec == spec
 
 
 @pytest.mark.slow

@@ -20,6 +20,11 @@ code and other tools share without importing an engine:
   - ``hf_assets/``: tokenizer files and ``generation_config.json`` of the
     source checkpoint.
 
+  A training checkpoint of a quantized model's masters (``rl --save`` on a ModelOpt
+  or block-FP8 checkpoint) stores the masters' config (the quantized config without
+  its ``quantization_config``) and, under :data:`RECIPE_KEY`, the quantized
+  checkpoint's config it was trained under (:mod:`.trained_masters`).
+
 * :func:`write_torch_dcp`: that layout written through
   ``torch.distributed.checkpoint.save(no_dist=True)`` with a non-flattening
   planner (recipe B of ``reference/megatron-modelopt.md`` §3), which needs
@@ -54,6 +59,9 @@ from .hf_safetensors import load_hf_config
 FORMAT_NAME = "unified_models.megatron_dist_ckpt"
 FORMAT_VERSION = 1
 COMMON_KEY = "unified_models"
+RECIPE_KEY = "quantization_recipe"
+"""Common-entry field of a training checkpoint of a quantized model's masters: the quantization
+recipe it was trained under (:class:`.trained_masters.QuantizationRecipe`); absent otherwise."""
 ASSETS_DIR = "hf_assets"
 HF_ASSET_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
@@ -72,8 +80,8 @@ IO_ERRORS = (Exception, _DCPException)
 ``CheckpointException``, a ``BaseException``."""
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "ASSETS_DIR", "HF_ASSET_PATTERNS", "METADATA_JSON", "Writer",
-    "IO_ERRORS", "DistCheckpointInfo", "describe_error", "config_text", "spec_from_config_text",
+    "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "RECIPE_KEY", "ASSETS_DIR", "HF_ASSET_PATTERNS", "METADATA_JSON",
+    "Writer", "IO_ERRORS", "DistCheckpointInfo", "describe_error", "config_text", "spec_from_config_text",
     "atomic_output_dir", "copy_assets", "tensor_digest", "verify_digests", "write_torch_dcp", "common_entry",
     "parse_common_entry", "check_layout_files", "common_state_error",
 ]
@@ -95,16 +103,20 @@ class DistCheckpointInfo:
 
     Attributes:
         config_text: the stored Hugging Face ``config.json`` text.
-        spec: the model spec built from it.
+        spec: the spec of the model tensors held: built from ``config_text``, or for a
+            quantized model's masters the masters' spec of the recipe's config.
         tensors_metadata: ``{key: ShardedTensor without data}`` (global shape, dtype)
             of the model's tensors.
         digests: ``{HF name: SHA-256}`` stored at save time (may be empty).
+        recipe: the quantization recipe the masters were trained under
+            (:class:`.trained_masters.QuantizationRecipe`), or None.
     """
 
     config_text: str
     spec: ModelSpec
     tensors_metadata: dict
     digests: dict
+    recipe: Any = None
 
 
 def config_text(config: Any) -> str:
@@ -274,7 +286,16 @@ def parse_common_entry(common: Any, source: str) -> dict:
         raise CheckpointError(f"{source}: format version {entry.get('version')!r} is not supported "
                               f"(expected {FORMAT_VERSION})")
     if not isinstance(entry.get("hf_config_json"), str):
+        if entry.get("training"):
+            raise CheckpointError(
+                f"{source} is a training checkpoint saved without a Hugging Face config (what `rl --save` wrote "
+                "for a quantized model's masters before unified_models recorded their config), so it cannot be "
+                "converted; it still resumes: `rl --resume` it with this version and `--save` again for a "
+                "checkpoint that converts")
         raise CheckpointError(f"{source}: the stored Hugging Face config is missing")
+    if entry.get(RECIPE_KEY) is not None and not isinstance(entry[RECIPE_KEY], dict):
+        raise CheckpointError(f"{source}: the stored quantization recipe is malformed "
+                              f"({type(entry[RECIPE_KEY]).__name__}, not a dict)")
     if not isinstance(entry.get("sha256") or {}, dict):
         raise CheckpointError(f"{source}: the stored tensor digests are malformed")
     return entry
@@ -314,6 +335,13 @@ def check_layout_files(ckpt_dir: str | os.PathLike) -> Path:
         raise CheckpointError(f"Megatron checkpoint directory {d} does not exist")
     meta_json = d / "metadata.json"
     if not meta_json.is_file():
+        tracker = d / "latest_checkpointed_iteration.txt"
+        if tracker.is_file():
+            latest = tracker.read_text().strip()
+            hint = (f"; it is a training checkpoint root ({tracker.name} names step {latest[:20]!r}): pass one of "
+                    f"its iter_* directories, e.g. {d / ('iter_' + latest.zfill(7))}" if latest.isdigit()
+                    else f"; it is a training checkpoint root: pass one of its iter_* directories")
+            raise CheckpointError(f"{d} is not a Megatron distributed checkpoint: metadata.json is missing{hint}")
         raise CheckpointError(f"{d} is not a Megatron distributed checkpoint: metadata.json is missing")
     try:
         backend = json.loads(meta_json.read_text()).get("sharded_backend")

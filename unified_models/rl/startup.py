@@ -164,10 +164,16 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
     (:func:`.options.run_identity`, the target token); returns its directory.
 
-    The checkpoint carries the model's ``config.json`` (readable by ``convert --from megatron``),
-    except for a quantized (ModelOpt) checkpoint, whose trainer holds the bf16 masters that config
-    does not describe: that checkpoint resumes (``--resume``) but holds no config."""
+    The checkpoint carries the model's ``config.json``, readable by ``convert --from megatron``. For a
+    quantized (ModelOpt, block-FP8) checkpoint, whose trainer holds model-dtype masters, it carries the
+    masters' config (that config without ``quantization_config``) and records the quantized
+    ``config.json`` (and ``hf_quant_config.json``) as the recipe the masters were trained under
+    (:mod:`unified_models.converters.trained_masters`): ``convert`` gives the masters, or with
+    ``--requantize`` the quantized checkpoint again."""
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step}}
-    config = None if run.trainer.trains_masters else (run.model_dir / "config.json").read_text()
-    return run.trainer.save(run.opts.save, iteration=step, hf_config=config, extra=extra, overwrite=True)
+    config = (run.model_dir / "config.json").read_text()
+    quant = run.model_dir / "hf_quant_config.json"
+    quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
+    return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,
+                            extra=extra, overwrite=True)
 

@@ -16,7 +16,10 @@ the newest. The sharded state dict is
 * common state: ``iteration`` and the ``unified_models`` entry (family; with
   ``hf_config`` also the ``config.json`` text, which makes the checkpoint
   readable by ``unified-models convert --from megatron`` and
-  :meth:`UnifiedMegatronModel.load_dist_checkpoint`; ``extra`` user data).
+  :meth:`UnifiedMegatronModel.load_dist_checkpoint`; ``extra`` user data). When
+  the model trains the masters of a quantized checkpoint and ``hf_config`` is
+  that checkpoint's (quantized) config, the entry holds the masters' config and
+  the quantization recipe instead (:mod:`unified_models.converters.trained_masters`).
 
 Writers: Megatron's ``dist_checkpointing.save`` when the parameters are on
 CUDA; on CPU Megatron's own translation written through PyTorch DCP
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ...converters import megatron_dist_ckpt as layout
+from ...converters import trained_masters
 from ...converters.hf_safetensors import tensor_table_problems
 from ...dsl import CheckpointError
 from . import compat
@@ -169,7 +173,7 @@ def _plain(extra: Mapping | None) -> dict:
 
 
 def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOptimizer, *,
-                             iteration: int | None = None, hf_config: Any = None,
+                             iteration: int | None = None, hf_config: Any = None, hf_quant_config: Any = None,
                              extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
     """Write ``<root>/iter_<iteration>/`` and point the tracker file at it. Collective (all ranks call it).
 
@@ -179,7 +183,13 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
         optimizer: its :class:`TrainOptimizer`.
         iteration: the step just finished (default: ``optimizer.iteration``).
         hf_config: the model's Hugging Face config (dict, JSON text or transformers
-            config); stored so that the checkpoint converts to Hugging Face.
+            config); stored so that the checkpoint converts to Hugging Face. For a
+            model that trains the masters of a quantized checkpoint, that
+            checkpoint's config: the masters' config (without ``quantization_config``,
+            the masters' dtype) is stored, and the given config as the quantization
+            recipe (:func:`unified_models.converters.trained_masters.record_masters`).
+        hf_quant_config: with such an ``hf_config``, the quantized checkpoint's
+            ``hf_quant_config.json`` (dict or JSON text), kept in the recipe.
         extra: JSON-able user data (e.g. the data cursor), returned on load.
         overwrite: replace an existing ``iter_*`` directory of the same iteration.
 
@@ -187,9 +197,11 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
         The ``iter_*`` directory.
 
     Raises:
-        CheckpointError: the directory exists (without ``overwrite``) or the write
-            failed (nothing half-written is left).
-        ValueError: ``extra`` is not JSON-able, or a negative iteration.
+        CheckpointError: ``hf_config`` describes another model than the one trained
+            (nor a quantized model whose masters it trains), the directory exists
+            (without ``overwrite``) or the write failed (nothing half-written is left).
+        ValueError: ``extra`` is not JSON-able, a negative iteration, or
+            ``hf_quant_config`` without a quantized ``hf_config``.
     """
     iteration = optimizer.iteration if iteration is None else int(iteration)
     if iteration < 0:
@@ -197,14 +209,21 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     extra = _plain(extra)
     spec = model.spec
     text = layout.config_text(hf_config) if hf_config is not None else None
+    recipe = None
     if text is not None:
         stored = layout.spec_from_config_text(text, source="save_training_checkpoint")
-        if stored.parameter_shapes() != spec.parameter_shapes():
+        if stored.stores_quantized_weights and not spec.stores_quantized_weights:  # the masters of a quantized model
+            text, recipe = trained_masters.record_masters(text, spec, hf_quant_config=hf_quant_config)
+        elif stored.parameter_shapes() != spec.parameter_shapes():
             raise CheckpointError("save_training_checkpoint: hf_config describes another model than the one trained")
+    if hf_quant_config is not None and recipe is None:
+        raise ValueError("save_training_checkpoint: hf_quant_config applies to the masters of a quantized model "
+                         "(an hf_config with quantization_config)")
     on_cuda = next(model.parameters()).device.type == "cuda"
+    recipe_field = {layout.RECIPE_KEY: recipe.to_entry()} if recipe is not None else {}
     entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
                                 extra_tensor_prefixes=[OPTIMIZER_PREFIX], optimizer_backend=optimizer.backend,
-                                optimizer_iteration=optimizer.iteration, extra=extra)
+                                optimizer_iteration=optimizer.iteration, extra=extra, **recipe_field)
     sd = _state_dict(model, optimizer, False, _gathered_rng_states())
     sd.update({"iteration": iteration, layout.COMMON_KEY: entry})
     out = iteration_dir(root, iteration)

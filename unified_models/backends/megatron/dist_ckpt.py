@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from ...converters import megatron_dist_ckpt as layout
+from ...converters import trained_masters
 from ...converters.hf_safetensors import load_hf_config, read_tensors, tensor_table_problems, validate_state_dict
 from ...converters.megatron_dist_ckpt import (
     ASSETS_DIR,
@@ -156,7 +157,10 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, *, spec: ModelSpec | None
     Also accepts a training checkpoint written by
     :func:`~unified_models.backends.megatron.checkpoint.save_training_checkpoint`
     with an ``hf_config``: its optimizer tensors (keys under the prefixes the
-    common entry lists in ``extra_tensor_prefixes``) are not model tensors.
+    common entry lists in ``extra_tensor_prefixes``) are not model tensors. A
+    training checkpoint of a quantized model's masters holds the masters' spec of
+    its quantization recipe (:mod:`unified_models.converters.trained_masters`),
+    which ``spec`` and the stored tensors are compared with.
 
     Args:
         ckpt_dir: checkpoint directory.
@@ -178,7 +182,17 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, *, spec: ModelSpec | None
         raise layout.common_state_error(d, e) from None
     entry = layout.parse_common_entry(common, str(d))
     text = entry["hf_config_json"]
-    ckpt_spec = layout.spec_from_config_text(text, source=str(d))
+    recipe = None
+    if entry.get(layout.RECIPE_KEY) is not None:
+        recipe = trained_masters.QuantizationRecipe.from_entry(entry[layout.RECIPE_KEY], str(d))
+        ckpt_spec = recipe.master_spec(str(d))
+    else:
+        ckpt_spec = layout.spec_from_config_text(text, source=str(d))
+    if spec is not None and spec.parameter_shapes() != ckpt_spec.parameter_shapes() and recipe is not None:
+        problems = tensor_table_problems(ckpt_spec.parameter_shapes(), spec.parameter_shapes(), verb="requested")
+        raise CheckpointError(f"{d} holds the masters of a quantized model (trained under {recipe.describe()}), "
+                              f"not the requested {spec.family} spec's tensors (" + "; ".join(problems) + "); "
+                              "`unified-models convert --from megatron` writes them as a plain checkpoint")
     if spec is not None and spec.parameter_shapes() != ckpt_spec.parameter_shapes():
         raise CheckpointError(f"{d} holds a different model than the requested {spec.family} spec "
                               f"({len(ckpt_spec.blocks)} layers, hidden {ckpt_spec.hidden_size} in the checkpoint; "
@@ -192,14 +206,16 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, *, spec: ModelSpec | None
     problems = tensor_table_problems(ckpt_spec.parameter_shapes(),
                                      {n: tuple(m.global_shape) for n, m in metadata.items()}, verb="stored")
     if problems:
-        raise CheckpointError(f"Megatron checkpoint {d} does not match its {ckpt_spec.family} config; "
-                              + "; ".join(problems))
+        what = "its quantization recipe's masters" if recipe is not None else f"its {ckpt_spec.family} config"
+        raise CheckpointError(f"Megatron checkpoint {d} does not match {what}; " + "; ".join(problems))
     return DistCheckpointInfo(config_text=text, spec=ckpt_spec, tensors_metadata=metadata,
-                              digests=entry.get("sha256") or {})
+                              digests=entry.get("sha256") or {}, recipe=recipe)
 
 
-def _load(ckpt_dir: str | os.PathLike, device: torch.device | str, check_finite: bool):
-    info = check_dist_checkpoint(ckpt_dir)
+def _load(ckpt_dir: str | os.PathLike, device: torch.device | str, check_finite: bool,
+          info: DistCheckpointInfo | None = None):
+    """``(info, {name: tensor})`` of every model tensor the checkpoint holds (``info.spec``'s)."""
+    info = info or check_dist_checkpoint(ckpt_dir)
     spec, metadata = info.spec, info.tensors_metadata
     rank, _ = dist_rank_world()
     template = {
@@ -215,7 +231,7 @@ def _load(ckpt_dir: str | os.PathLike, device: torch.device | str, check_finite:
     tensors = {name: loaded[name] for name in spec.parameter_shapes()}
     verify_digests(tensors, info.digests, str(ckpt_dir))
     validate_state_dict(tensors, spec, source=str(ckpt_dir), check_finite=check_finite)
-    return info.config_text, spec, tensors
+    return info, tensors
 
 
 def load_dist_checkpoint(ckpt_dir: str | os.PathLike, *, device: torch.device | str = "cpu",
@@ -223,7 +239,11 @@ def load_dist_checkpoint(ckpt_dir: str | os.PathLike, *, device: torch.device | 
     """Read a checkpoint through ``megatron.core.dist_checkpointing.load``.
 
     The sharded state dict is built from the stored config's spec (names and
-    shapes) with the stored dtypes; tensors come back whole (TP=1).
+    shapes) with the stored dtypes; tensors come back whole (TP=1). For a
+    training checkpoint of a quantized model's masters, the config is the
+    masters' (no ``quantization_config``) and the state dict holds the tensors it
+    lists, as :func:`megatron_to_hf` writes them (the recipe's static scales left
+    out: :func:`check_dist_checkpoint` gives the recipe).
 
     Returns:
         ``(config_json, state_dict)``: the Hugging Face config dict and ``{HF name: tensor}``.
@@ -232,8 +252,10 @@ def load_dist_checkpoint(ckpt_dir: str | os.PathLike, *, device: torch.device | 
         CheckpointError: see :func:`check_dist_checkpoint`; unreadable tensor
             data (corrupt files); NaN/Inf when ``check_finite``.
     """
-    text, _, tensors = _load(ckpt_dir, device, check_finite)
-    return json.loads(text), tensors
+    info, tensors = _load(ckpt_dir, device, check_finite)
+    if info.recipe is not None:
+        _, tensors = trained_masters.masters_hf_state_dict(tensors, info.config_text, source=str(ckpt_dir))
+    return json.loads(info.config_text), tensors
 
 
 def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, writer: Writer = "auto",
@@ -266,19 +288,51 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
                                 overwrite=overwrite)
 
 
-def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Convert a Megatron checkpoint written by :func:`save_dist_checkpoint` back to Hugging Face.
+def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                   requantize: bool = False) -> Path:
+    """Convert a Megatron checkpoint (:func:`save_dist_checkpoint`'s, or a training checkpoint
+    saved with its config) back to Hugging Face.
 
     Writes ``model.safetensors`` (same names and dtypes), the original
-    ``config.json`` text and the carried tokenizer / generation files.
+    ``config.json`` text and the carried tokenizer / generation files. A training
+    checkpoint of a quantized model's masters (``rl --save`` on a ModelOpt or
+    block-FP8 checkpoint; :mod:`unified_models.converters.trained_masters`) gives
+    its masters in the model dtype under the masters' config (no
+    ``quantization_config``), or with ``requantize`` the masters quantized under
+    the recorded recipe (the rule of every weight sync into vLLM, the recorded
+    static scales) with the recorded ``config.json`` and ``hf_quant_config.json``.
+
+    Args:
+        ckpt_dir: the checkpoint (for a training checkpoint, one ``iter_*`` directory).
+        out_dir: the Hugging Face directory to write.
+        overwrite: replace a non-empty ``out_dir``.
+        requantize: write the masters of a quantized model quantized again.
 
     Raises:
-        CheckpointError: see :func:`load_dist_checkpoint`; output exists.
+        CheckpointError: see :func:`load_dist_checkpoint`; output exists;
+            ``requantize`` on a checkpoint that records no quantization recipe;
+            a recipe the masters cannot be quantized under (named).
     """
     from safetensors.torch import save_file
 
     check_destination(ckpt_dir, out_dir, src_name="the Megatron checkpoint", dst_name="the output")
-    text, _, tensors = _load(ckpt_dir, "cpu", True)
+    info = check_dist_checkpoint(ckpt_dir)
+    source = str(ckpt_dir)
+    if requantize and info.recipe is None:
+        quantized = " (its tensors are stored quantized already)" if info.spec.stores_quantized_weights else ""
+        raise CheckpointError(f"{source} records no quantization recipe{quantized}: it holds the model its "
+                              "config.json describes, which converts as it is; re-quantizing applies to a training "
+                              "checkpoint of a quantized model's masters (`rl --save` on a ModelOpt or block-FP8 "
+                              "checkpoint); for a new quantized export use `unified-models quantize`")
+    _, tensors = _load(ckpt_dir, "cpu", True, info)
+    text, quant_text = info.config_text, None
+    if info.recipe is not None and requantize:
+        spec, tensors = trained_masters.requantized_state_dict(tensors, info.recipe, source=source)
+        text, quant_text = info.recipe.config_text, info.recipe.hf_quant_config_text
+    elif info.recipe is not None:
+        spec, tensors = trained_masters.masters_hf_state_dict(tensors, text, source=source)
+    else:
+        spec = info.spec
     out = Path(out_dir)
     with layout.atomic_output_dir(out, overwrite) as tmp:
         try:
@@ -286,7 +340,11 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
                       metadata={"format": "pt"})
             (tmp / "config.json").write_bytes(text.encode("utf-8"))
             layout.copy_assets(Path(ckpt_dir) / ASSETS_DIR, tmp)
-            pad_tokenizer_dir(tmp, layout.spec_from_config_text(text, source=str(ckpt_dir)).vocab_size)
+            if info.recipe is not None:  # the recipe's own quantization file, or none for the masters
+                (tmp / "hf_quant_config.json").unlink(missing_ok=True)
+                if quant_text is not None:
+                    (tmp / "hf_quant_config.json").write_bytes(quant_text.encode("utf-8"))
+            pad_tokenizer_dir(tmp, spec.vocab_size)
         except IO_ERRORS as e:  # noqa: BLE001
             raise CheckpointError(f"writing Hugging Face checkpoint {out} failed: {describe_error(e)}") from e
     return out
