@@ -93,7 +93,6 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     # the within-chunk cumulative sums in fp64: the decays are exponentials of their differences, which
     # cancel (|acum| reaches hundreds: an fp32 difference would carry an absolute error of 2^-24 |acum|)
     acum64 = torch.cumsum(dt.double() * A.double()[:, None], dim=-1)  # [Bt, c, H, Q]
-    acum = acum64.to(dtype)
     xd = x * dt[..., None]
 
     def grouped(t):  # [Bt, c, H, ...] -> [Bt, c, G, r, ...]
@@ -139,6 +138,7 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     st_h = states.permute(0, 2, 1, 3, 4).reshape(Bt, H, c, P * N)
     del states
     S = _bmm(Dm, st_h, split_fp32).view(Bt, H, c, P, N).permute(0, 2, 1, 3, 4).contiguous()  # [Bt, c, H, P, N]
+
     # ---- inter-chunk: y += exp(acum) C . S
     gyE = gy * torch.exp(acum64).to(dtype)[..., None]  # [Bt, c, H, Q, P]
     gyE_rows = rows_of_group(gyE)  # [Bt, c, G, Q, r*P]
