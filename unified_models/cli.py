@@ -188,7 +188,8 @@ def _add_rl_parser(sub) -> None:
                    help="clip the global grad norm to this (0: off; default 1.0)")
     r.add_argument("--metrics", default="rl_metrics.jsonl",
                    help="per-step JSONL (default rl_metrics.jsonl); the plot goes next to it as .png")
-    r.add_argument("--save", help="write Megatron training checkpoints (model, optimizer, RNG, step) here")
+    r.add_argument("--save", help="write Megatron training checkpoints (model, optimizer, RNG, step; the model's "
+                                  "tokenizer files for `convert --from megatron`) here")
     r.add_argument("--save-every", type=_positive(int), default=0,
                    help="checkpoint every K steps (and after the last; default: after the last only)")
     r.add_argument("--resume", help="continue from the latest training checkpoint in DIR up to --steps")

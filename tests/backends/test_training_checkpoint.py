@@ -9,6 +9,7 @@ written through DCP) and, with CUDA, on Megatron's optimizer and save.
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -260,4 +261,68 @@ def test_bad_resumes(spec, hf_config, tmp_path):
     with pytest.raises(CheckpointError, match="iteration number"):
         load_training_checkpoint(root, model, opt)
     other_opt.close()
+    opt.close()
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A Hugging Face directory's non-weight files: the bundled tokenizer, a generation config and files
+    that are no asset (config.json, weights, a README)."""
+    import shutil
+
+    from unified_models.presets import tokenizer_dir
+
+    d = tmp_path / "model"
+    shutil.copytree(tokenizer_dir(), d)
+    (d / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"not read")
+    (d / "README.md").write_text("not an asset")
+    return d
+
+
+def test_training_checkpoint_carries_the_tokenizer_files(spec, hf_config, model_dir, tmp_path):
+    """With assets_from, the checkpoint holds the model's tokenizer and generation files in hf_assets/
+    (byte for byte: the bundled tokenizer covers the vocabulary, so nothing is padded), converts back
+    with them, and resumes as before."""
+    from unified_models.backends.megatron.dist_ckpt import megatron_to_hf
+
+    assets = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    model, opt = _fresh(spec, seed=3)
+    _seed_all(0)
+    _train_step(model, opt)
+    at_save = _snapshot(model, opt)
+    out = save_training_checkpoint(tmp_path / "c", model, opt, iteration=1, hf_config=hf_config.to_dict(),
+                                   assets_from=model_dir)
+    assert sorted(p.name for p in (out / "hf_assets").iterdir()) == assets
+    hf = megatron_to_hf(out, tmp_path / "hf")
+    assert sorted(p.name for p in hf.iterdir()) == sorted(["config.json", "model.safetensors", *assets])
+    for name in assets:
+        assert (hf / name).read_bytes() == (model_dir / name).read_bytes(), name
+    model2, opt2 = _fresh(spec, seed=9)
+    assert load_training_checkpoint(tmp_path / "c", model2, opt2).iteration == 1
+    _assert_same(_snapshot(model2, opt2), at_save)
+    opt.close()
+    opt2.close()
+
+
+def test_assets_that_cannot_be_written_leave_no_checkpoint(spec, hf_config, model_dir, tmp_path, monkeypatch):
+    """A missing assets_from is refused before anything is written; a copy that fails leaves neither a
+    half-written iter_* directory nor a tracker pointing at one."""
+    from unified_models.converters import megatron_dist_ckpt
+
+    model, opt = _fresh(spec, seed=3)
+    root = tmp_path / "c"
+    with pytest.raises(CheckpointError, match=re.escape(f"assets_from {tmp_path / 'nope'} is not a directory")):
+        save_training_checkpoint(root, model, opt, iteration=1, assets_from=tmp_path / "nope")
+    assert not root.exists()
+    save_training_checkpoint(root, model, opt, iteration=1, assets_from=model_dir)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(megatron_dist_ckpt, "copy_assets", broken)
+    with pytest.raises(CheckpointError, match="iter_0000002 failed: copying the tokenizer files of .*disk full"):
+        save_training_checkpoint(root, model, opt, iteration=2, assets_from=model_dir)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", TRACKER_FILE] and latest_iteration(root) == 1
     opt.close()

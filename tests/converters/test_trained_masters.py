@@ -151,6 +151,26 @@ def test_requantize_gives_the_engines_codes_under_the_recorded_recipe(nvfp4, tra
     assert spec2 == spec
 
 
+def test_the_checkpoint_carries_the_models_tokenizer_files_both_ways_back(nvfp4, trained, tmp_path):
+    """Saved with ``assets_from`` (as ``rl --save`` saves): ``hf_assets/`` holds the source's tokenizer and
+    generation files but not its hf_quant_config.json (the recipe holds that); the masters convert with
+    those files byte for byte and without hf_quant_config.json, the re-quantized checkpoint with all of
+    them, hf_quant_config.json the source's."""
+    d, _, _ = nvfp4
+    trainer, _ = trained
+    files = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    it = trainer.save(tmp_path / "ck", iteration=1, hf_config=(d / "config.json").read_text(),
+                      hf_quant_config=(d / "hf_quant_config.json").read_text(), assets_from=d)
+    assert sorted(p.name for p in (it / "hf_assets").iterdir()) == files
+    cases = [((), tmp_path / "masters", files),
+             (("--requantize",), tmp_path / "nvfp4", [*files, "hf_quant_config.json"])]
+    for argv, out, want in cases:
+        assert main(["convert", "--from", "megatron", "--to", "hf", *argv, str(it), str(out)]) == 0
+        assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", *want])
+        for name in want:
+            assert (out / name).read_bytes() == (d / name).read_bytes(), (out.name, name)
+
+
 def test_the_masters_checkpoint_still_resumes(nvfp4, trained):
     from unified_models.backends.megatron.checkpoint import check_training_checkpoint
     from unified_models.backends.megatron.optimizer import OptimizerConfig

@@ -101,6 +101,36 @@ def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, 
         assert torch.equal(state_a[k], state_b[k]), k
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+"""What a preset's directory holds besides its config and weights (the bundled tokenizer, padded)."""
+
+
+def _assert_same_assets(converted, source):
+    """The converted checkpoint holds the source model's tokenizer and generation files, byte for byte,
+    so `check --model` and `rl --model` on it tokenize with them (not the bundled fallback)."""
+    from unified_models.run_options import tokenizer_dir_for
+
+    for name in TOKENIZER_FILES:
+        assert (source / name).is_file(), name
+        assert (converted / name).read_bytes() == (source / name).read_bytes(), name
+    assert tokenizer_dir_for(converted, None) == converted
+
+
+@pytest.mark.slow
+def test_saved_checkpoint_converts_with_the_models_tokenizer(uninterrupted, tmp_path):
+    """`rl --save` writes the model's tokenizer files into every checkpoint (hf_assets/), and `convert
+    --from megatron` of one gives them back byte for byte beside the trained weights."""
+    status, d, model_dir = uninterrupted
+    assert status == 0
+    for it in ("iter_0000002", "iter_0000004"):
+        assert sorted(p.name for p in (d / "ckpt" / it / "hf_assets").iterdir()) == sorted(TOKENIZER_FILES)
+    out = tmp_path / "hf"
+    assert main(["convert", "--from", "megatron", "--to", "hf", str(d / "ckpt" / "iter_0000004"), str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "model.safetensors", *TOKENIZER_FILES])
+    assert (out / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
+    _assert_same_assets(out, model_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "4"], "is at step 4; --steps 4 leaves nothing to do"),
@@ -151,12 +181,18 @@ def test_quantized_run_saves_and_resumes(tmp_path):
     last = str(tmp_path / "ck" / "iter_0000002")
     assert main(["convert", "--from", "megatron", "--to", "hf", last, str(tmp_path / "hf")]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    # the model's tokenizer came along; the recipe's hf_quant_config.json did not (it describes no master)
+    assert not (tmp_path / "ck" / "iter_0000002" / "hf_assets" / "hf_quant_config.json").exists()
+    assert not (tmp_path / "hf" / "hf_quant_config.json").exists()
+    _assert_same_assets(tmp_path / "hf", src)
     back = read_tensors(tmp_path / "hf")
     assert len(back) > 60 and all(torch.equal(t, state[f"param.{n}"]) for n, t in back.items())
     _, plain, _ = spec_and_state_dict(tmp_path / "hf")
     assert not plain.stores_quantized_weights
     assert main(["convert", "--from", "megatron", "--to", "hf", "--requantize", last, str(tmp_path / "q")]) == 0
     assert (tmp_path / "q" / "config.json").read_text() == (src / "config.json").read_text()
+    assert (tmp_path / "q" / "hf_quant_config.json").read_bytes() == (src / "hf_quant_config.json").read_bytes()
+    _assert_same_assets(tmp_path / "q", src)
     _, qspec, _ = spec_and_state_dict(tmp_path / "q")
     assert qspec == spec
 

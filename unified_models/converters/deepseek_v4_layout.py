@@ -433,6 +433,19 @@ def official_scale_dtype(cfg: Mapping) -> torch.dtype:
     return torch.float8_e8m0fnu if cfg.get("expert_dtype") == "fp4" else torch.float32
 
 
+def canonical_to_stored(tensors: Mapping[str, torch.Tensor], raw_config: Mapping) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> the tensors a checkpoint whose ``config.json`` is ``raw_config`` (the published
+    layout) stores: :func:`canonical_to_official` with the ``.scale`` container of that config
+    (:func:`official_scale_dtype`). The inverse of :func:`official_to_canonical` bit for bit on what
+    this module writes (a float32 ``.scale`` of an ``expert_dtype: fp4`` checkpoint, or an e8m0 one of
+    any other, comes back in the container vLLM reads for that config, with the same value).
+
+    Raises:
+        CheckpointError: a hash table with ids outside int32.
+    """
+    return canonical_to_official(tensors, scale_dtype=official_scale_dtype(raw_config))
+
+
 def read_config_dict(model_dir: str | os.PathLike) -> dict:
     """The directory's ``config.json`` as a dict, in transformers' form (converted when published)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())

@@ -66,8 +66,9 @@ def checkpoint_layout(raw_config: dict) -> Any:
 
     Today one: DeepSeek-V4's published layout (:mod:`.deepseek_v4_layout`, detected from
     ``config.json``: ``compress_ratios`` / ``num_hash_layers`` instead of ``layer_types``).
-    The module gives ``read_config_dict(dir)`` (the transformers config dict) and
-    ``official_to_canonical(tensors)`` (the canonical names of :meth:`ModelSpec.parameter_shapes`).
+    The module gives ``read_config_dict(dir)`` (the transformers config dict),
+    ``official_to_canonical(tensors)`` (the canonical names of :meth:`ModelSpec.parameter_shapes`) and
+    ``canonical_to_stored(tensors, raw_config)`` (back to the layout's names and dtypes).
     """
     if raw_config.get("model_type") == "deepseek_v4":
         from . import deepseek_v4_layout
@@ -115,6 +116,26 @@ def canonical_tensors(model_dir: str | os.PathLike, tensors: dict[str, torch.Ten
     """
     layout = tensor_layout(model_dir, tensors)
     return layout.official_to_canonical(tensors) if layout is not None else tensors
+
+
+def stored_tensors(config_text: str, tensors: dict[str, torch.Tensor], *, source: str) -> dict[str, torch.Tensor]:
+    """Canonical ``tensors`` under the names and dtypes a checkpoint whose ``config.json`` is ``config_text``
+    stores them: unchanged for a canonical config, converted by its layout module otherwise (DeepSeek-V4's
+    published layout: :func:`.deepseek_v4_layout.canonical_to_stored`). The inverse of
+    :func:`canonical_tensors`: a checkpoint written with this config text and these tensors reads back
+    into the same spec and state dict.
+
+    Raises:
+        CheckpointError: ``config_text`` is not a JSON object (``source`` named), or the layout's own errors.
+    """
+    try:
+        raw = json.loads(config_text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{source}: config.json is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: config.json must hold a JSON object, not a {type(raw).__name__}")
+    layout = checkpoint_layout(raw)
+    return layout.canonical_to_stored(tensors, raw) if layout is not None else tensors
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:

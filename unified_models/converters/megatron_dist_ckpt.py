@@ -18,7 +18,8 @@ code and other tools share without importing an engine:
   - ``metadata.json``: the 0.16 layout (``sharded_backend`` "torch_dist",
     ``common_backend`` "torch"); 0.19 ignores the common keys.
   - ``hf_assets/``: tokenizer files and ``generation_config.json`` of the
-    source checkpoint.
+    source checkpoint (a converted one, or the model an ``rl --save`` training
+    checkpoint was trained from).
 
   A training checkpoint of a quantized model's masters (``rl --save`` on a ModelOpt
   or block-FP8 checkpoint) stores the masters' config (the quantized config without
@@ -48,7 +49,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException
@@ -204,13 +205,23 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def copy_assets(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer / generation files (:data:`HF_ASSET_PATTERNS`) of ``src`` into ``dst``."""
+def copy_assets(src: Path, dst: Path, *, exclude: Iterable[str] = ()) -> list[str]:
+    """Copy the tokenizer / generation files (:data:`HF_ASSET_PATTERNS`) of ``src`` into ``dst``.
+
+    Args:
+        src: a Hugging Face directory (nothing is copied when it is not a directory).
+        dst: the directory to copy into (created when a file is copied).
+        exclude: file names not to copy although they match a pattern.
+
+    Returns:
+        The names of the files copied, sorted.
+    """
     copied = []
     if not src.is_dir():
         return copied
+    skip = set(exclude)
     for f in sorted(src.iterdir()):
-        if f.is_file() and any(fnmatch.fnmatch(f.name, p) for p in HF_ASSET_PATTERNS):
+        if f.is_file() and f.name not in skip and any(fnmatch.fnmatch(f.name, p) for p in HF_ASSET_PATTERNS):
             dst.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)

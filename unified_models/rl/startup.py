@@ -164,7 +164,9 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
     (:func:`.options.run_identity`, the target token); returns its directory.
 
-    The checkpoint carries the model's ``config.json``, readable by ``convert --from megatron``. For a
+    The checkpoint carries the model's ``config.json`` and its tokenizer and generation files (``hf_assets/``,
+    from ``--model`` or the preset's directory), so ``convert --from megatron`` gives a checkpoint with the
+    model's own tokenizer. For a
     quantized (ModelOpt, block-FP8) checkpoint, whose trainer holds model-dtype masters, it carries the
     masters' config (that config without ``quantization_config``) and records the quantized
     ``config.json`` (and ``hf_quant_config.json``) as the recipe the masters were trained under
@@ -175,5 +177,5 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
     return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,
-                            extra=extra, overwrite=True)
+                            assets_from=run.model_dir, extra=extra, overwrite=True)
 

@@ -19,14 +19,17 @@ the newest. The sharded state dict is
   :meth:`UnifiedMegatronModel.load_dist_checkpoint`; ``extra`` user data). When
   the model trains the masters of a quantized checkpoint and ``hf_config`` is
   that checkpoint's (quantized) config, the entry holds the masters' config and
-  the quantization recipe instead (:mod:`unified_models.converters.trained_masters`).
+  the quantization recipe instead (:mod:`unified_models.converters.trained_masters`);
+* with ``assets_from``, ``hf_assets/``: the tokenizer and generation files of the
+  Hugging Face checkpoint trained from (as a converted checkpoint carries them), so
+  that ``convert --from megatron`` gives a checkpoint with its own tokenizer.
 
 Writers: Megatron's ``dist_checkpointing.save`` when the parameters are on
 CUDA; on CPU Megatron's own translation written through PyTorch DCP
 (:func:`compat.cpu_dist_save`, the 0.16 layout that 0.16 and 0.19 read).
-Reads go through ``dist_checkpointing.load``. Writes land in a temporary
-sibling directory renamed into place when complete; the tracker file is then
-replaced atomically.
+Reads go through ``dist_checkpointing.load``. Writes (tensors, common state and
+``hf_assets/``) land in a temporary sibling directory renamed into place when
+complete; the tracker file is then replaced atomically.
 
 Resume contract: after :func:`load_training_checkpoint`, parameters, fp32 main
 weights, Adam moments and step, and the RNG streams equal those at save time
@@ -51,6 +54,7 @@ from ...converters import megatron_dist_ckpt as layout
 from ...converters import trained_masters
 from ...converters.hf_safetensors import tensor_table_problems
 from ...dsl import CheckpointError
+from ...serving.vocabulary import pad_tokenizer_dir
 from . import compat
 from .optimizer import TrainOptimizer, _bump_weight_versions
 
@@ -174,7 +178,8 @@ def _plain(extra: Mapping | None) -> dict:
 
 def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOptimizer, *,
                              iteration: int | None = None, hf_config: Any = None, hf_quant_config: Any = None,
-                             extra: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+                             assets_from: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None,
+                             overwrite: bool = False) -> Path:
     """Write ``<root>/iter_<iteration>/`` and point the tracker file at it. Collective (all ranks call it).
 
     Args:
@@ -190,6 +195,11 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
             recipe (:func:`unified_models.converters.trained_masters.record_masters`).
         hf_quant_config: with such an ``hf_config``, the quantized checkpoint's
             ``hf_quant_config.json`` (dict or JSON text), kept in the recipe.
+        assets_from: the Hugging Face directory the model was loaded from: its tokenizer
+            and generation files (:data:`~unified_models.converters.megatron_dist_ckpt.HF_ASSET_PATTERNS`)
+            are written to ``hf_assets/`` with the checkpoint (padded to the vocabulary as
+            ``convert --to megatron`` pads them), for ``convert --from megatron``. For trained
+            masters its ``hf_quant_config.json`` is left out (the recipe holds it).
         extra: JSON-able user data (e.g. the data cursor), returned on load.
         overwrite: replace an existing ``iter_*`` directory of the same iteration.
 
@@ -198,8 +208,9 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
 
     Raises:
         CheckpointError: ``hf_config`` describes another model than the one trained
-            (nor a quantized model whose masters it trains), the directory exists
-            (without ``overwrite``) or the write failed (nothing half-written is left).
+            (nor a quantized model whose masters it trains), ``assets_from`` is not a
+            directory, the directory exists (without ``overwrite``) or the write failed
+            (nothing half-written is left).
         ValueError: ``extra`` is not JSON-able, a negative iteration, or
             ``hf_quant_config`` without a quantized ``hf_config``.
     """
@@ -219,6 +230,10 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     if hf_quant_config is not None and recipe is None:
         raise ValueError("save_training_checkpoint: hf_quant_config applies to the masters of a quantized model "
                          "(an hf_config with quantization_config)")
+    assets = None if assets_from is None else Path(assets_from)
+    if assets is not None and not assets.is_dir():
+        raise CheckpointError(f"save_training_checkpoint: assets_from {assets} is not a directory (it should be the "
+                              "Hugging Face checkpoint trained from, whose tokenizer files the checkpoint carries)")
     on_cuda = next(model.parameters()).device.type == "cuda"
     recipe_field = {layout.RECIPE_KEY: recipe.to_entry()} if recipe is not None else {}
     entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
@@ -242,6 +257,9 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list([str(tmp)], src=0)
             write(tmp)
+            if assets is not None:
+                _write_assets(assets, tmp / layout.ASSETS_DIR, spec.vocab_size, out,
+                              exclude=("hf_quant_config.json",) if recipe is not None else ())
         tracker = Path(root) / TRACKER_FILE
         part = tracker.with_name(f".{TRACKER_FILE}.tmp")
         part.write_text(f"{iteration}\n")
@@ -253,6 +271,21 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def _write_assets(src: Path, dst: Path, vocab_size: int, out: Path, *, exclude: tuple[str, ...]) -> None:
+    """The tokenizer / generation files of ``src`` copied into ``dst`` (a checkpoint's ``hf_assets/``) and
+    padded to ``vocab_size`` ids, as :func:`.dist_ckpt.save_dist_checkpoint` writes them.
+
+    Raises:
+        CheckpointError: a file could not be copied (``out``, the checkpoint, named).
+    """
+    try:
+        layout.copy_assets(src, dst, exclude=exclude)
+        pad_tokenizer_dir(dst, vocab_size)  # every id detokenizes (serving)
+    except OSError as e:
+        raise CheckpointError(f"writing training checkpoint {out} failed: copying the tokenizer files of {src}: "
+                              f"{e}") from e
 
 
 def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:

@@ -36,7 +36,14 @@ import torch
 
 from ...converters import megatron_dist_ckpt as layout
 from ...converters import trained_masters
-from ...converters.hf_safetensors import load_hf_config, read_tensors, tensor_table_problems, validate_state_dict
+from ...converters.hf_safetensors import (
+    canonical_tensors,
+    load_hf_config,
+    read_tensors,
+    stored_tensors,
+    tensor_table_problems,
+    validate_state_dict,
+)
 from ...converters.megatron_dist_ckpt import (
     ASSETS_DIR,
     IO_ERRORS,
@@ -246,7 +253,9 @@ def load_dist_checkpoint(ckpt_dir: str | os.PathLike, *, device: torch.device | 
     out: :func:`check_dist_checkpoint` gives the recipe).
 
     Returns:
-        ``(config_json, state_dict)``: the Hugging Face config dict and ``{HF name: tensor}``.
+        ``(config_json, state_dict)``: the Hugging Face config dict and ``{HF name: tensor}`` under the
+        spec's canonical names (for a DeepSeek-V4 config in the published layout too, which
+        :func:`megatron_to_hf` writes in that layout).
 
     Raises:
         CheckpointError: see :func:`check_dist_checkpoint`; unreadable tensor
@@ -263,7 +272,11 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
     """Convert a Hugging Face checkpoint (config.json + safetensors) to a Megatron checkpoint.
 
     Tensors keep their names and dtypes; ``config.json`` is stored verbatim;
-    tokenizer and generation-config files travel in ``hf_assets/``.
+    tokenizer and generation-config files travel in ``hf_assets/``. A checkpoint in a
+    family's other layout (DeepSeek-V4's published names, int32 ``tid2eid``, float32
+    ``.scale``) is stored under the spec's canonical names and dtypes, as every engine
+    loads it (:func:`unified_models.converters.hf_safetensors.canonical_tensors`);
+    :func:`megatron_to_hf` writes it back in its own layout.
 
     Raises:
         CheckpointError: missing directory / config / weights, corrupt files,
@@ -282,7 +295,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
     except SpecError as e:
         raise type(e)(f"{src}/config.json: {e}") from None
     text = (src / "config.json").read_bytes().decode("utf-8")
-    tensors = read_tensors(src)
+    tensors = canonical_tensors(src, read_tensors(src))
     validate_state_dict(tensors, spec, source=str(src))
     return save_dist_checkpoint(tensors, text, out_dir, spec=spec, assets_from=src, writer=writer,
                                 overwrite=overwrite)
@@ -294,7 +307,12 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
     saved with its config) back to Hugging Face.
 
     Writes ``model.safetensors`` (same names and dtypes), the original
-    ``config.json`` text and the carried tokenizer / generation files. A training
+    ``config.json`` text and the carried tokenizer / generation files. The tensors
+    are written in the layout of the ``config.json`` written: a DeepSeek-V4 config in
+    DeepSeek's published layout gets the published tensor names and dtypes
+    (:func:`unified_models.converters.hf_safetensors.stored_tensors`), so a published
+    checkpoint converted to Megatron (or trained from by ``rl --save``) comes back as it
+    was, bit for bit. A training
     checkpoint of a quantized model's masters (``rl --save`` on a ModelOpt or
     block-FP8 checkpoint; :mod:`unified_models.converters.trained_masters`) gives
     its masters in the model dtype under the masters' config (no
@@ -333,6 +351,7 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
         spec, tensors = trained_masters.masters_hf_state_dict(tensors, text, source=source)
     else:
         spec = info.spec
+    tensors = stored_tensors(text, tensors, source=source)  # the config's layout (DeepSeek-V4's published one)
     out = Path(out_dir)
     with layout.atomic_output_dir(out, overwrite) as tmp:
         try:
