@@ -18,26 +18,30 @@ from unified_models.dsl import CheckpointError
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny transformers-written DeepseekV4ForCausalLM (one layer of each type, hash + regular MoE)."""
+def _tiny_dsv4(d, **widths):
+    """Save a tiny transformers-written bf16 DeepseekV4ForCausalLM (one layer of each type, hash + regular MoE)
+    with the given widths into ``d``; returns ``d``."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     from unified_models.models.deepseek_v4 import preset_weights
 
     cfg = DeepseekV4Config(
-        vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=16, partial_rotary_factor=0.25, q_lora_rank=8, o_groups=2, o_lora_rank=4, sliding_window=4,
+        vocab_size=64, num_hidden_layers=3, num_attention_heads=2, o_groups=2, sliding_window=4,
         n_routed_experts=4, num_experts_per_tok=2, layer_types=[S, C, H], mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={C: 4, H: 8}, hc_mult=2, index_n_heads=2, index_head_dim=8, index_topk=2,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
+        compress_rates={C: 4, H: 8}, hc_mult=2, index_n_heads=2, index_topk=2, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}, **widths)
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg)
     preset_weights(model, 0)
-    d = tmp_path_factory.mktemp("dsv4_hf")
     model.to(torch.bfloat16).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny transformers-written DeepseekV4ForCausalLM (one layer of each type, hash + regular MoE)."""
+    return _tiny_dsv4(tmp_path_factory.mktemp("dsv4_hf"), hidden_size=32, moe_intermediate_size=16, head_dim=16,
+                      partial_rotary_factor=0.25, q_lora_rank=8, o_lora_rank=4, index_head_dim=8)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -185,23 +189,8 @@ def test_training_checkpoint_of_a_published_checkpoint_converts_back_in_its_layo
 @pytest.fixture(scope="module")
 def fp8_base(tmp_path_factory):
     """A bf16 DeepSeek-V4 whose linears all take 128x128 blocks (K a multiple of 128), for block-FP8 exports."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    from unified_models.models.deepseek_v4 import preset_weights
-
-    cfg = DeepseekV4Config(
-        vocab_size=64, hidden_size=128, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        head_dim=80, partial_rotary_factor=0.2, q_lora_rank=128, o_groups=2, o_lora_rank=64, sliding_window=4,
-        n_routed_experts=4, num_experts_per_tok=2, layer_types=[S, C, H], mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={C: 4, H: 8}, hc_mult=2, index_n_heads=2, index_head_dim=16, index_topk=2,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64})
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(cfg)
-    preset_weights(model, 0)
-    d = tmp_path_factory.mktemp("dsv4_fp8_base")
-    model.to(torch.bfloat16).save_pretrained(d)
-    return d
+    return _tiny_dsv4(tmp_path_factory.mktemp("dsv4_fp8_base"), hidden_size=128, moe_intermediate_size=128,
+                      head_dim=80, partial_rotary_factor=0.2, q_lora_rank=128, o_lora_rank=64, index_head_dim=16)
 
 
 @pytest.mark.parametrize("expert_dtype, scale_dtype, expert_code_dtype", [

@@ -180,6 +180,30 @@ def test_padding_rows_stay_zero_beside_an_infinite_weight():
     assert float(d_.grad[0, :, 0].abs().max()) == 0.0 and float(u_.grad[0, 0].abs().max()) == 0.0
 
 
+def _emulate_tensor_cores(monkeypatch, module) -> list[int]:
+    """Route ``module.grad_matmul`` through its CUDA path with the GEMM emulated (bf16 operands asserted, exact
+    products, fp32 sums); returns the list each GEMM's multiply-adds are appended to."""
+    calls: list[int] = []
+
+    def emulated(a, b):
+        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
+        calls.append(a.shape.numel() * b.shape[-1])
+        return a.float() @ b.float()
+
+    real = module.grad_matmul
+    monkeypatch.setattr(module, "grad_matmul",
+                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    return calls
+
+
+def _forward_gemm_work(ids: torch.Tensor, E: int) -> int:
+    """Multiply-adds of one ``[P, D] x [D, I]`` GEMM per expert group (its padded rows): the forward's size."""
+    counts = [0] * E
+    for e in ids.view(-1).tolist():
+        counts[e] += 1
+    return sum(p * len(es) * D * I for p, es in expert_groups_by_count(counts))
+
+
 def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     """In a bf16 model the recomputation's GEMMs and their gradients go through ``grad_matmul``'s CUDA path
     (emulated here: bf16 operands, exact products, fp32 sums): every call gets bf16 operands only (the
@@ -188,16 +212,7 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     from unified_models.ops.grad import helpers
     from unified_models.ops.moe import swiglu_experts_reference
 
-    calls = []
-
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        calls.append(a.shape.numel() * b.shape[-1])  # multiply-adds
-        return a.float() @ b.float()
-
-    real = helpers.grad_matmul  # the backward calls the module's grad_matmul
-    monkeypatch.setattr(helpers, "grad_matmul",
-                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    calls = _emulate_tensor_cores(monkeypatch, helpers)  # the backward calls the helpers module's grad_matmul
     E = 17
     gen = torch.Generator().manual_seed(6)
     ids = _ids("staircase", E, gen)
@@ -209,10 +224,7 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     g = torch.randn(T, D, generator=gen).bfloat16()
     leaves = [t.clone().requires_grad_() for t in (x, w, *mats)]
     ops.swiglu_experts(leaves[0], ids, leaves[1], *leaves[2:], swiglu_limit=0.5).backward(g)
-    counts = [0] * E
-    for e in ids.view(-1).tolist():
-        counts[e] += 1
-    one_gemm = sum(p * len(es) * D * I for p, es in expert_groups_by_count(counts))  # [P, D] x [D, I] per group
+    one_gemm = _forward_gemm_work(ids, E)
     print(f"swiglu backward GEMM work: {sum(calls) / one_gemm:.2f} GEMMs of the forward's size")
     assert 0 < sum(calls) <= 13 * one_gemm, sum(calls) / one_gemm  # all with bf16 operands; 17 by autograd
     ref = [t.double().requires_grad_() for t in (x, w, *mats)]
@@ -234,16 +246,7 @@ def test_relu2_backward_gemms_on_the_tensor_core_path(mode, gemms, monkeypatch):
     monkeypatch.setenv("UM_BACKWARD_GEMM", mode)
     from unified_models.ops.moe import backward as moe_backward
 
-    calls = []
-
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        calls.append(a.shape.numel() * b.shape[-1])  # multiply-adds
-        return a.float() @ b.float()
-
-    real = moe_backward.grad_matmul
-    monkeypatch.setattr(moe_backward, "grad_matmul",
-                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    calls = _emulate_tensor_cores(monkeypatch, moe_backward)
     E = 17
     gen = torch.Generator().manual_seed(7)
     ids = _ids("staircase", E, gen)
@@ -254,10 +257,7 @@ def test_relu2_backward_gemms_on_the_tensor_core_path(mode, gemms, monkeypatch):
     g = torch.randn(T, D, generator=gen).bfloat16()
     leaves = [t.clone().requires_grad_() for t in (x, w, up, down)]
     ops.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3]).backward(g)
-    counts = [0] * E
-    for e in ids.view(-1).tolist():
-        counts[e] += 1
-    one_gemm = sum(p * len(es) * D * I for p, es in expert_groups_by_count(counts))  # [P, D] x [D, I] per group
+    one_gemm = _forward_gemm_work(ids, E)
     print(f"relu2 backward GEMM work: {sum(calls) / one_gemm:.2f} GEMMs of the forward's size")
     assert sum(calls) <= gemms * one_gemm, sum(calls) / one_gemm
     ref = [t.double().requires_grad_() for t in (x, w, up, down)]

@@ -36,12 +36,7 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
         raise CheckpointError(f"model directory {d} is not a directory")
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}/config.json is missing")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{d}/config.json is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{d}/config.json must hold a JSON object, not a {type(raw).__name__}")
+    raw = json_object((d / "config.json").read_text(), f"{d}/config.json")
     try:
         layout = checkpoint_layout(raw)
         if layout is not None:  # a family's other layout (DeepSeek-V4's published one): its config, translated
@@ -59,6 +54,21 @@ def load_hf_config(model_dir: str | os.PathLike) -> Any:
 
     check_declared_layer_count(config, raw, source=f"{d}/config.json")
     return config
+
+
+def json_object(text: str, what: str) -> dict:
+    """``text`` parsed as a JSON object (a config file's).
+
+    Raises:
+        CheckpointError: not valid JSON, or not an object (``what`` names the file).
+    """
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{what} must hold a JSON object, not a {type(raw).__name__}")
+    return raw
 
 
 def checkpoint_layout(raw_config: dict) -> Any:
@@ -128,12 +138,7 @@ def stored_tensors(config_text: str, tensors: dict[str, torch.Tensor], *, source
     Raises:
         CheckpointError: ``config_text`` is not a JSON object (``source`` named), or the layout's own errors.
     """
-    try:
-        raw = json.loads(config_text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{source}: config.json is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{source}: config.json must hold a JSON object, not a {type(raw).__name__}")
+    raw = json_object(config_text, f"{source}: config.json")
     layout = checkpoint_layout(raw)
     return layout.canonical_to_stored(tensors, raw) if layout is not None else tensors
 

@@ -38,7 +38,7 @@ import torch
 
 from ..dsl import CheckpointError, ModelSpec
 from . import megatron_dist_ckpt as layout
-from .hf_safetensors import tensor_table_problems
+from .hf_safetensors import json_object, tensor_table_problems
 from .modelopt import master_spec, quantize_state_dict
 from .quantized import validate_quantized
 
@@ -132,12 +132,7 @@ def masters_config_text(quantized_config_text: str, dtype: torch.dtype) -> str:
     Raises:
         CheckpointError: the text is not a JSON object.
     """
-    try:
-        cfg = json.loads(quantized_config_text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"config is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"config must be a JSON object, not a {type(cfg).__name__}")
+    cfg = json_object(quantized_config_text, "config")
     cfg.pop("quantization_config", None)
     name = str(dtype).removeprefix("torch.")
     cfg["dtype"] = name
