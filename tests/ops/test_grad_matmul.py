@@ -154,3 +154,14 @@ def test_bad_backward_gemm_mode_is_named(monkeypatch):
         grad_matmul(a, b, mm=_mm_emulated([]))
     monkeypatch.setenv("UM_BACKWARD_GEMM", "")  # empty: the default
     assert grad_matmul(a, b, mm=_mm_emulated([])).shape == (4, 2)
+
+
+def test_trainer_refuses_a_bad_backward_gemm_mode_at_construction(tiny_model, monkeypatch):
+    """A typo in ``UM_BACKWARD_GEMM`` is refused when the trainer is built, on any device (the GEMM path that
+    reads it runs only on CUDA, at the first backward)."""
+    from unified_models.backends.megatron.trainer import Trainer
+
+    _, spec, sd = tiny_model
+    monkeypatch.setenv("UM_BACKWARD_GEMM", "BF16")
+    with pytest.raises(ValueError, match="UM_BACKWARD_GEMM='BF16'"):
+        Trainer(spec, sd)

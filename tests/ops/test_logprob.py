@@ -111,6 +111,11 @@ def test_triton_backward_vs_the_formula(temperature, device, gen):
     assert dz.dtype == torch.float32 and dz.shape == (4, V)
     torch.testing.assert_close(dz.double(), ref, rtol=1e-5, atol=1e-6)
     assert float(dz[2].abs().max()) == 0.0
+    # one-column rows: a gradient whose V stride is not 1 (torch calls it contiguous) is taken
+    y1 = torch.zeros(3, 1, device=device)
+    g1 = torch.randn(1, 3, generator=gen).to(device).t()
+    assert g1.stride(1) != 1 and g1.is_contiguous()
+    assert float(logprobs_backward_triton(y1, g1, temperature).abs().max()) == 0.0  # (g - 1 * g) / T
     with pytest.raises(ValueError, match="fp32"):
         logprobs_backward_triton(y.bfloat16(), g, temperature)
     with pytest.raises(ValueError, match="unit stride"):

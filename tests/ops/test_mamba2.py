@@ -697,6 +697,54 @@ def test_ssd_analytic_backward_fp32_as_accurate_as_autograd(gen):
         assert err_ours <= 2 * err_auto + 1e-7, f"d{name}: {err_ours:.2e} vs autograd's {err_auto:.2e}"
 
 
+def test_grad_ssd_fp64_activations_beside_fp32_dt(gen):
+    """The op takes fp64 activations and weights beside its fp32 ``dt``: the written-out backward runs in one
+    accumulation dtype (fp64 here) and matches fp64 autograd of the recurrence to the fp32 rounding of the
+    op's output gradient; so does fp32 ``x`` with fp64 ``A_log`` / ``D`` (a helper's case: both raised)."""
+    L = Q + 3
+    meta = mamba2_metadata(torch.tensor([0, L]), torch.tensor([0]), Q)
+    base = [t.double() for t in _ssd_inputs(L, torch.float32, gen)]
+    g = torch.randn(L, H, P, generator=gen, dtype=torch.float64)
+    for dts in ((torch.float64, torch.float32, torch.float64, torch.float64, torch.float64, torch.float64),
+                (torch.float32, torch.float32, torch.float64, torch.float32, torch.float32, torch.float64)):
+        ins = [t.to(d).clone().requires_grad_() for t, d in zip(base, dts)]
+        ops.ssd_chunk_scan(*ins, meta).backward(g.to(ins[0].dtype))
+        ref = [t.detach().double().requires_grad_() for t in ins]
+        ssd_reference(*ref)[0].backward(g)
+        for i, (a, r) in enumerate(zip(ins, ref)):
+            assert a.grad.dtype == a.dtype, i
+            assert _rel(a.grad, r.grad) <= 1e-6, (dts, i)  # the op's output (and so its gradient) is fp32
+
+
+def test_ssd_analytic_backward_on_the_tensor_core_path(gen, monkeypatch):
+    """A bf16 model's SSD backward on CUDA: every GEMM through ``grad_matmul``'s tensor-core path (emulated:
+    bf16 operands, exact products, fp32 sums; fp32 operands as ``hi + lo``). Against fp64 each gradient is
+    within 5e-5 (the split keeps 16 bits of each fp32 operand; fp32 autograd on CUDA cores was ~1e-7),
+    ``dA_log`` the worst (its terms cancel)."""
+    from unified_models.ops.grad import helpers
+    from unified_models.ops.mamba2 import ssd_backward
+
+    def emulated(a, b):
+        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
+        return a.float() @ b.float()
+
+    real = helpers.grad_matmul
+    monkeypatch.setattr(ssd_backward, "grad_matmul",
+                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    Q_, L = 16, 64
+    ins = (torch.randn(2, L, H, P, generator=gen), torch.rand(2, L, H, generator=gen) * 0.3 + 0.01,
+           torch.log(torch.tensor([1.0, 2.0, 4.0, 8.0])), torch.randn(2, L, G, N, generator=gen) * 0.5,
+           torch.randn(2, L, G, N, generator=gen) * 0.5, 1 + 0.1 * torch.randn(H, generator=gen))
+    gy = torch.randn(2, L, H, P, generator=gen)
+    leaves = [t.double().requires_grad_() for t in ins]
+    exact = torch.autograd.grad(ssd_chunked_torch_batched(*leaves, Q_), leaves, gy.double())
+    ours = ssd_backward.ssd_chunked_backward(*ins, Q_, gy, split_fp32=True)
+    for name, o, e in zip(("x", "dt", "A_log", "B", "C", "D"), ours, exact):
+        err = _rel(o, e)
+        print(f"tensor-core SSD backward d{name}: {err:.2e}")
+        assert err <= 5e-5, (name, err)
+
+
 def test_ssd_analytic_backward_errors(gen):
     from unified_models.ops.mamba2.ssd_backward import ssd_chunked_backward
 

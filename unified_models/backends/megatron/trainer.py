@@ -118,6 +118,9 @@ class Trainer:
         from .module import UnifiedMegatronModel, transformer_config_from_spec
         from .parallel import init_parallel_state
 
+        from ...ops.grad.helpers import backward_gemm_mode
+
+        backward_gemm_mode()  # a bad UM_BACKWARD_GEMM is refused here, not at the first backward on a GPU
         self.options = options = options or TrainerOptions()
         self.device = device
         self.optimizer = None

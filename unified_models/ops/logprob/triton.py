@@ -123,8 +123,9 @@ def logprobs_backward_triton(logprobs_TV: torch.Tensor, grad_TV: torch.Tensor, t
     Raises:
         ValueError: shapes, dtypes or strides other than these; a CPU tensor without the interpreter.
     """
+    unit = all(t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) for t in (logprobs_TV, grad_TV))
     if (logprobs_TV.dim() != 2 or grad_TV.shape != logprobs_TV.shape or logprobs_TV.dtype != torch.float32
-            or grad_TV.dtype != torch.float32 or logprobs_TV.stride(1) != 1 or grad_TV.stride(1) != 1):
+            or grad_TV.dtype != torch.float32 or not unit):
         raise ValueError(f"logprobs_backward_triton: logprobs {tuple(logprobs_TV.shape)} {logprobs_TV.dtype} and grad "
                          f"{tuple(grad_TV.shape)} {grad_TV.dtype} must be fp32 [T, V], unit stride along V")
     t32 = float(torch.tensor(float(temperature), dtype=torch.float32))

@@ -280,6 +280,9 @@ class _Ssd(_Recompute):
         Q = self.args[6].chunk_size
         orig = self.args
         split = x.is_cuda and any(t.dtype in (torch.bfloat16, torch.float16) for t in (orig[0], orig[3], orig[4]))
+        # one accumulation dtype for the written-out backward (the op takes fp64 activations beside its fp32 dt)
+        wide = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (*leaves, g)) else torch.float32
+        x, dt, A_log, B, C, D, g = (None if t is None else t.to(wide) for t in (x, dt, A_log, B, C, D, g))
         for chunks, group in self._fresh_groups().items():
             idx, keep = _group_rows(group, chunks * Q, x.shape[0], x.device)
 
@@ -292,6 +295,7 @@ class _Ssd(_Recompute):
             for i, d in enumerate(parts):
                 if res[i] is None or d is None:
                     continue
+                d = d.to(res[i].dtype)
                 if i in (2, 5):  # A_log, D: per head, summed over every sequence
                     res[i] += d
                 else:  # per row: each row is one sequence's, written once
