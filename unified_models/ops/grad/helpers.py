@@ -220,7 +220,7 @@ def _one_gemm_is_cheaper(a_MK: torch.Tensor, b_KN: torch.Tensor, pairs: int, ter
 
 class RecomputeBmm(torch.autograd.Function):
     """``a @ b`` (``[G, M, K] @ [G, K, N]`` fp32 tensors) inside a backward's recomputation under autograd
-    (DeepSeek-V4's experts, windowed attention), and its two gradients, through :func:`grad_matmul`: with
+    (DeepSeek-V4's windowed attention), and its two gradients, through :func:`grad_matmul`: with
     ``half`` (bf16: a bf16 model on CUDA) on tensor cores, an operand the caller marks exact (its values are
     bf16 values: a bf16 input, K/V read back from a bf16 or FP8 cache, an FP8 activation, weights dequantized
     to bf16) as one bf16 term, any other fp32 operand (probabilities, the SwiGLU output, the upstream
