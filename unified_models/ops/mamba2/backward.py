@@ -73,14 +73,20 @@ class _Recompute:
     def grads(self, leaves: list, need: tuple, g: torch.Tensor) -> list:
         """The gradients of the inputs marked in ``need`` (None elsewhere): autograd of ``graph`` at
         ``leaves`` (the saved inputs in the accumulation dtype, None for absent ones) against ``g``."""
-        with torch.enable_grad():
-            leaves = [None if t is None else t.requires_grad_(bool(need[i])) for i, t in enumerate(leaves)]
-            out = self.graph(*leaves)
-        want = [i for i, t in enumerate(leaves) if t is not None and need[i]]
-        res = [None] * len(leaves)
-        for i, d in zip(want, torch.autograd.grad(out, [leaves[i] for i in want], g, allow_unused=True)):
-            res[i] = d
-        return res
+        return _autograd_grads(self.graph, leaves, need, g)
+
+
+def _autograd_grads(graph, leaves: list, need: tuple, g: torch.Tensor) -> list:
+    """Autograd of ``graph(*leaves)`` against ``g`` for the leaves marked in ``need`` (None elsewhere, and
+    None for a marked leaf the graph does not use); the leaves are detached copies, left untouched."""
+    with torch.enable_grad():
+        lv = [None if t is None else t.detach().requires_grad_(bool(need[i])) for i, t in enumerate(leaves)]
+        out = graph(*lv)
+    want = [i for i, t in enumerate(lv) if t is not None and need[i]]
+    res = [None] * len(leaves)
+    for i, d in zip(want, torch.autograd.grad(out, [lv[i] for i in want], g, allow_unused=True)):
+        res[i] = d
+    return res
 
 
 class RecomputeFn(torch.autograd.Function):
@@ -266,15 +272,11 @@ class _Ssd(_Recompute):
         x, dt, A_log, B, C, D = leaves
         res: list[torch.Tensor | None] = [None] * 6
         if any(s0 is not None or pend is not None for _c0, _L, _cnt, s0, pend in self.seqs):
-            with torch.enable_grad():
-                lv = [None if t is None else t.requires_grad_(bool(need[i])) for i, t in enumerate(leaves)]
+            def continued(*lv):
                 ys, rows = self._continued(*lv)
-                out = x.new_zeros(x.shape).index_put((torch.cat(rows),), torch.cat(ys))
-            want = [i for i, t in enumerate(lv) if t is not None and need[i]]
-            for i, d in zip(want, torch.autograd.grad(out, [lv[i] for i in want], g, allow_unused=True)):
-                res[i] = d
-            leaves = [None if t is None else t.detach() for t in leaves]
-            x, dt, A_log, B, C, D = leaves
+                return lv[0].new_zeros(lv[0].shape).index_put((torch.cat(rows),), torch.cat(ys))
+
+            res = _autograd_grads(continued, leaves, need, g)
         res = [None if t is None or not need[i] else (torch.zeros_like(t) if res[i] is None else res[i])
                for i, t in enumerate(leaves)]
         Q = self.args[6].chunk_size
