@@ -5,8 +5,11 @@ For the scan (``ssd_chunk_scan``) and the conv (``causal_conv1d``) of one Mamba-
 batch (``--sequences`` x ``--seq-len`` tokens, every sequence from position 0, as THD packing gives the
 trainer), each path's backward is timed (median of ``--repeats`` after a warm-up; CUDA: synchronized
 wall time) and counted: ATen ops that write memory and the bytes they write (their outputs' sizes; views
-excluded: a device-independent measure of the memory traffic an elementwise-bound backward is made of). The two
-paths' gradients are compared (max relative difference: both differentiate the same formula).
+excluded: a device-independent measure of the memory traffic an elementwise-bound backward is made of; a Triton
+kernel's writes count as the sizes of the buffers it fills). The paths' gradients are compared (max relative
+difference: both differentiate the same formula). On CUDA in a bf16 model the scan's written-out backward runs
+its intra-chunk part fused (``ops/mamba2/ssd_intra_grads.py``); a third row, ``written_torch_intra``, times the
+same backward with that part in torch ops (session 34's form).
 
     python benchmarks/mamba_backward.py [--device cuda] [--heads 64 --head-dim 64 --groups 8 --state 128]
         [--sequences 16 --seq-len 1024] [--json F]
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: no CUDA device")
     from unified_models.ops import mamba2_metadata
     from unified_models.ops.grad.helpers import acc
+    from unified_models.ops.mamba2 import ssd_backward
     from unified_models.ops.mamba2.backward import _Conv, _Recompute, _Ssd
 
     dev, dtype = args.device, getattr(torch, args.dtype)
@@ -127,9 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         def autograd():
             return _Recompute.grads(spec, [acc(t).detach() for t in ins], need, g)
 
+        def written_torch_intra():  # session 34's form: the intra-chunk part in torch ops on every device
+            real = ssd_backward.use_triton
+            ssd_backward.use_triton = lambda x: False
+            try:
+                return written()
+            finally:
+                ssd_backward.use_triton = real
+
         row = {"op": name}
         outs = {}
-        for label, fn in (("written_out", written), ("autograd", autograd)):
+        paths = [("written_out", written), ("autograd", autograd)]
+        if name == "ssd_chunk_scan" and dev == "cuda" and dtype != torch.float32:
+            paths.insert(1, ("written_torch_intra", written_torch_intra))
+        for label, fn in paths:
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             outs[label], ops_n, nbytes = _counted(fn)
@@ -137,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                           "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else None}
             print(f"{name:<16} {label:<12} {row[label]['seconds']:9.4f} {ops_n:9d} {nbytes / 1e9:11.3f}")
         row["time_ratio_written_over_autograd"] = row["written_out"]["seconds"] / row["autograd"]["seconds"]
+        if "written_torch_intra" in row:
+            row["time_ratio_fused_over_torch_intra"] = (row["written_out"]["seconds"]
+                                                        / row["written_torch_intra"]["seconds"])
+            print(f"{name:<16} fused intra-chunk / torch intra-chunk time {row['time_ratio_fused_over_torch_intra']:.3f}")
         row["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                                   for a, b in zip(outs["written_out"], outs["autograd"]) if a is not None)
         print(f"{name:<16} written / autograd time {row['time_ratio_written_over_autograd']:.3f}, "

@@ -14,8 +14,10 @@
 #   2688/4096/7168, T = 1/64/256/8192, CUDA-graph timing; fails on any bit difference); JSON $OUT/residual_norm.json (~1 min).
 #   or: scripts/gpu-run.sh mamba-backward   (issue 18 item 5; not part of `all`)
 # mamba-backward: tests/ops/test_mamba2.py's gradient tests natively + benchmarks/mamba_backward.py: one Mamba-2 layer's
-#   scan and conv backward at the nemotron_3_nano_reduced widths over 16 x 1,024 tokens, written out (tensor-core GEMMs)
-#   vs autograd of the recomputation (the path before session 34), time, ATen ops, bytes; JSON $OUT/mamba_backward.json.
+#   scan and conv backward at the nemotron_3_nano_reduced widths over 16 x 1,024 tokens, written out (the scan's
+#   intra-chunk part in the fused Triton kernels, the rest tensor-core GEMMs), the scan's GEMM-only form (session 34)
+#   and autograd of the recomputation (before session 34): time, ATen ops, bytes; JSON $OUT/mamba_backward.json;
+#   first the gradient tests natively, with tests/ops/test_ssd_intra_grads.py (on CUDA tensors where they take them).
 #   or: scripts/gpu-run.sh deepseek-v4|deepseek-v4-ops|deepseek-v4-check|deepseek-v4-bench   (issue 18 item 4; not part of `all`)
 #   or: scripts/gpu-run.sh decode-chunk   (issue 18 item 3; not part of `all`)
 # decode-chunk: benchmarks/decode_chunk_position.py: one Mamba-2 decode step of one layer at the
@@ -218,6 +220,9 @@ fi
 if [ "$stage" = mamba-backward ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_mamba2.py -k "grad or analytic" 2>&1 \
     | tee "$OUT/mamba2_grad_tests.log" | tail -4
+  rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/ops/test_ssd_intra_grads.py 2>&1 \
+    | tee "$OUT/ssd_intra_grads_tests.log" | tail -4
   rc=$((rc | ${PIPESTATUS[0]}))
   timeout 200 python3 benchmarks/mamba_backward.py --device cuda --json "$OUT/mamba_backward.json" 2>&1 \
     | tee "$OUT/mamba_backward.log" | tail -8

@@ -282,6 +282,7 @@ class _Ssd(_Recompute):
         Q = self.args[6].chunk_size
         orig = self.args
         split = x.is_cuda and any(t.dtype in (torch.bfloat16, torch.float16) for t in (orig[0], orig[3], orig[4]))
+        bc_exact = orig[3].dtype == orig[4].dtype == torch.bfloat16  # B, C: bf16 values, one exact term each
         # one accumulation dtype for the written-out backward (the op takes fp64 activations beside its fp32 dt)
         wide = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in (*leaves, g)) else torch.float32
         x, dt, A_log, B, C, D, g = (None if t is None else t.to(wide) for t in (x, dt, A_log, B, C, D, g))
@@ -292,7 +293,7 @@ class _Ssd(_Recompute):
                 return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[idx]
 
             parts = ssd_chunked_backward(gathered(x), gathered(dt), A_log, gathered(B), gathered(C), D, Q,
-                                         gathered(g), split_fp32=split)
+                                         gathered(g), split_fp32=split, bc_exact=bc_exact)
             rows = idx.view(-1)[keep]
             for i, d in enumerate(parts):
                 if res[i] is None or d is None:

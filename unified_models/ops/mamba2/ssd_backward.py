@@ -9,7 +9,8 @@ gradients of the same formula are written out (Mamba-2, Dao & Gu 2024, section 6
 form; ``mamba_ssm/ops/triton/ssd_combined.py``'s backward splits it the same way), each product a
 batched GEMM (:func:`~unified_models.ops.grad.helpers.grad_matmul`: tensor cores on CUDA for a bf16
 model), with four ``[Bt, c, H, Q, Q]`` tensors in all and the heads of a B/C group stacked along a
-GEMM dimension.
+GEMM dimension. On the GPU the intra-chunk part (the ``Q x Q`` matrices) runs fused in Triton
+(:mod:`.ssd_intra_grads`), the rest as GEMMs.
 
 The forward, per head ``h`` (group ``g``), chunk ``k`` of ``Q`` rows, rows ``l, s`` of it::
 
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from ..grad.helpers import grad_matmul
+from .._dispatch import use_triton
+from ..grad.helpers import backward_gemm_mode, grad_matmul
+from .ssd_intra_grads import ssd_intra_chunk_grads
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
@@ -44,7 +47,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
 
 def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: torch.Tensor,
                          B_BLGN: torch.Tensor, C_BLGN: torch.Tensor, D_H: torch.Tensor | None, chunk_size: int,
-                         gy_BLHP: torch.Tensor, *, split_fp32: bool = False):
+                         gy_BLHP: torch.Tensor, *, split_fp32: bool = False, bc_exact: bool = False):
     """Gradients of :func:`~.reference.ssd_chunked_torch_batched` (no initial state) at the given inputs.
 
     Rows past a sequence's end are zero rows (``x = dt = B = C = 0``), as the forward allows; their
@@ -56,7 +59,12 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
             gy_BLHP: ``[Bt, L, H, P]``, the output's gradient. All one floating dtype (fp32 or fp64:
             the backward's accumulation dtype) on one device.
         split_fp32: the GEMMs' fp32 operands split into bf16 ``hi + lo`` terms on tensor cores (a bf16
-            model on CUDA; :func:`grad_matmul`), else plain GEMMs in the inputs' dtype.
+            model on CUDA; :func:`grad_matmul`), else plain GEMMs in the inputs' dtype. With it, fp32
+            inputs and the Triton kernels (CUDA, or ``UM_OPS_BACKEND=triton`` under the interpreter), the
+            intra-chunk part runs fused (:func:`~.ssd_intra_grads.ssd_intra_chunk_grads`: no ``Q x Q``
+            tensor written; the same precision rules).
+        bc_exact: ``B`` and ``C`` hold bf16 values (a bf16 model's activations): one exact bf16 term each
+            in the fused kernels' dots (the torch form's split gives them a zero ``lo``).
 
     Returns:
         ``(dx, ddt, dA_log, dB, dC, dD)`` in the inputs' shapes and dtype (``dD`` None when ``D_H`` is).
@@ -104,25 +112,18 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     def heads_of_rows(t):  # inverse of rows_of_group
         return t.view(Bt, c, G, Q, r, P).permute(0, 1, 2, 4, 3, 5).reshape(Bt, c, H, Q, P)
 
-    # ---- intra-chunk: M = CB * Lm (lower triangle), y = M xd
-    CB = _bmm(Cg, Bg.transpose(-1, -2), split_fp32)  # [Bt, c, G, Q(l), Q(s)]
-    lower = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    Lm = torch.exp((acum64[..., :, None] - acum64[..., None, :]).to(dtype).masked_fill_(~lower, -torch.inf))
-    M = (grouped(Lm) * CB[:, :, :, None]).view(Bt, c, H, Q, Q)
-    dxd = _bmm(M.transpose(-1, -2), gy, split_fp32)  # [Bt, c, H, Q, P]
-    del M
-    dM = _bmm(gy, xd.transpose(-1, -2), split_fp32)  # [Bt, c, H, Q, Q]
-    dM.mul_(Lm)  # d(CB) per head
-    del Lm
-    dCB = grouped(dM).sum(3)  # [Bt, c, G, Q, Q]
-    dM.view(Bt, c, G, r, Q, Q).mul_(CB[:, :, :, None])  # d(acum_l - acum_s)
-    # dacum in fp64 (small: [Bt, c, H, Q]): its row-sum-minus-column-sum terms cancel, and an fp32 sum
-    # would leave an error of 2^-24 of the sums where the difference is far smaller (dt and A_log)
-    dacum = dM.sum(-1, dtype=torch.float64) - dM.sum(-2, dtype=torch.float64)  # [Bt, c, H, Q]
-    del dM, CB
-    dC = _bmm(dCB, Bg, split_fp32)  # [Bt, c, G, Q, N]
-    dB = _bmm(dCB.transpose(-1, -2), Cg, split_fp32)
-    del dCB
+    fused = None
+    if split_fp32 and dtype == torch.float32 and use_triton(x):
+        # ---- intra-chunk, fused (Triton): the Q x Q tiles stay in registers
+        U = Bt * c
+        fused = _fused_intra_chunk_grads(xd.view(U, H, Q, P), gy.view(U, H, Q, P), Cg.view(U, G, Q, N),
+                                         Bg.view(U, G, Q, N), acum64.view(U, H, Q), bc_exact)
+    if fused is not None:
+        dxd, dC, dB, dacum = fused
+        dxd, dacum = dxd.view(Bt, c, H, Q, P), dacum.view(Bt, c, H, Q)
+        dC, dB = dC.view(Bt, c, G, Q, N), dB.view(Bt, c, G, Q, N)
+    else:
+        dxd, dC, dB, dacum = _intra_chunk_grads(x, xd, gy, Cg, Bg, acum64, split_fp32)
 
     # ---- chunk states S_k (entering chunk k): the recurrence in closed form, S = Dm states with
     # Dm[k, j] = exp(e_{j+1} + ... + e_{k-1}) for j < k (e_i: chunk i's total decay exponent), one GEMM per
@@ -187,3 +188,62 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
         return t.reshape(Bt, c * Q, *t.shape[3:])[:, :L]
 
     return (unchunked(dx), unchunked(ddt.unsqueeze(-1)).squeeze(-1), dA_log, unchunked(dB), unchunked(dC), dD)
+
+
+_FUSED_UNAVAILABLE: str | None = None
+"""Why the fused intra-chunk kernels did not build on this GPU (set once; the torch form runs instead)."""
+
+
+def _fused_intra_chunk_grads(xd, gy, Cg, Bg, acum64, bc_exact):
+    """:func:`~.ssd_intra_grads.ssd_intra_chunk_grads`, or None (warned once) when its kernels do not build
+    on this GPU (registers or shared memory: Triton's ``OutOfResources`` / compilation errors): the torch
+    form then gives the same gradients at the same precision, slower."""
+    global _FUSED_UNAVAILABLE
+    if _FUSED_UNAVAILABLE is not None:
+        return None
+    from triton.compiler.errors import CompilationError
+    from triton.runtime import errors
+
+    build_errors = (CompilationError, errors.OutOfResources) + ((errors.PTXASError,) if hasattr(errors, "PTXASError") else ())
+    try:
+        return ssd_intra_chunk_grads(xd, gy, Cg, Bg, acum64, split=backward_gemm_mode() == "split", bc_exact=bc_exact)
+    except build_errors as e:
+        import warnings
+
+        _FUSED_UNAVAILABLE = f"{type(e).__name__}: {e}"
+        warnings.warn(f"the fused SSD intra-chunk backward does not build here ({_FUSED_UNAVAILABLE}); its torch form "
+                      "runs instead (same gradients, more memory traffic)", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _intra_chunk_grads(x, xd, gy, Cg, Bg, acum64, split_fp32):
+    """The intra-chunk gradients ``(dxd, dC, dB, dacum)`` in torch ops (head-major layouts of
+    :func:`ssd_chunked_backward`); :func:`~.ssd_intra_grads.ssd_intra_chunk_grads` is the fused form."""
+    Bt, c, H, Q, _P = x.shape
+    G = Cg.shape[2]
+    r = H // G
+    dtype = x.dtype
+
+    def grouped(t):  # [Bt, c, H, ...] -> [Bt, c, G, r, ...]
+        return t.view(Bt, c, G, r, *t.shape[3:])
+
+    # M = CB * Lm (lower triangle), y = M xd
+    CB = _bmm(Cg, Bg.transpose(-1, -2), split_fp32)  # [Bt, c, G, Q(l), Q(s)]
+    lower = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    Lm = torch.exp((acum64[..., :, None] - acum64[..., None, :]).to(dtype).masked_fill_(~lower, -torch.inf))
+    M = (grouped(Lm) * CB[:, :, :, None]).view(Bt, c, H, Q, Q)
+    dxd = _bmm(M.transpose(-1, -2), gy, split_fp32)  # [Bt, c, H, Q, P]
+    del M
+    dM = _bmm(gy, xd.transpose(-1, -2), split_fp32)  # [Bt, c, H, Q, Q]
+    dM.mul_(Lm)  # d(CB) per head
+    del Lm
+    dCB = grouped(dM).sum(3)  # [Bt, c, G, Q, Q]
+    dM.view(Bt, c, G, r, Q, Q).mul_(CB[:, :, :, None])  # d(acum_l - acum_s)
+    # dacum in fp64 (small: [Bt, c, H, Q]): its row-sum-minus-column-sum terms cancel, and an fp32 sum
+    # would leave an error of 2^-24 of the sums where the difference is far smaller (dt and A_log)
+    dacum = dM.sum(-1, dtype=torch.float64) - dM.sum(-2, dtype=torch.float64)  # [Bt, c, H, Q]
+    del dM, CB
+    dC = _bmm(dCB, Bg, split_fp32)  # [Bt, c, G, Q, N]
+    dB = _bmm(dCB.transpose(-1, -2), Cg, split_fp32)
+    del dCB
+    return dxd, dC, dB, dacum
