@@ -107,7 +107,7 @@ def _decay_products(C_l, B_s, acum_ptr, a_base, l, s, lmask, smask, SPLIT_BC: tl
     a_l = tl.load(acum_ptr + a_base + l, mask=lmask, other=0.0)
     a_s = tl.load(acum_ptr + a_base + s, mask=smask, other=0.0)
     inside = (s[None, :] <= l[:, None]) & lmask[:, None] & smask[None, :]
-    Lm = tl.where(inside, tl.exp((a_l[:, None] - a_s[None, :]).to(tl.float32)), 0.0)
+    Lm = tl.exp(tl.where(inside, (a_l[:, None] - a_s[None, :]).to(tl.float32), float("-inf")))  # 0 outside
     return CB, Lm
 
 
