@@ -547,6 +547,10 @@ def _run_child(which: str, plan_path: Path, log_path: Path, timeout_s: float) ->
     return res
 
 
+CLOSE_GRACE_S = 10.0
+"""Seconds an interleaved engine subprocess gets to quit after the last workload before it is killed."""
+
+
 class _EngineProcess:
     """An engine subprocess that runs one command at a time (``--interleave``, :func:`_serve`)."""
 
@@ -585,7 +589,9 @@ class _EngineProcess:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
+                # measured already: an engine slow to shut down (vLLM's teardown took > 60 s each on the H100,
+                # session 35, and the stage's timeout then cut the JSON) is killed after a short grace
+                self.proc.wait(timeout=CLOSE_GRACE_S)
             except (OSError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
@@ -628,9 +634,11 @@ def _run_interleaved(engines: list[str], plan: dict, plan_path: Path, log_dir: P
                     "error" in res[e]["workloads"][name] for e in live):
                 res["ours"]["workloads"][name]["paired_ratios"] = [
                     round(n["seconds"] / o["seconds"], 4) for o, n in zip(runs["ours"], runs["native"])]
+            paired = res.get("ours", {}).get("workloads", {}).get(name, {}).get("paired_ratios")
             print(f"{name}: " + ", ".join(
                 f"{e} {res[e]['workloads'][name]['tok_s']:.1f} tok/s" if "tok_s" in res[e]["workloads"][name]
-                else f"{e} {res[e]['workloads'][name]['error'].splitlines()[0]}" for e in live), flush=True)
+                else f"{e} {res[e]['workloads'][name]['error'].splitlines()[0]}" for e in live)
+                + (f" (best of {plan['repeats']}; ours/native per repeat {paired})" if paired else ""), flush=True)
     finally:
         for p in procs.values():
             p.close()

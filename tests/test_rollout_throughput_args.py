@@ -1,10 +1,13 @@
-"""``benchmarks/rollout_throughput.py``'s ``--engine-cpus``: the CPU list both engine workers are pinned to."""
+"""``benchmarks/rollout_throughput.py``: ``--engine-cpus`` (the CPU list both engine workers are pinned to), usage
+errors, and the ``--interleave`` driver against fake engine workers."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,46 @@ def test_unknown_presets_and_checkpoints_are_usage_errors(argv, message, capsys)
     with pytest.raises(SystemExit) as e:
         rt.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+_FAKE_ENGINE = r'''
+import json, os, sys, time
+which, reply_fd, hang = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hang"
+reply = os.fdopen(reply_fd, "w", buffering=1)
+reply.write(json.dumps({"engine": which, "start_s": 0.1, "settings": None, "workloads": {}, "error": None}) + "\n")
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "quit":
+        if hang:  # an engine whose teardown never ends
+            time.sleep(3600)
+        break
+    seconds = {"ours": 2.0, "native": 1.0}[which] * (1 + cmd["repeat"])
+    reply.write(json.dumps({"warmup_s": 0.0} if cmd["op"] == "warmup" else {"seconds": seconds}) + "\n")
+'''
+
+
+def test_interleaved_runs_alternate_and_an_engine_slow_to_quit_is_killed(tmp_path, monkeypatch, capsys):
+    """``--interleave``'s driver against two fake engine workers speaking its protocol: every workload's
+    repeats run on both, the paired ratios land in the record and in the printed line, and an engine that
+    never quits is killed after ``CLOSE_GRACE_S`` (it once held the stage past its timeout)."""
+    script = tmp_path / "fake_engine.py"
+    script.write_text(_FAKE_ENGINE)
+
+    def command(which, plan_path, result_path):
+        return [sys.executable, str(script), which, "{fd}", "hang" if which == "ours" else "quit"], dict(os.environ)
+
+    def popen_with_fd(cmd, *a, pass_fds=(), **k):
+        return real_popen([c.replace("{fd}", str(pass_fds[0])) for c in cmd], *a, pass_fds=pass_fds, **k)
+
+    real_popen = rt.subprocess.Popen
+    monkeypatch.setattr(rt, "_worker_command", command)
+    monkeypatch.setattr(rt.subprocess, "Popen", popen_with_fd)
+    monkeypatch.setattr(rt, "CLOSE_GRACE_S", 1.0)
+    plan = {"workloads": [{"name": "4x8/16", "num_requests": 4, "input_len": 8, "output_len": 16}], "repeats": 2}
+    t0 = time.monotonic()
+    res = rt._run_interleaved(["native", "ours"], plan, tmp_path / "plan.json", tmp_path, "x", timeout_s=30)
+    assert time.monotonic() - t0 < 20
+    rec = res["ours"]["workloads"]["4x8/16"]
+    assert rec["seconds"] == [2.0, 4.0] and res["native"]["workloads"]["4x8/16"]["seconds"] == [1.0, 2.0]
+    assert rec["paired_ratios"] == [0.5, 0.5] and rec["tok_s"] == 64 / 2.0
+    assert "(best of 2; ours/native per repeat [0.5, 0.5])" in capsys.readouterr().out
