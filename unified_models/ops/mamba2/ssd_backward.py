@@ -39,10 +39,12 @@ from .ssd_intra_grads import ssd_intra_chunk_grads
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
-    """``a @ b`` over any leading batch dimensions (equal in both), through :func:`grad_matmul`."""
+    """``a @ b`` over any leading batch dimensions (equal in both), through :func:`grad_matmul`; the result in the
+    accumulation dtype (fp64 if an operand is, else fp32: a bf16 operand is an exact term, not the result's dtype)."""
     lead = a.shape[:-2]
     out = grad_matmul(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), split_fp32=split)
-    return out.view(*lead, a.shape[-2], b.shape[-1]).to(a.dtype)
+    wide = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+    return out.view(*lead, a.shape[-2], b.shape[-1]).to(wide)
 
 
 def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: torch.Tensor,
@@ -98,6 +100,10 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     x, gy = head_major(chunked(x_BLHP)), head_major(chunked(gy_BLHP))  # [Bt, c, H, Q, P]
     dt = chunked(dt_BLH).permute(0, 1, 3, 2).contiguous()  # [Bt, c, H, Q]
     Bg, Cg = head_major(chunked(B_BLGN)), head_major(chunked(C_BLGN))  # [Bt, c, G, Q, N]
+    # B and C as the bf16 values they hold (a bf16 model's activations): one exact term in each GEMM they enter,
+    # where an fp32 operand is split into two (the lo term would be zero)
+    exact = bc_exact and split_fp32 and dtype == torch.float32
+    Bm, Cm = (Bg.to(torch.bfloat16), Cg.to(torch.bfloat16)) if exact else (Bg, Cg)
     # the within-chunk cumulative sums in fp64: the decays are exponentials of their differences, which
     # cancel (|acum| reaches hundreds: an fp32 difference would carry an absolute error of 2^-24 |acum|)
     acum64 = torch.cumsum(dt.double() * A.double()[:, None], dim=-1)  # [Bt, c, H, Q]
@@ -115,22 +121,22 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     fused = None
     if split_fp32 and dtype == torch.float32 and use_triton(x):
         # ---- intra-chunk, fused (Triton): the Q x Q tiles stay in registers
-        U = Bt * c
-        fused = _fused_intra_chunk_grads(xd.view(U, H, Q, P), gy.view(U, H, Q, P), Cg.view(U, G, Q, N),
-                                         Bg.view(U, G, Q, N), acum64.view(U, H, Q), bc_exact)
+        Uc = Bt * c
+        fused = _fused_intra_chunk_grads(xd.view(Uc, H, Q, P), gy.view(Uc, H, Q, P), Cg.view(Uc, G, Q, N),
+                                         Bg.view(Uc, G, Q, N), acum64.view(Uc, H, Q), bc_exact)
     if fused is not None:
         dxd, dC, dB, dacum = fused
         dxd, dacum = dxd.view(Bt, c, H, Q, P), dacum.view(Bt, c, H, Q)
         dC, dB = dC.view(Bt, c, G, Q, N), dB.view(Bt, c, G, Q, N)
     else:
-        dxd, dC, dB, dacum = _intra_chunk_grads(x, xd, gy, Cg, Bg, acum64, split_fp32)
+        dxd, dC, dB, dacum = _intra_chunk_grads(x, xd, gy, Cm, Bm, acum64, split_fp32)
 
     # ---- chunk states S_k (entering chunk k): the recurrence in closed form, S = Dm states with
     # Dm[k, j] = exp(e_{j+1} + ... + e_{k-1}) for j < k (e_i: chunk i's total decay exponent), one GEMM per
     # (sequence, head) however many chunks (no loop over them), the exponents from fp64 prefix sums
     w = torch.exp(acum64[..., -1:] - acum64).to(dtype)  # [Bt, c, H, Q]: decay from row s to the chunk's end
     xdw = xd * w[..., None]
-    states = _bmm(rows_of_group(xdw).transpose(-1, -2), Bg, split_fp32).view(Bt, c, H, P, N)  # chunk's own
+    states = _bmm(rows_of_group(xdw).transpose(-1, -2), Bm, split_fp32).view(Bt, c, H, P, N)  # chunk's own
     e_cum = acum64[..., -1].cumsum(1)  # [Bt, c, H]: e_0 + ... + e_m
     e_before = torch.cat([e_cum.new_zeros((Bt, 1, H)), e_cum[:, :-1]], dim=1)  # e_0 + ... + e_{k-1}
     earlier = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # j < k
@@ -144,9 +150,9 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
     gyE = gy * torch.exp(acum64).to(dtype)[..., None]  # [Bt, c, H, Q, P]
     gyE_rows = rows_of_group(gyE)  # [Bt, c, G, Q, r*P]
     S_rows = S.view(Bt, c, G, r * P, N)
-    dS = _bmm(gyE_rows.transpose(-1, -2), Cg, split_fp32).view(Bt, c, H, P, N)
+    dS = _bmm(gyE_rows.transpose(-1, -2), Cm, split_fp32).view(Bt, c, H, P, N)
     dC += _bmm(gyE_rows, S_rows, split_fp32)
-    y_off = heads_of_rows(_bmm(Cg, S_rows.transpose(-1, -2), split_fp32))  # exp(acum) dropped: in gyE
+    y_off = heads_of_rows(_bmm(Cm, S_rows.transpose(-1, -2), split_fp32))  # exp(acum) dropped: in gyE
     dacum += (gyE * y_off).sum(-1, dtype=torch.float64)
     del gyE, gyE_rows, y_off
 
@@ -164,7 +170,7 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
 
     # ---- chunk states: states_k = sum_s w_s xd_s B_s^T
     ds_rows = dstates.view(Bt, c, G, r * P, N)
-    U = heads_of_rows(_bmm(Bg, ds_rows.transpose(-1, -2), split_fp32))  # [Bt, c, H, Q, P]: B_s dstates^T
+    U = heads_of_rows(_bmm(Bm, ds_rows.transpose(-1, -2), split_fp32))  # [Bt, c, H, Q, P]: B_s dstates^T
     dxd += U * w[..., None]
     dB += _bmm(rows_of_group(xdw), ds_rows, split_fp32)
     dw = (xd * U).sum(-1, dtype=torch.float64) * w  # [Bt, c, H, Q]
