@@ -161,7 +161,9 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--model", help="HF checkpoint directory (default: build the built-in tiny Nemotron-H)")
     r.add_argument("--preset", default=None, help="built-in preset to build when --model is not given")
     r.add_argument("--prompts", help="JSONL prompt file (default: the bundled 200 GSM8K test questions)")
-    r.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
+    r.add_argument("--tokenizer", help="tokenizer directory, whose files --save's checkpoints carry (default: with "
+                                       "--resume the resumed checkpoint's, else the model's, else the bundled "
+                                       "Phi-3 one)")
     r.add_argument("--reward", choices=reward_names(), default="target-token",
                    help="; ".join(f"{n}: {reward_info(n).description}" for n in reward_names())
                    + " (default target-token)")
@@ -188,7 +190,7 @@ def _add_rl_parser(sub) -> None:
                    help="clip the global grad norm to this (0: off; default 1.0)")
     r.add_argument("--metrics", default="rl_metrics.jsonl",
                    help="per-step JSONL (default rl_metrics.jsonl); the plot goes next to it as .png")
-    r.add_argument("--save", help="write Megatron training checkpoints (model, optimizer, RNG, step; the model's "
+    r.add_argument("--save", help="write Megatron training checkpoints (model, optimizer, RNG, step; the run's "
                                   "tokenizer files for `convert --from megatron`) here")
     r.add_argument("--save-every", type=_positive(int), default=0,
                    help="checkpoint every K steps (and after the last; default: after the last only)")

@@ -306,6 +306,26 @@ def test_training_checkpoint_carries_the_tokenizer_files(spec, hf_config, model_
     opt2.close()
 
 
+def test_tokenizer_from_replaces_the_models_tokenizer_files(spec, model_dir, tmp_path):
+    """With tokenizer_from, hf_assets/ holds that directory's tokenizer files and none of assets_from's (no
+    mix of two tokenizers) and its generation_config.json over the model's; one without tokenizer files is
+    refused before anything is written."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes() + b"\n")
+    (tok / "generation_config.json").write_text('{"eos_token_id": 7}\n')
+    model, opt = _fresh(spec, seed=3)
+    out = save_training_checkpoint(tmp_path / "c", model, opt, iteration=1, assets_from=model_dir, tokenizer_from=tok)
+    assert sorted(p.name for p in (out / "hf_assets").iterdir()) == ["generation_config.json", "tokenizer.json"]
+    for name in ("generation_config.json", "tokenizer.json"):
+        assert (out / "hf_assets" / name).read_bytes() == (tok / name).read_bytes(), name
+    (tok / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=re.escape(f"tokenizer_from {tok} holds no tokenizer files")):
+        save_training_checkpoint(tmp_path / "d", model, opt, iteration=1, assets_from=model_dir, tokenizer_from=tok)
+    assert not (tmp_path / "d").exists()
+    opt.close()
+
+
 def test_assets_that_cannot_be_written_leave_no_checkpoint(spec, hf_config, model_dir, tmp_path, monkeypatch):
     """A missing assets_from is refused before anything is written; a copy that fails leaves neither a
     half-written iter_* directory nor a tracker pointing at one."""

@@ -131,6 +131,49 @@ def test_saved_checkpoint_converts_with_the_models_tokenizer(uninterrupted, tmp_
     _assert_same_assets(out, model_dir)
 
 
+def _other_tokenizer(model_dir, out):
+    """A tokenizer directory beside the model's: its ``tokenizer.json`` and a ``tokenizer_config.json`` whose
+    chat template starts every user turn with ``Q: `` (other bytes, other prompt ids); no generation config."""
+    out.mkdir()
+    (out / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    user = "'<|user|>\n' + message['content']"
+    assert user in cfg["chat_template"]
+    cfg["chat_template"] = cfg["chat_template"].replace(user, "'<|user|>\nQ: ' + message['content']")
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    return out
+
+
+@pytest.mark.slow
+def test_saved_checkpoint_carries_the_runs_tokenizer_and_resume_keeps_it(tiny_checkpoint, tmp_path):
+    """`rl --tokenizer DIR --save` writes DIR's tokenizer files into hf_assets/ byte for byte, with the model's
+    generation_config.json (DIR has none), not the model's tokenizer files; `--resume` of that checkpoint
+    without --tokenizer tokenizes the prompts with them (as the saved run did) and its checkpoints carry them."""
+    from unified_models.rl.options import RLOptions, resolve_options
+    from unified_models.rl.startup import load_run
+
+    tok = _other_tokenizer(tiny_checkpoint, tmp_path / "tok")
+    ck = tmp_path / "ck"
+    assert main(["rl", "--model", str(tiny_checkpoint), "--tokenizer", str(tok), "--num-prompts-per-step", "1",
+                 "--group-size", "2", "--max-new-tokens", "2", "--full-vocab-rows", "0", "--steps", "1", "--no-plot",
+                 "--metrics", str(tmp_path / "m.jsonl"), "--save", str(ck)]) == 0
+    assets = ck / "iter_0000001" / "hf_assets"
+    want = {"tokenizer.json": tok, "tokenizer_config.json": tok, "generation_config.json": tiny_checkpoint}
+    assert sorted(p.name for p in assets.iterdir()) == sorted(want)
+    for name, src in want.items():
+        assert (assets / name).read_bytes() == (src / name).read_bytes(), name
+    assert (assets / "tokenizer_config.json").read_bytes() != (tiny_checkpoint / "tokenizer_config.json").read_bytes()
+
+    def run(**flags):
+        return load_run(resolve_options(RLOptions(model=str(tiny_checkpoint), num_prompts_per_step=2, steps=2,
+                                                  **flags)))
+
+    resumed, with_tok, plain = run(resume=str(ck)), run(tokenizer=str(tok)), run()
+    assert resumed.tokenizer_dir == assets and plain.tokenizer_dir == tiny_checkpoint
+    assert resumed.prompt_ids == with_tok.prompt_ids
+    assert len(plain.prompt_ids) == 200 and all(p != q for p, q in zip(plain.prompt_ids, resumed.prompt_ids))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "4"], "is at step 4; --steps 4 leaves nothing to do"),
@@ -241,6 +284,18 @@ def test_bad_flags_fail_cleanly(argv, message, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("error:") == 1
     assert not metrics.exists()  # nothing half-written
+
+
+def test_a_tokenizer_without_tokenizer_files_is_refused_before_anything_is_written(tmp_path, capsys):
+    """`--tokenizer` naming a directory without tokenizer files fails (exit 2) naming it, before an engine
+    starts: no metrics file, no checkpoint directory."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "config.json").write_text("{}")
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    assert main(["rl", "--tokenizer", str(tmp_path / "tok"), "--save", str(ck), "--metrics", str(metrics)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"tokenizer directory {tmp_path / 'tok'} holds none of ('tokenizer.json'" in err, err
+    assert err.count("error:") == 1 and not ck.exists() and not metrics.exists()
 
 
 def test_gsm8k_needs_answers_and_resume_needs_a_checkpoint(tmp_path, capsys):

@@ -19,7 +19,8 @@ code and other tools share without importing an engine:
     ``common_backend`` "torch"); 0.19 ignores the common keys.
   - ``hf_assets/``: tokenizer files and ``generation_config.json`` of the
     source checkpoint (a converted one, or the model an ``rl --save`` training
-    checkpoint was trained from).
+    checkpoint was trained from; its tokenizer files those of the tokenizer
+    the run used, ``--tokenizer`` when given).
 
   A training checkpoint of a quantized model's masters (``rl --save`` on a ModelOpt
   or block-FP8 checkpoint) stores the masters' config (the quantized config without
@@ -64,10 +65,14 @@ RECIPE_KEY = "quantization_recipe"
 """Common-entry field of a training checkpoint of a quantized model's masters: the quantization
 recipe it was trained under (:class:`.trained_masters.QuantizationRecipe`); absent otherwise."""
 ASSETS_DIR = "hf_assets"
-HF_ASSET_PATTERNS = (
+TOKENIZER_ASSET_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
-    "spiece.model", "generation_config.json", "chat_template*", "hf_quant_config.json",
+    "spiece.model", "chat_template*",
 )
+"""The tokenizer files among :data:`HF_ASSET_PATTERNS` (those a run's ``--tokenizer`` directory supplies)."""
+MODEL_ASSET_PATTERNS = ("generation_config.json", "hf_quant_config.json")
+"""The other files among :data:`HF_ASSET_PATTERNS` (the model's generation config and quantization file)."""
+HF_ASSET_PATTERNS = (*TOKENIZER_ASSET_PATTERNS, *MODEL_ASSET_PATTERNS)
 """Files of a Hugging Face directory carried through a Megatron checkpoint (tokenizer, generation config,
 ModelOpt's hf_quant_config.json)."""
 
@@ -81,10 +86,11 @@ IO_ERRORS = (Exception, _DCPException)
 ``CheckpointException``, a ``BaseException``."""
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "RECIPE_KEY", "ASSETS_DIR", "HF_ASSET_PATTERNS", "METADATA_JSON",
-    "Writer", "IO_ERRORS", "DistCheckpointInfo", "describe_error", "config_text", "spec_from_config_text",
-    "atomic_output_dir", "copy_assets", "tensor_digest", "verify_digests", "write_torch_dcp", "common_entry",
-    "parse_common_entry", "check_layout_files", "common_state_error",
+    "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "RECIPE_KEY", "ASSETS_DIR", "TOKENIZER_ASSET_PATTERNS",
+    "MODEL_ASSET_PATTERNS", "HF_ASSET_PATTERNS", "METADATA_JSON", "Writer", "IO_ERRORS", "DistCheckpointInfo",
+    "describe_error", "config_text", "spec_from_config_text", "atomic_output_dir", "asset_files", "copy_assets",
+    "tensor_digest", "verify_digests", "write_torch_dcp", "common_entry", "parse_common_entry", "check_layout_files",
+    "common_state_error",
 ]
 
 
@@ -205,26 +211,34 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def copy_assets(src: Path, dst: Path, *, exclude: Iterable[str] = ()) -> list[str]:
-    """Copy the tokenizer / generation files (:data:`HF_ASSET_PATTERNS`) of ``src`` into ``dst``.
+def asset_files(src: Path, *, patterns: Iterable[str] = HF_ASSET_PATTERNS, exclude: Iterable[str] = ()) -> list[Path]:
+    """The files of ``src`` whose names match one of ``patterns`` (default :data:`HF_ASSET_PATTERNS`) and
+    are not in ``exclude``, sorted by name; none when ``src`` is not a directory."""
+    if not src.is_dir():
+        return []
+    patterns, skip = tuple(patterns), set(exclude)
+    return [f for f in sorted(src.iterdir())
+            if f.is_file() and f.name not in skip and any(fnmatch.fnmatch(f.name, p) for p in patterns)]
+
+
+def copy_assets(src: Path, dst: Path, *, patterns: Iterable[str] = HF_ASSET_PATTERNS,
+                exclude: Iterable[str] = ()) -> list[str]:
+    """Copy the tokenizer / generation files of ``src`` into ``dst`` (:func:`asset_files`).
 
     Args:
         src: a Hugging Face directory (nothing is copied when it is not a directory).
         dst: the directory to copy into (created when a file is copied).
+        patterns: the file-name patterns to copy (default :data:`HF_ASSET_PATTERNS`).
         exclude: file names not to copy although they match a pattern.
 
     Returns:
         The names of the files copied, sorted.
     """
     copied = []
-    if not src.is_dir():
-        return copied
-    skip = set(exclude)
-    for f in sorted(src.iterdir()):
-        if f.is_file() and f.name not in skip and any(fnmatch.fnmatch(f.name, p) for p in HF_ASSET_PATTERNS):
-            dst.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, dst / f.name)
-            copied.append(f.name)
+    for f in asset_files(src, patterns=patterns, exclude=exclude):
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst / f.name)
+        copied.append(f.name)
     return copied
 
 

@@ -110,8 +110,9 @@ def run_rl(opts: RLOptions) -> int:
         console.log(f"layout: {layout.world} processes; trainer EP {layout.trainer_ep} x DP {layout.trainer_dp}, "
                     f"rollout DP {layout.rollout_dp} x EP {layout.rollout_ep} (vLLM external launcher)")
     console.log(f"model {run.model_dir} ({run.spec.family}, pattern {run.spec.extra.get('pattern')}); "
-                f"reward {opts.reward}; {opts.num_prompts_per_step} prompts x {opts.group_size} samples x "
-                f"{opts.max_new_tokens} tokens per step at T={opts.temperature:g}, lr {opts.lr:g}, device {run.device}")
+                f"tokenizer {run.tokenizer_dir}; reward {opts.reward}; {opts.num_prompts_per_step} prompts x "
+                f"{opts.group_size} samples x {opts.max_new_tokens} tokens per step at T={opts.temperature:g}, "
+                f"lr {opts.lr:g}, device {run.device}")
     failure: DiffNotZeroError | None = None
     saved_at: Path | None = None
     try:

@@ -90,6 +90,9 @@ class RLRun:
     reward: Any
     reward_name: str
     target_token_id: int | None
+    tokenizer_dir: Path | None = None
+    """The tokenizer directory the prompts were tokenized with; its files go to every checkpoint's
+    ``hf_assets/`` (:func:`.startup.save_checkpoint`)."""
     engine: Any = None
     """The :class:`~..backends.vllm.rollout.RolloutEngine` (one ``vllm.LLM`` for the run)."""
     trainer: Any = None

@@ -55,7 +55,7 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     if opts.num_prompts_per_step > len(rows):
         raise UnifiedModelsError(f"--num-prompts-per-step {opts.num_prompts_per_step} exceeds the {len(rows)} "
                                  f"prompts in {prompts_path}")
-    tok_dir = tokenizer_dir_for(model_dir, opts.tokenizer)
+    tok_dir = _run_tokenizer_dir(opts, model_dir)
     max_prompt = spec.max_position_embeddings - opts.max_new_tokens
     try:
         prompt_ids = tokenize_prompts([r.text for r in rows], tok_dir, vocab_size=spec.vocab_size,
@@ -70,8 +70,28 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     reward = None if (opts.reward == "target-token" and tid == AUTO) else \
         build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
     return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids,
-                 rows=rows, tokenizer=tokenizer, reward=reward, reward_name=opts.reward,
+                 rows=rows, tokenizer=tokenizer, tokenizer_dir=tok_dir, reward=reward, reward_name=opts.reward,
                  target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
+
+
+def _run_tokenizer_dir(opts: RLOptions, model_dir: Path) -> Path:
+    """The tokenizer directory the run tokenizes with and whose files its checkpoints carry
+    (:func:`save_checkpoint`): ``--tokenizer`` when given; else, on ``--resume``, the checkpoint's
+    ``hf_assets/`` when it holds a tokenizer (the files the saved run used: the resumed run tokenizes
+    as that run did and carries the same files on); else the model directory's, or the bundled one
+    (:func:`..run_options.tokenizer_dir_for`).
+
+    Raises:
+        CheckpointError: ``--resume`` names a root with ``iter_*`` directories but no tracker file.
+    """
+    if opts.resume and not opts.tokenizer:
+        from ..backends.megatron.checkpoint import checkpoint_assets_dir
+        from ..prompts import holds_tokenizer
+
+        saved = checkpoint_assets_dir(opts.resume)
+        if holds_tokenizer(saved):
+            return saved
+    return tokenizer_dir_for(model_dir, opts.tokenizer)
 
 
 def check_resume(opts, spec) -> int:
@@ -164,9 +184,11 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
     (:func:`.options.run_identity`, the target token); returns its directory.
 
-    The checkpoint carries the model's ``config.json`` and its tokenizer and generation files (``hf_assets/``,
-    from ``--model`` or the preset's directory), so ``convert --from megatron`` gives a checkpoint with the
-    model's own tokenizer. For a
+    The checkpoint carries the model's ``config.json`` and, in ``hf_assets/``, the files of the tokenizer the
+    run used (``run.tokenizer_dir``: ``--tokenizer``, the resumed checkpoint's, or the model's) and the
+    model's generation files (``--model`` or the preset's directory; ``generation_config.json`` the
+    tokenizer directory's when it has one), so ``convert --from megatron`` gives a checkpoint that
+    tokenizes as the run did. For a
     quantized (ModelOpt, block-FP8) checkpoint, whose trainer holds model-dtype masters, it carries the
     masters' config (that config without ``quantization_config``) and records the quantized
     ``config.json`` (and ``hf_quant_config.json``) as the recipe the masters were trained under
@@ -177,5 +199,6 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
     return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,
-                            assets_from=run.model_dir, extra=extra, overwrite=True)
+                            assets_from=run.model_dir, tokenizer_from=run.tokenizer_dir, extra=extra,
+                            overwrite=True)
 

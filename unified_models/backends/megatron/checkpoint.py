@@ -22,7 +22,9 @@ the newest. The sharded state dict is
   the quantization recipe instead (:mod:`unified_models.converters.trained_masters`);
 * with ``assets_from``, ``hf_assets/``: the tokenizer and generation files of the
   Hugging Face checkpoint trained from (as a converted checkpoint carries them), so
-  that ``convert --from megatron`` gives a checkpoint with its own tokenizer.
+  that ``convert --from megatron`` gives a checkpoint with its own tokenizer; with
+  ``tokenizer_from`` too, the tokenizer files (and ``generation_config.json``, when it
+  has one) of that directory instead: the tokenizer the run used.
 
 Writers: Megatron's ``dist_checkpointing.save`` when the parameters are on
 CUDA; on CPU Megatron's own translation written through PyTorch DCP
@@ -59,7 +61,7 @@ from . import compat
 from .optimizer import TrainOptimizer, _bump_weight_versions
 
 __all__ = ["TrainingCheckpoint", "save_training_checkpoint", "load_training_checkpoint", "latest_iteration",
-           "iteration_dir", "get_rng_state", "set_rng_state", "TRACKER_FILE"]
+           "iteration_dir", "checkpoint_assets_dir", "get_rng_state", "set_rng_state", "TRACKER_FILE"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_PREFIX = "optimizer."
@@ -178,7 +180,8 @@ def _plain(extra: Mapping | None) -> dict:
 
 def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOptimizer, *,
                              iteration: int | None = None, hf_config: Any = None, hf_quant_config: Any = None,
-                             assets_from: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None,
+                             assets_from: str | os.PathLike | None = None,
+                             tokenizer_from: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None,
                              overwrite: bool = False) -> Path:
     """Write ``<root>/iter_<iteration>/`` and point the tracker file at it. Collective (all ranks call it).
 
@@ -200,6 +203,11 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
             are written to ``hf_assets/`` with the checkpoint (padded to the vocabulary as
             ``convert --to megatron`` pads them), for ``convert --from megatron``. For trained
             masters its ``hf_quant_config.json`` is left out (the recipe holds it).
+        tokenizer_from: the tokenizer directory the run used when not ``assets_from``'s (``rl --tokenizer``):
+            ``hf_assets/`` takes its tokenizer files
+            (:data:`~unified_models.converters.megatron_dist_ckpt.TOKENIZER_ASSET_PATTERNS`) and none of
+            ``assets_from``'s, and its ``generation_config.json`` when it has one (its token ids are that
+            tokenizer's), else ``assets_from``'s.
         extra: JSON-able user data (e.g. the data cursor), returned on load.
         overwrite: replace an existing ``iter_*`` directory of the same iteration.
 
@@ -209,8 +217,8 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     Raises:
         CheckpointError: ``hf_config`` describes another model than the one trained
             (nor a quantized model whose masters it trains), ``assets_from`` is not a
-            directory, the directory exists (without ``overwrite``) or the write failed
-            (nothing half-written is left).
+            directory, ``tokenizer_from`` holds no tokenizer file, the directory exists (without
+            ``overwrite``) or the write failed (nothing half-written is left).
         ValueError: ``extra`` is not JSON-able, a negative iteration, or
             ``hf_quant_config`` without a quantized ``hf_config``.
     """
@@ -234,6 +242,11 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     if assets is not None and not assets.is_dir():
         raise CheckpointError(f"save_training_checkpoint: assets_from {assets} is not a directory (it should be the "
                               "Hugging Face checkpoint trained from, whose tokenizer files the checkpoint carries)")
+    tokenizer = assets if tokenizer_from is None else Path(tokenizer_from)
+    if tokenizer_from is not None and not layout.asset_files(tokenizer, patterns=layout.TOKENIZER_ASSET_PATTERNS):
+        raise CheckpointError(f"save_training_checkpoint: tokenizer_from {tokenizer} holds no tokenizer files "
+                              f"(none of {', '.join(layout.TOKENIZER_ASSET_PATTERNS)}); it should be the tokenizer "
+                              "directory the run used")
     on_cuda = next(model.parameters()).device.type == "cuda"
     recipe_field = {layout.RECIPE_KEY: recipe.to_entry()} if recipe is not None else {}
     entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
@@ -257,8 +270,8 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast_object_list([str(tmp)], src=0)
             write(tmp)
-            if assets is not None:
-                _write_assets(assets, tmp / layout.ASSETS_DIR, spec.vocab_size, out,
+            if tokenizer is not None:
+                _write_assets(assets, tokenizer, tmp / layout.ASSETS_DIR, spec.vocab_size, out,
                               exclude=("hf_quant_config.json",) if recipe is not None else ())
         tracker = Path(root) / TRACKER_FILE
         part = tracker.with_name(f".{TRACKER_FILE}.tmp")
@@ -273,19 +286,25 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     return out
 
 
-def _write_assets(src: Path, dst: Path, vocab_size: int, out: Path, *, exclude: tuple[str, ...]) -> None:
-    """The tokenizer / generation files of ``src`` copied into ``dst`` (a checkpoint's ``hf_assets/``) and
-    padded to ``vocab_size`` ids, as :func:`.dist_ckpt.save_dist_checkpoint` writes them.
+def _write_assets(src: Path | None, tokenizer: Path, dst: Path, vocab_size: int, out: Path, *,
+                  exclude: tuple[str, ...]) -> None:
+    """The tokenizer files of ``tokenizer`` and the other asset files of ``src`` (the model's directory; none
+    when None) copied into ``dst`` (a checkpoint's ``hf_assets/``), ``generation_config.json`` from
+    ``tokenizer`` when it has one, and padded to ``vocab_size`` ids, as
+    :func:`.dist_ckpt.save_dist_checkpoint` writes them. With ``tokenizer`` = ``src``, all of ``src``'s.
 
     Raises:
         CheckpointError: a file could not be copied (``out``, the checkpoint, named).
     """
     try:
-        layout.copy_assets(src, dst, exclude=exclude)
+        taken = layout.copy_assets(tokenizer, dst, exclude=exclude,
+                                   patterns=(*layout.TOKENIZER_ASSET_PATTERNS, "generation_config.json"))
+        if src is not None:
+            layout.copy_assets(src, dst, exclude=(*exclude, *taken), patterns=layout.MODEL_ASSET_PATTERNS)
         pad_tokenizer_dir(dst, vocab_size)  # every id detokenizes (serving)
     except OSError as e:
-        raise CheckpointError(f"writing training checkpoint {out} failed: copying the tokenizer files of {src}: "
-                              f"{e}") from e
+        raise CheckpointError(f"writing training checkpoint {out} failed: copying the tokenizer files of "
+                              f"{tokenizer}: {e}") from e
 
 
 def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
@@ -297,6 +316,17 @@ def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
     if p.is_dir() and not (p / "metadata.json").exists() and any(p.glob("iter_*")):
         raise CheckpointError(f"{p} has iter_* directories but no {TRACKER_FILE}; pass iteration=")
     return p
+
+
+def checkpoint_assets_dir(path: str | os.PathLike, *, iteration: int | None = None) -> Path:
+    """The ``hf_assets/`` directory of the training checkpoint at ``path`` (a checkpoint root, whose
+    tracker file picks the iteration, or an ``iter_*`` directory; ``iteration`` picks
+    ``<path>/iter_<iteration>``); it need not exist (a checkpoint saved without ``assets_from``).
+
+    Raises:
+        CheckpointError: a root with ``iter_*`` directories but no tracker file, or a bad tracker file.
+    """
+    return _resolve(path, iteration) / layout.ASSETS_DIR
 
 
 def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tuple[Path, dict, dict]:

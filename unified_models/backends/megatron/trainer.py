@@ -328,19 +328,21 @@ class Trainer:
 
     def save(self, root: str | os.PathLike, *, iteration: int | None = None, hf_config: Any = None,
              hf_quant_config: Any = None, assets_from: str | os.PathLike | None = None,
-             extra: Mapping[str, Any] | None = None, overwrite: bool = False):
+             tokenizer_from: str | os.PathLike | None = None, extra: Mapping[str, Any] | None = None,
+             overwrite: bool = False):
         """Write a Megatron training checkpoint (model, optimizer, RNG, iteration); see
         :func:`.checkpoint.save_training_checkpoint` (``hf_config``: the checkpoint's config the
         trainer was built from; for trained masters the quantized one, recorded as the recipe;
-        ``assets_from``: that checkpoint's directory, whose tokenizer files go to ``hf_assets/``).
+        ``assets_from``: that checkpoint's directory, whose tokenizer files go to ``hf_assets/``;
+        ``tokenizer_from``: the tokenizer directory used instead, whose tokenizer files go there).
         Returns the ``iter_*`` directory."""
         from .checkpoint import save_training_checkpoint
 
         if self.optimizer is None:
             raise RuntimeError("this Trainer was built without an optimizer: nothing to save a training state of")
         return save_training_checkpoint(root, self.model, self.optimizer, iteration=iteration, hf_config=hf_config,
-                                        hf_quant_config=hf_quant_config, assets_from=assets_from, extra=extra,
-                                        overwrite=overwrite)
+                                        hf_quant_config=hf_quant_config, assets_from=assets_from,
+                                        tokenizer_from=tokenizer_from, extra=extra, overwrite=overwrite)
 
     def resume(self, path: str | os.PathLike, *, iteration: int | None = None):
         """Restore model, optimizer, RNG and iteration in place; see
