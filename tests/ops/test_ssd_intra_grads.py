@@ -120,6 +120,12 @@ def test_fused_intra_chunk_grads_refuses_bad_input(gen, device):
         ssd_intra_chunk_grads(xd.transpose(2, 3), gy, C, B, acum)
     with pytest.raises(ValueError, match="G \\| H"):
         ssd_intra_chunk_grads(xd, gy, C[:, :1].repeat(1, 3, 1, 1), B[:, :1].repeat(1, 3, 1, 1), acum)
+    with pytest.raises(ValueError, match="C \\(2, 2, 16, 16, 2\\).*must be 4-D"):  # an extra dim: not read as N
+        ssd_intra_chunk_grads(xd, gy, torch.stack([C, C], -1), torch.stack([B, B], -1), acum)
+    with pytest.raises(ValueError, match="xd \\(2, 4, 16\\)"):
+        ssd_intra_chunk_grads(xd[..., 0], gy, C, B, acum)
+    with pytest.raises(ValueError, match="C \\(2, 2, 16, 16\\) bfloat16"):
+        ssd_intra_chunk_grads(xd, gy, C.bfloat16(), B, acum)
 
 
 def test_kernels_that_do_not_build_fall_back_to_the_torch_form(gen, monkeypatch, device):

@@ -66,7 +66,8 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
             intra-chunk part runs fused (:func:`~.ssd_intra_grads.ssd_intra_chunk_grads`: no ``Q x Q``
             tensor written; the same precision rules).
         bc_exact: ``B`` and ``C`` hold bf16 values (a bf16 model's activations): one exact bf16 term each
-            in the fused kernels' dots (the torch form's split gives them a zero ``lo``).
+            in every GEMM they enter (a split would give them a zero ``lo``). A promise, not checked: other
+            values are rounded to bf16 (``_Ssd.grads`` sets it from the forward's dtypes).
 
     Returns:
         ``(dx, ddt, dA_log, dB, dC, dD)`` in the inputs' shapes and dtype (``dD`` None when ``D_H`` is).

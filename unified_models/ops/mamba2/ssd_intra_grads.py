@@ -33,7 +33,11 @@ dropped; one term under ``UM_BACKWARD_GEMM=bf16``); ``B`` and ``C`` are one term
 bf16 values (a bf16 model's activations). The decays come from the fp64 cumulative sums (their
 difference in fp64, then ``exp`` in fp32, as the torch form), and ``dacum``'s row and column sums are
 fp64 (its two sums cancel). **Deterministic**: each output element is written by one program, which
-sums its terms in a fixed order (heads, then tiles by position): no atomics.
+sums its terms in a fixed order (heads, then tiles by position): no atomics. ``dC`` and ``dB`` split each
+head's ``dM`` into bf16 terms where the torch form splits the group's sum: the same bound per term, so the two
+agree to ~1e-5 of the gradient, except where a group's heads cancel (their sum far below each term): there
+both lose relative accuracy, the fused form up to ~2x more (a break test: 7.6e-3 vs 4.1e-3 against fp64 at a
+1e-3 cancellation).
 
 Shapes: ``Bt`` sequences of ``c`` chunks (flattened: ``U = Bt * c``), ``H`` heads in ``G`` groups of
 ``R = H // G``, chunk ``Q`` rows, head dim ``P``, state ``N``.
@@ -116,7 +120,7 @@ def _rows_kernel(xd_ptr, gy_ptr, C_ptr, B_ptr, acum_ptr, dC_ptr, drow_ptr,
                  Q, P, N, G,
                  R: tl.constexpr, SPLIT: tl.constexpr, SPLIT_BC: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_l, u, g = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    u, pid_l, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     l = pid_l * BLOCK + tl.arange(0, BLOCK)
     lmask = l < Q
     cols_p, cols_n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
@@ -146,7 +150,7 @@ def _cols_kernel(xd_ptr, gy_ptr, C_ptr, B_ptr, acum_ptr, dB_ptr, dxd_ptr, dcol_p
                  Q, P, N, G,
                  R: tl.constexpr, SPLIT: tl.constexpr, SPLIT_BC: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_s, u, g = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    u, pid_s, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     s = pid_s * BLOCK + tl.arange(0, BLOCK)
     smask = s < Q
     cols_p, cols_n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
@@ -196,16 +200,20 @@ def ssd_intra_chunk_grads(xd_UHQP: torch.Tensor, gy_UHQP: torch.Tensor, C_UGQN: 
         ValueError: other shapes, dtypes or devices; non-contiguous tensors; a CPU tensor without the
             interpreter.
     """
+    tensors = (xd_UHQP, gy_UHQP, C_UGQN, B_UGQN, acum_UHQ)
+    names = ("xd", "gy", "C", "B", "acum")
+    if any(t.dim() != d for t, d in zip(tensors, (4, 4, 4, 4, 3))):
+        raise ValueError("ssd_intra_chunk_grads: " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors))
+                         + " must be 4-D [U,H,Q,P] x2, [U,G,Q,N] x2 and 3-D [U,H,Q]")
     U, H, Q, P = xd_UHQP.shape
     G, N = C_UGQN.shape[1], C_UGQN.shape[3]
-    tensors = (xd_UHQP, gy_UHQP, C_UGQN, B_UGQN, acum_UHQ)
     if (gy_UHQP.shape != xd_UHQP.shape or C_UGQN.shape != B_UGQN.shape or C_UGQN.shape[0] != U
             or C_UGQN.shape[2] != Q or G == 0 or H % G or acum_UHQ.shape != (U, H, Q)
             or any(t.dtype != torch.float32 for t in tensors[:4]) or acum_UHQ.dtype != torch.float64
             or not all(t.is_contiguous() for t in tensors)):
-        raise ValueError(f"ssd_intra_chunk_grads: xd {tuple(xd_UHQP.shape)} {xd_UHQP.dtype}, gy {tuple(gy_UHQP.shape)}, "
-                         f"C {tuple(C_UGQN.shape)}, B {tuple(B_UGQN.shape)}, acum {tuple(acum_UHQ.shape)} "
-                         f"{acum_UHQ.dtype} must be contiguous fp32 [U,H,Q,P] x2, [U,G,Q,N] x2 (G | H) and fp64 [U,H,Q]")
+        raise ValueError("ssd_intra_chunk_grads: " + ", ".join(
+            f"{n} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}{'' if t.is_contiguous() else ' (not contiguous)'}"
+            for n, t in zip(names, tensors)) + " must be contiguous fp32 [U,H,Q,P] x2, [U,G,Q,N] x2 (G | H) and fp64 [U,H,Q]")
     check_device("ssd_intra_chunk_grads", *tensors)
     dev = xd_UHQP.device
     dxd = torch.empty((U, H, Q, P), dtype=torch.float32, device=dev)
@@ -218,7 +226,7 @@ def ssd_intra_chunk_grads(xd_UHQP: torch.Tensor, gy_UHQP: torch.Tensor, C_UGQN: 
         meta = dict(R=H // G, SPLIT=bool(split), SPLIT_BC=bool(split and not bc_exact), BLOCK=block,
                     BLOCK_P=max(16, next_pow2(P)), BLOCK_N=max(16, next_pow2(N)), num_warps=NUM_WARPS,
                     num_stages=NUM_STAGES)
-        grid = (triton.cdiv(Q, block), U, G)
+        grid = (U, triton.cdiv(Q, block), G)  # U on axis 0: up to 2^31 - 1 programs there, 65,535 on the others
         _rows_kernel[grid](xd_UHQP, gy_UHQP, C_UGQN, B_UGQN, acum_UHQ, dC, drow, Q, P, N, G, **meta)
         _cols_kernel[grid](xd_UHQP, gy_UHQP, C_UGQN, B_UGQN, acum_UHQ, dB, dxd, dcol, Q, P, N, G, **meta)
     return dxd, dC, dB, drow - dcol
