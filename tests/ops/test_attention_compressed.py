@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from invariance import scattered_block_table
+from tensor_cores import emulate_tensor_cores
 from test_attention_window import SCHEDULES, WindowRun
 from unified_models import ops
 from unified_models.ops.attention import (CompressedKV, dense_compressed_attention_reference,
@@ -404,16 +405,8 @@ def test_windowed_recompute_tensor_core_path(monkeypatch):
     from unified_models.ops.attention.backward import _attend_window
     from unified_models.ops.grad import helpers
 
-    calls = []
-
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        calls.append(tuple(a.shape))
-        return a.float() @ b.float()
-
     real = helpers.grad_matmul
-    monkeypatch.setattr(helpers, "grad_matmul", lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32,
-                                                                                      mm=emulated))
+    calls = emulate_tensor_cores(monkeypatch, helpers)
     gen = torch.Generator().manual_seed(9)
     B, Q, S, K, G, R, E_ = 3, 5, 7, 4, 2, 3, 16
     q = torch.randn(B, Q, G * R, E_, generator=gen).bfloat16().float()

@@ -721,16 +721,10 @@ def test_ssd_analytic_backward_on_the_tensor_core_path(gen, monkeypatch):
     bf16 operands, exact products, fp32 sums; fp32 operands as ``hi + lo``). Against fp64 each gradient is
     within 5e-5 (the split keeps 16 bits of each fp32 operand; fp32 autograd on CUDA cores was ~1e-7),
     ``dA_log`` the worst (its terms cancel)."""
-    from unified_models.ops.grad import helpers
+    from tensor_cores import emulate_tensor_cores
     from unified_models.ops.mamba2 import ssd_backward
 
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        return a.float() @ b.float()
-
-    real = helpers.grad_matmul
-    monkeypatch.setattr(ssd_backward, "grad_matmul",
-                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    emulate_tensor_cores(monkeypatch, ssd_backward)
     Q_, L = 16, 64
     ins = (torch.randn(2, L, H, P, generator=gen), torch.rand(2, L, H, generator=gen) * 0.3 + 0.01,
            torch.log(torch.tensor([1.0, 2.0, 4.0, 8.0])), torch.randn(2, L, G, N, generator=gen) * 0.5,

@@ -17,6 +17,8 @@ from unified_models import ops
 from unified_models.ops.moe import moe_experts_reference
 from unified_models.ops.moe.backward import expert_groups_by_count
 
+from tensor_cores import emulate_tensor_cores, gemm_work
+
 T, D, I, K = 48, 40, 24, 3
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
 
@@ -180,22 +182,6 @@ def test_padding_rows_stay_zero_beside_an_infinite_weight():
     assert float(d_.grad[0, :, 0].abs().max()) == 0.0 and float(u_.grad[0, 0].abs().max()) == 0.0
 
 
-def _emulate_tensor_cores(monkeypatch, module) -> list[int]:
-    """Route ``module.grad_matmul`` through its CUDA path with the GEMM emulated (bf16 operands asserted, exact
-    products, fp32 sums); returns the list each GEMM's multiply-adds are appended to."""
-    calls: list[int] = []
-
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        calls.append(a.shape.numel() * b.shape[-1])
-        return a.float() @ b.float()
-
-    real = module.grad_matmul
-    monkeypatch.setattr(module, "grad_matmul",
-                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
-    return calls
-
-
 def _forward_gemm_work(ids: torch.Tensor, E: int) -> int:
     """Multiply-adds of one ``[P, D] x [D, I]`` GEMM per expert group (its padded rows): the forward's size."""
     counts = [0] * E
@@ -212,7 +198,7 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     from unified_models.ops.grad import helpers
     from unified_models.ops.moe import swiglu_experts_reference
 
-    calls = _emulate_tensor_cores(monkeypatch, helpers)  # the backward calls the helpers module's grad_matmul
+    calls = emulate_tensor_cores(monkeypatch, helpers)  # the backward calls the helpers module's grad_matmul
     E = 17
     gen = torch.Generator().manual_seed(6)
     ids = _ids("staircase", E, gen)
@@ -225,8 +211,8 @@ def test_deepseek_recompute_gemms_take_the_tensor_core_path(monkeypatch):
     leaves = [t.clone().requires_grad_() for t in (x, w, *mats)]
     ops.swiglu_experts(leaves[0], ids, leaves[1], *leaves[2:], swiglu_limit=0.5).backward(g)
     one_gemm = _forward_gemm_work(ids, E)
-    print(f"swiglu backward GEMM work: {sum(calls) / one_gemm:.2f} GEMMs of the forward's size")
-    assert 0 < sum(calls) <= 13 * one_gemm, sum(calls) / one_gemm  # all with bf16 operands; 17 by autograd
+    print(f"swiglu backward GEMM work: {gemm_work(calls) / one_gemm:.2f} GEMMs of the forward's size")
+    assert 0 < gemm_work(calls) <= 13 * one_gemm, gemm_work(calls) / one_gemm  # all with bf16 operands; 17 by autograd
     ref = [t.double().requires_grad_() for t in (x, w, *mats)]
     swiglu_experts_reference(ref[0], ids, ref[1], *ref[2:], swiglu_limit=0.5).backward(g.double())
     for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), leaves, ref):
@@ -246,7 +232,7 @@ def test_relu2_backward_gemms_on_the_tensor_core_path(mode, gemms, monkeypatch):
     monkeypatch.setenv("UM_BACKWARD_GEMM", mode)
     from unified_models.ops.moe import backward as moe_backward
 
-    calls = _emulate_tensor_cores(monkeypatch, moe_backward)
+    calls = emulate_tensor_cores(monkeypatch, moe_backward)
     E = 17
     gen = torch.Generator().manual_seed(7)
     ids = _ids("staircase", E, gen)
@@ -258,8 +244,8 @@ def test_relu2_backward_gemms_on_the_tensor_core_path(mode, gemms, monkeypatch):
     leaves = [t.clone().requires_grad_() for t in (x, w, up, down)]
     ops.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3]).backward(g)
     one_gemm = _forward_gemm_work(ids, E)
-    print(f"relu2 backward GEMM work: {sum(calls) / one_gemm:.2f} GEMMs of the forward's size")
-    assert sum(calls) <= gemms * one_gemm, sum(calls) / one_gemm
+    print(f"relu2 backward GEMM work: {gemm_work(calls) / one_gemm:.2f} GEMMs of the forward's size")
+    assert gemm_work(calls) <= gemms * one_gemm, gemm_work(calls) / one_gemm
     ref = [t.double().requires_grad_() for t in (x, w, up, down)]
     moe_experts_reference(ref[0], ids, ref[1], ref[2], ref[3]).backward(g.double())
     for name, a, b in zip(("x", "weights", "up", "down"), leaves, ref):

@@ -18,6 +18,8 @@ from unified_models.ops.mamba2 import ssd_chunked_torch_batched
 from unified_models.ops.mamba2 import ssd_backward
 from unified_models.ops.mamba2.ssd_intra_grads import ssd_intra_chunk_grads
 
+from tensor_cores import emulate_tensor_cores
+
 
 @pytest.fixture
 def gen():
@@ -30,15 +32,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _emulated_torch_form(monkeypatch):
     """``ssd_backward``'s GEMMs through ``grad_matmul``'s CUDA path, the bf16 GEMM emulated on the CPU."""
-    from unified_models.ops.grad import helpers
-
-    def emulated(a, b):
-        assert a.dtype == b.dtype == torch.bfloat16, (a.dtype, b.dtype)
-        return a.float() @ b.float()
-
-    real = helpers.grad_matmul
-    monkeypatch.setattr(ssd_backward, "grad_matmul",
-                        lambda a, b, split_fp32=False: real(a, b, split_fp32=split_fp32, mm=emulated))
+    emulate_tensor_cores(monkeypatch, ssd_backward)
 
 
 def _inputs(gen, device, U, H, G, Q, P, N, bf16_bc=False):

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from .._dispatch import host_to_device
-from ..triton._common import _INTERP, check_device, interpreter_dot, next_pow2, round_to, tl_dtype
+from ..triton._common import check_device, next_pow2, round_to, tl_dtype
+from ..triton._common import dot_fp32 as _dot
 
 BLOCK_M = 64
 """Query rows per tile (64: the ``wgmma`` row count on Hopper)."""
@@ -54,15 +55,6 @@ BLOCK_N = 64
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are kept in log2 units so the kernels use ``exp2``."""
-
-
-@triton.jit
-def _dot(a, b):
-    """``a [M, K] @ b [K, N]`` with fp32 accumulation (fp64 without BLAS under the interpreter)."""
-    if _INTERP:
-        return interpreter_dot(a, b).to(tl.float32)
-    else:
-        return tl.dot(a, b, out_dtype=tl.float32)
 
 
 @triton.jit

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton._common import _INTERP, check_device, interpreter_dot, next_pow2, round_to
+from ..triton._common import check_device, next_pow2, round_to
+from ..triton._common import dot_fp32 as _dot
 
 BLOCK_ROWS = 64
 """Rows (and columns) of a ``Q x Q`` tile (64: the ``wgmma`` row count on Hopper; smaller chunks: the
@@ -60,15 +61,6 @@ NUM_WARPS = 8
 
 NUM_STAGES = 1
 """No software pipelining of the tile loops (their loads are a few KB; not tuned on the GPU yet)."""
-
-
-@triton.jit
-def _dot(a, b):
-    """``a [M, K] @ b [K, N]`` of bf16 tiles, fp32 accumulation (fp64 without BLAS under the interpreter)."""
-    if _INTERP:
-        return interpreter_dot(a, b).to(tl.float32)
-    else:
-        return tl.dot(a, b, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -116,16 +108,21 @@ def _decay_products(C_l, B_s, acum_ptr, a_base, l, s, lmask, smask, SPLIT_BC: tl
 
 
 @triton.jit
+def _program(Q, P, N, G, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's sequence-chunk ``u`` (int64), tile index ``t``, group ``g``; its tile's rows and their mask;
+    the ``P`` and ``N`` columns and their masks; ``gq``, row 0 of the chunk's group in ``[U, G, Q, N]``."""
+    u, t, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    rows = t * BLOCK + tl.arange(0, BLOCK)
+    cols_p, cols_n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    return u, t, g, rows, rows < Q, cols_p, cols_p < P, cols_n, cols_n < N, (u * G + g) * Q
+
+
+@triton.jit
 def _rows_kernel(xd_ptr, gy_ptr, C_ptr, B_ptr, acum_ptr, dC_ptr, drow_ptr,
                  Q, P, N, G,
                  R: tl.constexpr, SPLIT: tl.constexpr, SPLIT_BC: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    u, pid_l, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    l = pid_l * BLOCK + tl.arange(0, BLOCK)
-    lmask = l < Q
-    cols_p, cols_n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    pmask, nmask = cols_p < P, cols_n < N
-    gq = (u * G + g) * Q  # row 0 of this chunk's group in [U, G, Q, N]
+    u, pid_l, g, l, lmask, cols_p, pmask, cols_n, nmask, gq = _program(Q, P, N, G, BLOCK, BLOCK_P, BLOCK_N)
     C_l = _tile(C_ptr, gq * N, l, lmask, cols_n, nmask, N)
     dC = tl.zeros([BLOCK, BLOCK_N], tl.float32)
     for r in range(R):
@@ -150,12 +147,7 @@ def _cols_kernel(xd_ptr, gy_ptr, C_ptr, B_ptr, acum_ptr, dB_ptr, dxd_ptr, dcol_p
                  Q, P, N, G,
                  R: tl.constexpr, SPLIT: tl.constexpr, SPLIT_BC: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    u, pid_s, g = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    s = pid_s * BLOCK + tl.arange(0, BLOCK)
-    smask = s < Q
-    cols_p, cols_n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    pmask, nmask = cols_p < P, cols_n < N
-    gq = (u * G + g) * Q
+    u, pid_s, g, s, smask, cols_p, pmask, cols_n, nmask, gq = _program(Q, P, N, G, BLOCK, BLOCK_P, BLOCK_N)
     B_s = _tile(B_ptr, gq * N, s, smask, cols_n, nmask, N)
     dB = tl.zeros([BLOCK, BLOCK_N], tl.float32)
     for r in range(R):

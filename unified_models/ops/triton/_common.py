@@ -91,6 +91,16 @@ def interpreter_dot(a, b):
 
 
 @triton.jit
+def dot_fp32(a, b):
+    """``a [M, K] @ b [K, N]`` of half-precision tiles with fp32 accumulation: ``tl.dot`` on tensor cores; under
+    the interpreter :func:`interpreter_dot` (fp64, no BLAS), rounded to fp32 once. The backward kernels' dot."""
+    if _INTERP:
+        return interpreter_dot(a, b).to(tl.float32)
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
 def round_f64_to(x, dtype: tl.constexpr):
     """Round fp64 ``x`` to ``dtype`` ONCE, to nearest, ties to even (interpreter only).
 
