@@ -161,9 +161,8 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--model", help="HF checkpoint directory (default: build the built-in tiny Nemotron-H)")
     r.add_argument("--preset", default=None, help="built-in preset to build when --model is not given")
     r.add_argument("--prompts", help="JSONL prompt file (default: the bundled 200 GSM8K test questions)")
-    r.add_argument("--tokenizer", help="tokenizer directory, whose files --save's checkpoints carry (default: with "
-                                       "--resume the resumed checkpoint's, else the model's, else the bundled "
-                                       "Phi-3 one)")
+    r.add_argument("--tokenizer", help="tokenizer directory, whose files --save's checkpoints carry (default: the "
+                                       "model's, else the bundled Phi-3 one); --resume needs the saved run's")
     r.add_argument("--reward", choices=reward_names(), default="target-token",
                    help="; ".join(f"{n}: {reward_info(n).description}" for n in reward_names())
                    + " (default target-token)")

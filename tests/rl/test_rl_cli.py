@@ -145,10 +145,10 @@ def _other_tokenizer(model_dir, out):
 
 
 @pytest.mark.slow
-def test_saved_checkpoint_carries_the_runs_tokenizer_and_resume_keeps_it(tiny_checkpoint, tmp_path):
+def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     """`rl --tokenizer DIR --save` writes DIR's tokenizer files into hf_assets/ byte for byte, with the model's
-    generation_config.json (DIR has none), not the model's tokenizer files; `--resume` of that checkpoint
-    without --tokenizer tokenizes the prompts with them (as the saved run did) and its checkpoints carry them."""
+    generation_config.json (DIR has none), not the model's tokenizer files; the run tokenized with DIR (its
+    prompt ids differ from the model tokenizer's for every prompt), also on `--resume` with it."""
     from unified_models.rl.options import RLOptions, resolve_options
     from unified_models.rl.startup import load_run
 
@@ -168,8 +168,8 @@ def test_saved_checkpoint_carries_the_runs_tokenizer_and_resume_keeps_it(tiny_ch
         return load_run(resolve_options(RLOptions(model=str(tiny_checkpoint), num_prompts_per_step=2, steps=2,
                                                   **flags)))
 
-    resumed, with_tok, plain = run(resume=str(ck)), run(tokenizer=str(tok)), run()
-    assert resumed.tokenizer_dir == assets and plain.tokenizer_dir == tiny_checkpoint
+    resumed, with_tok, plain = run(resume=str(ck), tokenizer=str(tok)), run(tokenizer=str(tok)), run()
+    assert resumed.tokenizer_dir == with_tok.tokenizer_dir == tok and plain.tokenizer_dir == tiny_checkpoint
     assert resumed.prompt_ids == with_tok.prompt_ids
     assert len(plain.prompt_ids) == 200 and all(p != q for p, q in zip(plain.prompt_ids, resumed.prompt_ids))
 

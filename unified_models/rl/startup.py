@@ -76,21 +76,10 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
 
 def _run_tokenizer_dir(opts: RLOptions, model_dir: Path) -> Path:
     """The tokenizer directory the run tokenizes with and whose files its checkpoints carry
-    (:func:`save_checkpoint`): ``--tokenizer`` when given; else, on ``--resume``, the checkpoint's
-    ``hf_assets/`` when it holds a tokenizer (the files the saved run used: the resumed run tokenizes
-    as that run did and carries the same files on); else the model directory's, or the bundled one
-    (:func:`..run_options.tokenizer_dir_for`).
-
-    Raises:
-        CheckpointError: ``--resume`` names a root with ``iter_*`` directories but no tracker file.
-    """
-    if opts.resume and not opts.tokenizer:
-        from ..backends.megatron.checkpoint import checkpoint_assets_dir
-        from ..prompts import holds_tokenizer
-
-        saved = checkpoint_assets_dir(opts.resume)
-        if holds_tokenizer(saved):
-            return saved
+    (:func:`save_checkpoint`): ``--tokenizer`` when given, else the model directory's, or the bundled one
+    (:func:`..run_options.tokenizer_dir_for`); on ``--resume`` too (not the checkpoint's ``hf_assets/``:
+    those files are padded to the model's vocabulary, which can tokenize a prompt differently, and a resumed
+    run must tokenize as the saved run did: pass the same ``--tokenizer``)."""
     return tokenizer_dir_for(model_dir, opts.tokenizer)
 
 

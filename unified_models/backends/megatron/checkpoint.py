@@ -61,7 +61,7 @@ from . import compat
 from .optimizer import TrainOptimizer, _bump_weight_versions
 
 __all__ = ["TrainingCheckpoint", "save_training_checkpoint", "load_training_checkpoint", "latest_iteration",
-           "iteration_dir", "checkpoint_assets_dir", "get_rng_state", "set_rng_state", "TRACKER_FILE"]
+           "iteration_dir", "get_rng_state", "set_rng_state", "TRACKER_FILE"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_PREFIX = "optimizer."
@@ -316,17 +316,6 @@ def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
     if p.is_dir() and not (p / "metadata.json").exists() and any(p.glob("iter_*")):
         raise CheckpointError(f"{p} has iter_* directories but no {TRACKER_FILE}; pass iteration=")
     return p
-
-
-def checkpoint_assets_dir(path: str | os.PathLike, *, iteration: int | None = None) -> Path:
-    """The ``hf_assets/`` directory of the training checkpoint at ``path`` (a checkpoint root, whose
-    tracker file picks the iteration, or an ``iter_*`` directory; ``iteration`` picks
-    ``<path>/iter_<iteration>``); it need not exist (a checkpoint saved without ``assets_from``).
-
-    Raises:
-        CheckpointError: a root with ``iter_*`` directories but no tracker file, or a bad tracker file.
-    """
-    return _resolve(path, iteration) / layout.ASSETS_DIR
 
 
 def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tuple[Path, dict, dict]:
