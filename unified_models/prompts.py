@@ -13,11 +13,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """A tokenizer directory holds at least one of these (Hugging Face tokenizer files)."""
 
 
-def holds_tokenizer(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds one of :data:`TOKENIZER_FILES`."""
-    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
-
-
 def load_prompt_texts(path: str | os.PathLike, num_prompts: int | None = None) -> list[str]:
     """Read prompt strings from a JSONL file.
 
@@ -115,7 +110,7 @@ def tokenize_prompts(texts: list[str], tokenizer_dir: str | os.PathLike, *, voca
         raise PromptError(f"tokenizer directory {d} does not exist")
     if not d.is_dir():
         raise PromptError(f"tokenizer directory {d} is not a directory")
-    if not holds_tokenizer(d):
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
         raise PromptError(f"tokenizer directory {d} holds none of {TOKENIZER_FILES}")
     tok = load_tokenizer(d)
     out = []

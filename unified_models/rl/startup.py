@@ -55,7 +55,9 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     if opts.num_prompts_per_step > len(rows):
         raise UnifiedModelsError(f"--num-prompts-per-step {opts.num_prompts_per_step} exceeds the {len(rows)} "
                                  f"prompts in {prompts_path}")
-    tok_dir = _run_tokenizer_dir(opts, model_dir)
+    # also on --resume: not the checkpoint's hf_assets/ copy (padded to the model's vocabulary, it can tokenize a
+    # prompt differently), so a resumed run needs the saved run's --tokenizer
+    tok_dir = tokenizer_dir_for(model_dir, opts.tokenizer)
     max_prompt = spec.max_position_embeddings - opts.max_new_tokens
     try:
         prompt_ids = tokenize_prompts([r.text for r in rows], tok_dir, vocab_size=spec.vocab_size,
@@ -72,15 +74,6 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids,
                  rows=rows, tokenizer=tokenizer, tokenizer_dir=tok_dir, reward=reward, reward_name=opts.reward,
                  target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
-
-
-def _run_tokenizer_dir(opts: RLOptions, model_dir: Path) -> Path:
-    """The tokenizer directory the run tokenizes with and whose files its checkpoints carry
-    (:func:`save_checkpoint`): ``--tokenizer`` when given, else the model directory's, or the bundled one
-    (:func:`..run_options.tokenizer_dir_for`); on ``--resume`` too (not the checkpoint's ``hf_assets/``:
-    those files are padded to the model's vocabulary, which can tokenize a prompt differently, and a resumed
-    run must tokenize as the saved run did: pass the same ``--tokenizer``)."""
-    return tokenizer_dir_for(model_dir, opts.tokenizer)
 
 
 def check_resume(opts, spec) -> int:
@@ -174,7 +167,7 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     (:func:`.options.run_identity`, the target token); returns its directory.
 
     The checkpoint carries the model's ``config.json`` and, in ``hf_assets/``, the files of the tokenizer the
-    run used (``run.tokenizer_dir``: ``--tokenizer``, the resumed checkpoint's, or the model's) and the
+    run used (``run.tokenizer_dir``: ``--tokenizer``, else the model's or the bundled one) and the
     model's generation files (``--model`` or the preset's directory; ``generation_config.json`` the
     tokenizer directory's when it has one), so ``convert --from megatron`` gives a checkpoint that
     tokenizes as the run did. For a

@@ -32,6 +32,8 @@ sum, and ``a = dt A``, ``xd = x dt`` give ``ddt``, ``dA_log``, ``dx``.
 from __future__ import annotations
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime import errors as triton_errors
 
 from .._dispatch import use_triton
 from ..grad.helpers import backward_gemm_mode, grad_matmul
@@ -200,6 +202,10 @@ def ssd_chunked_backward(x_BLHP: torch.Tensor, dt_BLH: torch.Tensor, A_log_H: to
 _FUSED_UNAVAILABLE: str | None = None
 """Why the fused intra-chunk kernels did not build on this GPU (set once; the torch form runs instead)."""
 
+_BUILD_ERRORS = (CompilationError, triton_errors.OutOfResources) + (
+    (triton_errors.PTXASError,) if hasattr(triton_errors, "PTXASError") else ())
+"""Triton's errors for a kernel that does not build on this GPU (registers, shared memory, ptxas)."""
+
 
 def _fused_intra_chunk_grads(xd, gy, Cg, Bg, acum64, bc_exact):
     """:func:`~.ssd_intra_grads.ssd_intra_chunk_grads`, or None (warned once) when its kernels do not build
@@ -208,13 +214,9 @@ def _fused_intra_chunk_grads(xd, gy, Cg, Bg, acum64, bc_exact):
     global _FUSED_UNAVAILABLE
     if _FUSED_UNAVAILABLE is not None:
         return None
-    from triton.compiler.errors import CompilationError
-    from triton.runtime import errors
-
-    build_errors = (CompilationError, errors.OutOfResources) + ((errors.PTXASError,) if hasattr(errors, "PTXASError") else ())
     try:
         return ssd_intra_chunk_grads(xd, gy, Cg, Bg, acum64, split=backward_gemm_mode() == "split", bc_exact=bc_exact)
-    except build_errors as e:
+    except _BUILD_ERRORS as e:
         import warnings
 
         _FUSED_UNAVAILABLE = f"{type(e).__name__}: {e}"
