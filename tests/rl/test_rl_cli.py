@@ -148,9 +148,11 @@ def _other_tokenizer(model_dir, out):
 def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     """`rl --tokenizer DIR --save` writes DIR's tokenizer files into hf_assets/ byte for byte, with the model's
     generation_config.json (DIR has none), not the model's tokenizer files; the run tokenized with DIR (its
-    prompt ids differ from the model tokenizer's for every prompt), also on `--resume` with it."""
+    prompt ids differ from the model tokenizer's for every prompt), also on `--resume` with it; a resume
+    without it is named as a difference from the saved run (its prompt tokens' sha256 is in the checkpoint)."""
+    from unified_models.backends.megatron.checkpoint import _training_entry
     from unified_models.rl.options import RLOptions, resolve_options
-    from unified_models.rl.startup import load_run
+    from unified_models.rl.startup import load_run, prompt_ids_sha256, resume_differences
 
     tok = _other_tokenizer(tiny_checkpoint, tmp_path / "tok")
     ck = tmp_path / "ck"
@@ -172,6 +174,12 @@ def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     assert resumed.tokenizer_dir == with_tok.tokenizer_dir == tok and plain.tokenizer_dir == tiny_checkpoint
     assert resumed.prompt_ids == with_tok.prompt_ids
     assert len(plain.prompt_ids) == 200 and all(p != q for p, q in zip(plain.prompt_ids, resumed.prompt_ids))
+    # the checkpoint records the prompts' tokens; a resume without the saved run's --tokenizer is named
+    _, _, entry = _training_entry(ck, None, plain.spec)
+    saved = entry["extra"]["rl"]
+    assert saved["tokenizer"] == str(tok) and saved["prompt_ids_sha256"] == prompt_ids_sha256(with_tok.prompt_ids)
+    assert "prompt tokens" not in resume_differences(saved, resumed)  # (its other flags differ from the saved run's)
+    assert resume_differences(saved, plain)["prompt tokens"] == (f"tokenized with {tok}", f"with {tiny_checkpoint}")
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ write a training checkpoint (:func:`save_checkpoint`)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+
+import numpy as np
 
 from ..dsl import PromptError, UnifiedModelsError
 from ..run_options import resolve_device, tokenizer_dir_for
@@ -14,7 +17,7 @@ from .options import AUTO, RLOptions, run_identity
 from .rewards import build_reward, check_references, reward_info
 from .run import RLRun
 
-__all__ = ["load_run", "start_engines", "save_checkpoint"]
+__all__ = ["load_run", "start_engines", "save_checkpoint", "prompt_ids_sha256", "resume_differences"]
 
 
 def load_run(opts: RLOptions, layout=None) -> RLRun:
@@ -147,7 +150,7 @@ def start_engines(run: RLRun, console) -> int:
                                          "that 'auto' chose; pass --target-token-id")
             run.target_token_id = int(saved["target_token_id"])
             run.reward = build_reward("target-token", target_token_id=run.target_token_id)
-        changed = {k: (saved.get(k), v) for k, v in run_identity(o).items() if k in saved and saved[k] != v}
+        changed = resume_differences(saved, run)
         if changed:
             console.log(f"[yellow]note[/yellow]: resumed with other settings than the saved run: "
                         + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
@@ -160,6 +163,29 @@ def start_engines(run: RLRun, console) -> int:
                     f"({len(rep.copied)} tensors, {rep.seconds:.1f} s)")
     run.first_step_of_process = start + 1
     return start
+
+
+def prompt_ids_sha256(prompt_ids: list[list[int]]) -> str:
+    """sha256 (hex) of a run's tokenized prompts (``RLRun.prompt_ids``, one list of token ids per prompt
+    row, in file order): what ``--prompts`` and ``--tokenizer`` gave the run, saved with each checkpoint."""
+    h = hashlib.sha256()
+    for ids in prompt_ids:
+        h.update(np.asarray(ids, dtype="<i8").tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def resume_differences(saved: dict, run: RLRun) -> dict[str, tuple]:
+    """What a resumed run does differently from the saved run whose checkpoint's ``rl`` record is
+    ``saved``: ``{name: (saved value, this run's)}`` for each :func:`.options.run_identity` setting that
+    differs, and ``"prompt tokens"`` (the saved run's tokenizer directory vs this run's) when the tokenized
+    prompts differ (another ``--tokenizer``, or a prompt file edited in place): those steps sample other
+    prompts than the uninterrupted run would. Keys a checkpoint does not record (older checkpoints) are
+    not compared."""
+    changed = {k: (saved.get(k), v) for k, v in run_identity(run.opts).items() if k in saved and saved[k] != v}
+    if "prompt_ids_sha256" in saved and saved["prompt_ids_sha256"] != prompt_ids_sha256(run.prompt_ids):
+        changed["prompt tokens"] = (f"tokenized with {saved.get('tokenizer')}", f"with {run.tokenizer_dir}")
+    return changed
 
 
 def save_checkpoint(run: RLRun, step: int) -> Path:
@@ -176,7 +202,8 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     ``config.json`` (and ``hf_quant_config.json``) as the recipe the masters were trained under
     (:mod:`unified_models.converters.trained_masters`): ``convert`` gives the masters, or with
     ``--requantize`` the quantized checkpoint again."""
-    extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step}}
+    extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step,
+                    "tokenizer": str(run.tokenizer_dir), "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids)}}
     config = (run.model_dir / "config.json").read_text()
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
