@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._dispatch import use_triton
 from .common import BLOCK, fp8_block_quantize_weight
 
 
@@ -79,7 +80,13 @@ class FP8BlockExperts:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """``weight * scale`` of the 128x128 block (DeepSeek ``weight_dequant``), in ``dtype``; exact in
-        bf16/fp32 (a 4-bit significand times a power of two). Same shape as :attr:`weight`."""
+        bf16/fp32 (a 4-bit significand times a power of two). Same shape as :attr:`weight`. On the Triton
+        path (CUDA, or ``UM_OPS_BACKEND=triton``) one kernel for the whole stack
+        (:func:`.triton.fp8_block_dequantize_triton`, the same values)."""
+        if use_triton(self.weight) and dtype in (torch.bfloat16, torch.float32):  # one kernel, the same values
+            from .triton import fp8_block_dequantize_triton
+
+            return fp8_block_dequantize_triton(self.weight, self.weight_scale_inv, dtype)
         w, s = self.weight, self.weight_scale_inv.float()
         n, k = w.shape[-2:]
         full = s.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]

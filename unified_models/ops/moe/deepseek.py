@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
+from ..fp8_block.experts import FP8BlockExperts
 from .common import (NORM_EPS, ExpertWeight, check_expert_args, expert_weight, quantizes_activations, resolve_expert,
                      stack_expert)
 from .deepseek_cpu import ACT_TILE, SCORE_COLS, fp8_activation_f64, sqrtsoftplus_torch, swiglu_expert_outputs_torch
@@ -241,8 +242,10 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     (exact in bf16), the gate/up activation quantized per token to FP8 1x128 tiles and dequantized
     into ``x``'s dtype (exact: a 4-bit significand times a power of two), then the same two grouped
     GEMMs, the down projection's activation (the rounded ``h``) through the same tile rule between
-    them. Row-local, so batch-invariant; it dequantizes the whole stack on every call (correct, not
-    yet fast: an in-kernel tile decode is the fast form)."""
+    them. Row-local, so batch-invariant; it dequantizes the whole stack on every call (block FP8: one
+    kernel, :func:`unified_models.ops.fp8_block.triton.fp8_block_dequantize_triton`; MXFP4 expert by
+    expert), which a decode step pays in full: a tile decode in the GEMMs' K loop, as the NVFP4 path
+    has, is the fast form."""
     from .deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
 
     dt = x_TD.dtype
@@ -250,6 +253,8 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     def dense(w):
         if not quantizes_activations(w):
             return w
+        if isinstance(w, FP8BlockExperts):  # the whole stack in one kernel
+            return w.dequantize(dt)
         return torch.stack([expert_weight(w, e, dt) for e in range(w.shape[0])]) if w.shape[0] else \
             torch.zeros(w.shape, dtype=dt, device=w.device)
 
