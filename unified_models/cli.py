@@ -202,7 +202,9 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--full-vocab-rows", type=_at_least(-1), default=256,
                    help="sampled positions per step compared over the whole vocabulary (-1 = all; default 256)")
     r.add_argument("--micro-batch-tokens", type=_positive(int), default=None,
-                   help="THD micro-batch size of the trainer (default 4096 CPU / 32768 GPU; bits do not depend on it)")
+                   help="THD micro-batch size of the trainer (default 4096 CPU / 32768 GPU); the logprob bits do not "
+                        "depend on it, the gradient's fp32 sum over micro-batches does (another size: another "
+                        "trajectory, so a resumed run keeps the saved run's)")
     r.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.3,
                    help="share of the GPU's memory vLLM may take (weights, KV cache, Mamba state; default 0.3: "
                         "the trainer in the same process needs the rest for its weights, fp32 main weights, "

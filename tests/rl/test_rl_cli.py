@@ -1,6 +1,7 @@
 """`unified-models rl` end to end on CPU: diff = 0 at every step, plot written, resume
 equals the uninterrupted run bitwise, the first diff != 0 stops the run, bad flags fail cleanly."""
 
+import copy
 import json
 
 import pytest
@@ -152,7 +153,7 @@ def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     without it is named as a difference from the saved run (its prompt tokens' sha256 is in the checkpoint)."""
     from unified_models.backends.megatron.checkpoint import _training_entry
     from unified_models.rl.options import RLOptions, resolve_options
-    from unified_models.rl.startup import load_run, prompt_ids_sha256, resume_differences
+    from unified_models.rl.startup import load_run, prompt_ids_sha256, prompts_file, resume_differences
 
     tok = _other_tokenizer(tiny_checkpoint, tmp_path / "tok")
     ck = tmp_path / "ck"
@@ -179,7 +180,19 @@ def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     saved = entry["extra"]["rl"]
     assert saved["tokenizer"] == str(tok) and saved["prompt_ids_sha256"] == prompt_ids_sha256(with_tok.prompt_ids)
     assert "prompt tokens" not in resume_differences(saved, resumed)  # (its other flags differ from the saved run's)
-    assert resume_differences(saved, plain)["prompt tokens"] == (f"tokenized with {tok}", f"with {tiny_checkpoint}")
+    pf = prompts_file(plain)
+    assert saved["prompts_file"] == pf and "prompts" not in resume_differences(saved, plain)
+    assert resume_differences(saved, plain)["prompt tokens"] == (f"{pf} tokenized with {tok}",
+                                                                 f"{pf} tokenized with {tiny_checkpoint}")
+    # another model config with the same tensors, another explicit target token, another micro-batch size
+    eps = saved["model_config"]["layer_norm_epsilon"]
+    other = dict(saved, model_config={**saved["model_config"], "layer_norm_epsilon": 0.1}, target_token_id=5,
+                 micro_batch_tokens=16)
+    targeted = copy.copy(resumed)
+    targeted.target_token_id = 7
+    diff = resume_differences(other, targeted)
+    assert diff["model config.json"] == ("layer_norm_epsilon=0.1", f"layer_norm_epsilon={eps!r}")
+    assert diff["target_token_id"] == (5, 7) and diff["micro_batch_tokens"] == (16, None)
 
 
 @pytest.mark.slow

@@ -136,8 +136,11 @@ def validate_options(opts: RLOptions) -> None:
 
 
 def run_identity(o: RLOptions) -> dict:
-    """What must match for a resumed run to continue the same trajectory (saved in each checkpoint)."""
+    """What must match for a resumed run to continue the same trajectory (saved in each checkpoint; the
+    micro-batch size too: the logprob bits do not depend on it, the gradient's fp32 sum over micro-batches
+    does)."""
     return {"reward": o.reward, "seed": o.seed, "group_size": o.group_size,
             "num_prompts_per_step": o.num_prompts_per_step, "temperature": o.temperature,
-            "max_new_tokens": o.max_new_tokens, "lr": o.lr, "kl_coef": o.kl_coef,
+            "max_new_tokens": o.max_new_tokens, "lr": o.lr, "kl_coef": o.kl_coef, "clip_eps": o.clip_eps,
+            "clip_grad": o.clip_grad, "micro_batch_tokens": o.micro_batch_tokens,
             "prompts": str(o.prompts) if o.prompts else None, "stop_at_eos": o.stop_at_eos}

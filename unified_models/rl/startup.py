@@ -5,9 +5,11 @@ write a training checkpoint (:func:`save_checkpoint`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 
 from ..dsl import PromptError, UnifiedModelsError
 from ..run_options import resolve_device, tokenizer_dir_for
@@ -153,7 +155,7 @@ def start_engines(run: RLRun, console) -> int:
         changed = resume_differences(saved, run)
         if changed:
             console.log(f"[yellow]note[/yellow]: resumed with other settings than the saved run: "
-                        + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+                        + escape(", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())))
         run.sync()  # the engine starts from the checkpoint's weights
     elif run.trainer.trains_masters:
         # dequantize -> requantize is not the identity (scales are recomputed from the
@@ -178,14 +180,43 @@ def prompt_ids_sha256(prompt_ids: list[list[int]]) -> str:
 def resume_differences(saved: dict, run: RLRun) -> dict[str, tuple]:
     """What a resumed run does differently from the saved run whose checkpoint's ``rl`` record is
     ``saved``: ``{name: (saved value, this run's)}`` for each :func:`.options.run_identity` setting that
-    differs, and ``"prompt tokens"`` (the saved run's tokenizer directory vs this run's) when the tokenized
-    prompts differ (another ``--tokenizer``, or a prompt file edited in place): those steps sample other
-    prompts than the uninterrupted run would. Keys a checkpoint does not record (older checkpoints) are
-    not compared."""
-    changed = {k: (saved.get(k), v) for k, v in run_identity(run.opts).items() if k in saved and saved[k] != v}
-    if "prompt_ids_sha256" in saved and saved["prompt_ids_sha256"] != prompt_ids_sha256(run.prompt_ids):
-        changed["prompt tokens"] = (f"tokenized with {saved.get('tokenizer')}", f"with {run.tokenizer_dir}")
+    differs; ``"prompt tokens"`` (prompt file and tokenizer directory of each) when the tokenized prompts
+    differ (another ``--tokenizer`` or ``--prompts``, or a prompt file edited in place: the path as typed
+    is then not compared); ``"target_token_id"`` when ``--target-token-id`` names another token than the
+    saved run's; ``"model config.json"`` (the differing keys) when the model's config differs from the
+    saved run's although its tensors have the same names and shapes (e.g. another ``rms_norm_eps``).
+    Each makes the resumed steps differ from the uninterrupted run's. Keys a checkpoint does not record
+    (older checkpoints) are not compared."""
+    mine = run_identity(run.opts)
+    tokens_saved = "prompt_ids_sha256" in saved
+    if tokens_saved:  # the prompt file's tokens are compared below, not its path as typed
+        mine.pop("prompts")
+    changed = {k: (saved.get(k), v) for k, v in mine.items() if k in saved and saved[k] != v}
+    if tokens_saved and saved["prompt_ids_sha256"] != prompt_ids_sha256(run.prompt_ids):
+        changed["prompt tokens"] = (f"{saved.get('prompts_file')} tokenized with {saved.get('tokenizer')}",
+                                    f"{prompts_file(run)} tokenized with {run.tokenizer_dir}")
+    tid = saved.get("target_token_id")
+    if run.target_token_id is not None and tid is not None and tid != run.target_token_id:
+        changed["target_token_id"] = (tid, run.target_token_id)
+    config = saved.get("model_config")
+    if isinstance(config, dict):
+        now = model_config(run)
+        keys = sorted(k for k in set(config) | set(now) if config.get(k) != now.get(k))
+        if keys:
+            changed["model config.json"] = tuple(", ".join(f"{k}={c.get(k)!r}" for k in keys) for c in (config, now))
     return changed
+
+
+def prompts_file(run: RLRun) -> str:
+    """The prompt file ``run`` reads (``--prompts``, else the bundled one), as an absolute path."""
+    from ..presets import default_prompts_path
+
+    return str(Path(run.opts.prompts or default_prompts_path()).resolve())
+
+
+def model_config(run: RLRun) -> dict:
+    """``run``'s model ``config.json`` (``--model`` or the preset's) as a dict."""
+    return json.loads((run.model_dir / "config.json").read_text())
 
 
 def save_checkpoint(run: RLRun, step: int) -> Path:
@@ -203,7 +234,8 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     (:mod:`unified_models.converters.trained_masters`): ``convert`` gives the masters, or with
     ``--requantize`` the quantized checkpoint again."""
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step,
-                    "tokenizer": str(run.tokenizer_dir), "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids)}}
+                    "tokenizer": str(run.tokenizer_dir), "prompts_file": prompts_file(run),
+                    "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": model_config(run)}}
     config = (run.model_dir / "config.json").read_text()
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
