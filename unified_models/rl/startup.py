@@ -201,10 +201,14 @@ def resume_differences(saved: dict, run: RLRun) -> dict[str, tuple]:
     config = saved.get("model_config")
     if isinstance(config, dict):
         now = model_config(run)
-        keys = sorted(k for k in set(config) | set(now) if config.get(k) != now.get(k))
+        keys = sorted(k for k in (set(config) | set(now)) - UNCOMPARED_CONFIG_KEYS if config.get(k) != now.get(k))
         if keys:
             changed["model config.json"] = tuple(", ".join(f"{k}={c.get(k)!r}" for k in keys) for c in (config, now))
     return changed
+
+
+UNCOMPARED_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path"})
+"""``config.json`` keys that do not describe the model (the writer's version, a load path)."""
 
 
 def prompts_file(run: RLRun) -> str:
@@ -233,10 +237,10 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     ``config.json`` (and ``hf_quant_config.json``) as the recipe the masters were trained under
     (:mod:`unified_models.converters.trained_masters`): ``convert`` gives the masters, or with
     ``--requantize`` the quantized checkpoint again."""
+    config = (run.model_dir / "config.json").read_text()
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step,
                     "tokenizer": str(run.tokenizer_dir), "prompts_file": prompts_file(run),
-                    "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": model_config(run)}}
-    config = (run.model_dir / "config.json").read_text()
+                    "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": json.loads(config)}}
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
     return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,
