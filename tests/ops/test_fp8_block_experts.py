@@ -180,7 +180,7 @@ def test_k_must_be_a_multiple_of_128(gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_dequantize_equals_the_torch_form_bitwise(dtype, device):
-    """The one-kernel dequantization of a stack (N not a multiple of 128, scales 2^-20 .. 2^20, every
+    """The one-kernel dequantization of a stack (N not a multiple of 128, scales 2^-20 .. 2^20 and 2^-127, every
     non-NaN e4m3 code incl. -0.0 and subnormals) equals ``(w.float() * scale).to(dtype)`` bit for bit,
     for a stack and for one ``[N, K]`` weight; the experts op's Triton path takes it."""
     from unified_models.ops.fp8_block.triton import fp8_block_dequantize_triton
@@ -190,7 +190,9 @@ def test_triton_dequantize_equals_the_torch_form_bitwise(dtype, device):
     codes[(codes & 0x7F) == 0x7F] = 0x80  # no NaN code (no quantizer writes one): -0.0 instead
     codes[0, 0, :256] = torch.arange(256).masked_fill((torch.arange(256) & 0x7F) == 0x7F, 0)  # every code
     w = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(device)
-    s = torch.pow(2.0, torch.randint(-20, 21, (3, 2, 2), generator=g).float()).to(torch.float8_e8m0fnu).to(device)
+    s = torch.pow(2.0, torch.randint(-20, 21, (3, 2, 2), generator=g).float())
+    s[2, 1, 1] = 2.0 ** -127  # bf16 results below 2^-126: rounded to nearest even like torch's cast
+    s = s.to(torch.float8_e8m0fnu).to(device)
     full = s.float().repeat_interleave(128, -2)[..., :200, :].repeat_interleave(128, -1)
     want = (w.float() * full).to(dtype)
     got = fp8_block_dequantize_triton(w, s, dtype)
@@ -201,5 +203,7 @@ def test_triton_dequantize_equals_the_torch_form_bitwise(dtype, device):
     assert torch.equal(one.view(torch.uint8), want[1].view(torch.uint8))
     with pytest.raises(ValueError, match="must be float8_e4m3fn"):
         fp8_block_dequantize_triton(w.float(), s, dtype)
+    with pytest.raises(ValueError, match="expected float8_e8m0fnu or fp32"):
+        fp8_block_dequantize_triton(w, s.view(torch.uint8), dtype)
     with pytest.raises(ValueError, match="ceil"):
         fp8_block_dequantize_triton(w, s[:, :1], dtype)

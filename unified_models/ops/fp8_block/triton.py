@@ -107,7 +107,8 @@ def _fp8_block_dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K,
     b = tl.load(w_ptr + e64 * stride_we + rn * stride_wn + rk * stride_wk, mask=mask, other=0).to(tl.int32)
     s = tl.load(s_ptr + e64 * stride_se + nb * stride_sn + kb * stride_sk)
     w = e4m3_bits_to_f32(b) * s
-    tl.store(out_ptr + e64 * stride_oe + rn * stride_on + rk * stride_ok, w.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + e64 * stride_oe + rn * stride_on + rk * stride_ok, round_to(w, out_ptr.dtype.element_ty),
+             mask=mask)  # round_to: RNE also below 2^-126 (the interpreter's cast is not)
 
 
 def fp8_block_dequantize_triton(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -135,6 +136,9 @@ def fp8_block_dequantize_triton(weight: torch.Tensor, weight_scale_inv: torch.Te
     if k % BLOCK or tuple(weight_scale_inv.shape) != (*weight.shape[:-2], -(-n // BLOCK), k // BLOCK):
         raise ValueError(f"fp8_block_dequantize_triton: weight {list(weight.shape)} needs K a multiple of {BLOCK} "
                          f"and scales [..., ceil(N/{BLOCK}), K/{BLOCK}], got {list(weight_scale_inv.shape)}")
+    if weight_scale_inv.dtype not in (torch.float8_e8m0fnu, torch.float32):
+        raise ValueError(f"fp8_block_dequantize_triton: scales have dtype {weight_scale_inv.dtype}, expected "
+                         "float8_e8m0fnu or fp32")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_block_dequantize_triton: dtype {dtype} must be bf16 or fp32")
     check_device("fp8_block_dequantize_triton", weight, weight_scale_inv)
