@@ -65,6 +65,11 @@
 #   chunked prefill; UM_DSV4_PROMPTS x UM_DSV4_NEW_TOKENS (default 64 x 256), UM_DSV4_K (pytest -k) narrows it.
 #   deepseek-v4-bench: benchmarks/rollout_throughput.py on UM_DSV4_PRESET (default deepseek_v4_flash_reduced_fp8: block-FP8
 #   weights and FP8 KV cache on both sides; vLLM 0.26's native DeepSeek-V4 refuses a bf16 KV cache), ours vs native.
+#   or: scripts/gpu-run.sh deepseek-experts   (issue 18 item 4; not part of `all`)
+# deepseek-experts: tests/ops/test_fp8_block_experts.py natively (block-FP8 tiles decoded in the K loop == the stack
+#   dequantized once, bit for bit) + benchmarks/deepseek_experts.py: the routed experts of deepseek_v4_flash_reduced_fp8
+#   at T = 1 8 64 256 2048, in-loop vs once vs bf16-resident vs vLLM's block-FP8 fused_experts; JSON
+#   $OUT/deepseek_experts.json (~2 min).
 # perf-ops: GPU op tests (attention splits, graph replay, hybrid ops) + benchmarks/gemm_configs.py
 #   + benchmarks/attention_decode.py (~5 min). sync-audit: benchmarks/sync_audit.py, ours and native (~2.5 min).
 # graphs: tests/gpu/test_check_gpu.py: `check` with CUDA graphs on the wide and dense-bench presets,
@@ -193,6 +198,12 @@ if [ "$stage" = deepseek-v4 ] || [ "$stage" = deepseek-v4-ops ]; then
   rc=$((rc | ${PIPESTATUS[0]}))
   timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_deepseek_compressed_attention.py -k "engines or prefix" \
     2>&1 | tee "$OUT/dsv4_toy_engines.log" | grep -vE "INFO|WARNING|DEBUG" | tail -15; rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = deepseek-experts ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_block_experts.py 2>&1 \
+    | tee "$OUT/fp8_block_experts_ops.log" | grep -vE "DEBUG" | tail -6; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 300 python3 benchmarks/deepseek_experts.py --json "$OUT/deepseek_experts.json" 2>&1 \
+    | tee "$OUT/deepseek_experts.log" | grep -vE "INFO|WARNING|DEBUG" | tail -12; rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$stage" = deepseek-v4 ] || [ "$stage" = deepseek-v4-check ]; then
   python3 -m pytest -q -m gpu tests/gpu/test_deepseek_gpu.py -k "${UM_DSV4_K:-check}" -s -p no:cacheprovider 2>&1 \

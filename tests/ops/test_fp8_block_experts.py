@@ -207,3 +207,53 @@ def test_triton_dequantize_equals_the_torch_form_bitwise(dtype, device):
         fp8_block_dequantize_triton(w, s.view(torch.uint8), dtype)
     with pytest.raises(ValueError, match="ceil"):
         fp8_block_dequantize_triton(w, s[:, :1], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device, monkeypatch):
+    """Block-FP8 experts dequantized tile by tile in the GEMMs' K loop (decode batches) give the same
+    bits as the GEMMs on the stack dequantized once (large batches): gate/up and down, scales
+    2^-20 .. 2^20 differing per 128x128 block (so a wrong block index shows), every non-NaN code; and
+    through the op, a token's row is the same in a batch on either side of the threshold."""
+    from unified_models.ops.moe.deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
+    from unified_models.ops.moe.triton import FP8_DEQUANTIZE_ROWS_PER_EXPERT
+
+    monkeypatch.setenv("UM_OPS_BACKEND", "triton")
+    g = torch.Generator().manual_seed(11)
+
+    def stack(n, k, lo, hi):
+        codes = torch.randint(0, 256, (E, n, k), generator=g, dtype=torch.int32)
+        codes[(codes & 0x7F) == 0x7F] = 0x80
+        codes[0, 0, :256 if k >= 256 else k] = torch.arange(256)[:k].masked_fill((torch.arange(256)[:k] & 0x7F) == 0x7F, 0)
+        s = torch.pow(2.0, torch.randint(lo, hi + 1, (E, n // 128, k // 128), generator=g).float())
+        return FP8BlockExperts(codes.to(torch.uint8).view(torch.float8_e4m3fn).to(device),
+                               s.to(torch.float8_e8m0fnu).to(device))
+
+    gate, up, down = stack(I, D, -12, -6), stack(I, D, -12, -6), stack(D, I, -20, 20)
+    assert len({float(v) for v in gate.weight_scale_inv.float().flatten()}) > 1
+    T, K = 5, 2
+    x = (torch.randn(T, D, generator=g) * 4).to(dtype).to(device)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]], dtype=torch.int32, device=device)
+    wts = torch.rand(T, K, generator=g).to(device)
+    assert ids.numel() < FP8_DEQUANTIZE_ROWS_PER_EXPERT * E  # the op takes the in-loop path at this size
+
+    def bits(t):
+        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    h_loop, plan = swiglu_hidden_triton(x, ids, wts, gate, up, L)
+    h_once, plan_once = swiglu_hidden_triton(x, ids, wts, gate.dequantize(dtype), up.dequantize(dtype), L)
+    rows = plan[0] < T * K  # padding rows are unspecified
+    assert torch.equal(plan[0], plan_once[0]) and int(rows.sum()) == T * K
+    assert torch.equal(bits(h_loop[rows]), bits(h_once[rows]))
+    assert h_loop[rows].abs().max() > 0
+    y_loop = swiglu_down_triton(h_loop, plan, down, ids)
+    y_once = swiglu_down_triton(h_loop, plan, down.dequantize(dtype), ids)
+    assert torch.equal(bits(y_loop), bits(y_once)) and y_loop.abs().max() > 0
+
+    big = FP8_DEQUANTIZE_ROWS_PER_EXPERT * E // K + 1  # this batch dequantizes the stacks once
+    xb = torch.cat([x, (torch.randn(big, D, generator=g) * 100).to(dtype).to(device)])
+    idb = torch.cat([ids, torch.randint(0, E, (big, K), generator=g, dtype=torch.int32).to(device)])
+    wb = torch.cat([wts, torch.rand(big, K, generator=g).to(device)])
+    alone = swiglu_expert_outputs(x, ids, wts, gate, up, down, swiglu_limit=L)
+    batched = swiglu_expert_outputs(xb, idb, wb, gate, up, down, swiglu_limit=L)
+    assert torch.equal(bits(alone), bits(batched[:T * K])) and alone.abs().max() > 0

@@ -238,23 +238,29 @@ def swiglu_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_we
 
 
 def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, limit):
-    """GPU W4A8 / W8A8 experts from the model-dtype kernels: every MXFP4 / block-FP8 weight dequantized
-    (exact in bf16), the gate/up activation quantized per token to FP8 1x128 tiles and dequantized
-    into ``x``'s dtype (exact: a 4-bit significand times a power of two), then the same two grouped
-    GEMMs, the down projection's activation (the rounded ``h``) through the same tile rule between
-    them. Row-local, so batch-invariant; it dequantizes the whole stack on every call (block FP8: one
-    kernel, :func:`unified_models.ops.fp8_block.triton.fp8_block_dequantize_triton`; MXFP4 expert by
-    expert), which a decode step pays in full: a tile decode in the GEMMs' K loop, as the NVFP4 path
-    has, is the fast form."""
+    """GPU W4A8 / W8A8 experts from the model-dtype kernels: the gate/up activation quantized per token
+    to FP8 1x128 tiles and dequantized into ``x``'s dtype (exact: a 4-bit significand times a power of
+    two), then the same two grouped GEMMs, the down projection's activation (the rounded ``h``)
+    through the same tile rule between them. Row-local, so batch-invariant.
+
+    The weights: block FP8 on small batches (below
+    :data:`.triton.FP8_DEQUANTIZE_ROWS_PER_EXPERT` rows per expert: decode) goes to the GEMMs as
+    stored and is dequantized tile by tile in their K loop (1 byte read per weight); on larger
+    batches the stack is dequantized once per call in one kernel
+    (:meth:`~unified_models.ops.fp8_block.experts.FP8BlockExperts.dequantize`). Both give the
+    GEMMs the same values with the same launch, so the bits do not depend on the path. MXFP4 is
+    dequantized expert by expert on every call (no in-loop tile yet)."""
     from .deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
+    from .triton import FP8_DEQUANTIZE_ROWS_PER_EXPERT
 
     dt = x_TD.dtype
+    in_loop = topk_ids_TK.numel() < FP8_DEQUANTIZE_ROWS_PER_EXPERT * gate.shape[0]
 
     def dense(w):
         if not quantizes_activations(w):
             return w
-        if isinstance(w, FP8BlockExperts):  # the whole stack in one kernel
-            return w.dequantize(dt)
+        if isinstance(w, FP8BlockExperts):
+            return w.stacked() if in_loop else w.dequantize(dt)  # the same values either way
         return torch.stack([expert_weight(w, e, dt) for e in range(w.shape[0])]) if w.shape[0] else \
             torch.zeros(w.shape, dtype=dt, device=w.device)
 

@@ -31,8 +31,9 @@ no split-K, no atomics, tiles fixed per device) in two launches:
    ``[BLOCK_M, BLOCK_N]`` tiles of ``g = x w1_e^T`` and ``u = x w3_e^T`` from the same ``x``
    tile (two fp32 accumulators, bf16 tensor cores), epilogue
    ``h = round_x((silu(min(g, L)) * clamp(u, -L, L)) * w_tk)`` in fp32, ``silu(g) = g / (1 + exp(-g))``
-   (IEEE division), clamps propagating NaN; NVFP4 weights are dequantized in the K loop by
-   :func:`.triton._w_tile` (ModelOpt's rule, as the Nemotron-H kernel);
+   (IEEE division), clamps propagating NaN; NVFP4 and block-FP8 weights are dequantized in the
+   K loop by :func:`.triton._w_tile` (ModelOpt's rule, as the Nemotron-H kernel; DeepSeek's
+   ``weight_dequant``, exact);
 2. down: :mod:`.triton`'s ``_moe_gemm_kernel`` unchanged (fp32 rows scattered to ``y[t*K + k]``).
 
 The combine is :func:`.dispatch.moe_combine` (the Nemotron-H Triton combine, fp32 slot order).
@@ -56,7 +57,9 @@ import triton.language as tl
 from ..nvfp4 import NVFP4Weight
 from ..triton._common import _INTERP, INTERPRET, check_device, interpreter_dot, next_pow2, round_f64_to, round_to
 from .common import NORM_EPS
-from .triton import BLOCK_M, NUM_STAGES, _launch, _w_tile, _weight_args, moe_plan
+from ..fp8_block.common import BLOCK as FP8_BLOCK
+from ..fp8_block.experts import FP8BlockExperts
+from .triton import BLOCK_M, FMT_NVFP4, NUM_STAGES, _launch, _w_tile, _weight_args, moe_plan
 
 if INTERPRET:
     GATE_UP_N, GATE_UP_K, GATE_UP_WARPS, GATE_UP_WARPS_NVFP4 = 128, 64, 4, 4
@@ -68,6 +71,7 @@ else:
     GATE_UP_N, GATE_UP_K, GATE_UP_WARPS, GATE_UP_WARPS_NVFP4 = 64, 64, 4, 8
     ROUTER_ELEMS, ROUTER_WARPS = 4096, 8
 
+assert FP8_BLOCK % GATE_UP_K == 0, "a block-FP8 weight tile's K range must lie in one 128-wide scale block"
 assert NORM_EPS == 1e-20, "the selection kernel adds the literal 1e-20 (common.NORM_EPS)"
 
 SOFTPLUS_THRESHOLD = 20.0
@@ -245,7 +249,7 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
                            stride_ge, stride_gn, stride_gk, stride_gse, stride_gsn, stride_gsk,
                            stride_ue, stride_un, stride_uk, stride_use, stride_usn, stride_usk,
                            stride_hm, stride_hn,
-                           TOPK: tl.constexpr, NVFP4_G: tl.constexpr, NVFP4_U: tl.constexpr,
+                           TOPK: tl.constexpr, FMT_G: tl.constexpr, FMT_U: tl.constexpr,
                            FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``h`` (padded expert-sorted layout): gate and up GEMMs over
@@ -265,11 +269,11 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        if NVFP4_G:
+        if FMT_G == FMT_NVFP4:
             gs2 = tl.load(wgs2_ptr + e64)
         else:
             gs2 = 0.0
-        if NVFP4_U:
+        if FMT_U == FMT_NVFP4:
             us2 = tl.load(wus2_ptr + e64)
         else:
             us2 = 0.0
@@ -284,9 +288,9 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
                 wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, mask_n, k0, K, stride_ge, stride_gn, stride_gk,
-                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt, BLOCK_K)
+                             stride_gse, stride_gsn, stride_gsk, FMT_G, wdt, BLOCK_K)
                 wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, mask_n, k0, K, stride_ue, stride_un, stride_uk,
-                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt, BLOCK_K)
+                             stride_use, stride_usn, stride_usk, FMT_U, wdt, BLOCK_K)
                 acc_g64 += interpreter_dot(a, wg)
                 acc_u64 += interpreter_dot(a, wu)
                 a_ptrs += BLOCK_K * stride_ak
@@ -300,9 +304,9 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
                 wg = _w_tile(wg_ptr, wgs_ptr, gs2, e64, offs_n, mask_n, k0, K, stride_ge, stride_gn, stride_gk,
-                             stride_gse, stride_gsn, stride_gsk, NVFP4_G, wdt, BLOCK_K)
+                             stride_gse, stride_gsn, stride_gsk, FMT_G, wdt, BLOCK_K)
                 wu = _w_tile(wu_ptr, wus_ptr, us2, e64, offs_n, mask_n, k0, K, stride_ue, stride_un, stride_uk,
-                             stride_use, stride_usn, stride_usk, NVFP4_U, wdt, BLOCK_K)
+                             stride_use, stride_usn, stride_usk, FMT_U, wdt, BLOCK_K)
                 if FP32_DOT:
                     af = a.to(tl.float32)
                     acc_g = tl.dot(af, wg.to(tl.float32), acc_g, input_precision="ieee")
@@ -318,7 +322,12 @@ def _swiglu_gate_up_kernel(a_ptr, wg_ptr, wgs_ptr, wgs2_ptr, wu_ptr, wus_ptr, wu
 
 
 def _nvfp4_tensors(w):
-    return (w.weight, w.weight_scale, w.weight_scale_2) if isinstance(w, NVFP4Weight) else (w,)
+    """The tensors of a weight (NVFP4: codes and both scales; block FP8: bytes and scales) for the device check."""
+    if isinstance(w, NVFP4Weight):
+        return w.weight, w.weight_scale, w.weight_scale_2
+    if isinstance(w, FP8BlockExperts):
+        return w.weight, w.weight_scale_inv
+    return (w,)
 
 
 def expert_plan(topk_ids_TK: torch.Tensor, num_experts: int):
@@ -366,14 +375,15 @@ def swiglu_hidden_triton(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_wei
         return None, None
     h = torch.empty(n_tiles * BLOCK_M, I, dtype=x_TD.dtype, device=x_TD.device)
     rw = topk_weights_TK.float().contiguous().view(-1)
-    g_ptr, gs_ptr, gs2_ptr, g_str, gs_str, g_fp4 = _weight_args(gate, "gate", x_TD.dtype)
-    u_ptr, us_ptr, us2_ptr, u_str, us_str, u_fp4 = _weight_args(up, "up", x_TD.dtype)
+    g_ptr, gs_ptr, gs2_ptr, g_str, gs_str, g_fmt = _weight_args(gate, "gate", x_TD.dtype)
+    u_ptr, us_ptr, us2_ptr, u_str, us_str, u_fmt = _weight_args(up, "up", x_TD.dtype)
+    g_fp4, u_fp4 = g_fmt == FMT_NVFP4.value, u_fmt == FMT_NVFP4.value
     grid = (n_tiles * triton.cdiv(I, GATE_UP_N),)
     _swiglu_gate_up_kernel[grid](
         x_TD, g_ptr, gs_ptr, gs2_ptr, u_ptr, us_ptr, us2_ptr, rw, h, sorted_ids, tile_expert,
         R, I, D, E, float(swiglu_limit), x_TD.stride(0), x_TD.stride(1), *g_str, *gs_str, *u_str, *us_str,
         h.stride(0), h.stride(1),
-        TOPK=K, NVFP4_G=g_fp4, NVFP4_U=u_fp4, FP32_DOT=INTERPRET or x_TD.dtype == torch.float32,
+        TOPK=K, FMT_G=g_fmt, FMT_U=u_fmt, FP32_DOT=INTERPRET or x_TD.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_N, BLOCK_K=GATE_UP_K,
         num_warps=GATE_UP_WARPS_NVFP4 if g_fp4 or u_fp4 else GATE_UP_WARPS, num_stages=NUM_STAGES)
     return h, (sorted_ids, tile_expert, n_tiles)

@@ -21,7 +21,12 @@ Grouped GEMM (one kernel, two launches per MoE):
   ``[E, N, K/16]``, fp32 ``weight_scale_2 [E]``) are dequantized inside the K
   loop to bf16 tiles by ModelOpt's rule, ``bf16(e2m1 * fp32(fp32(scale) *
   ws2))`` (e4m3 and e2m1 decoded exactly with integer arithmetic), then fed
-  to the same ``tl.dot``: the H200 has no FP4 tensor cores (W4A16).
+  to the same ``tl.dot``: the H200 has no FP4 tensor cores (W4A16);
+* block-FP8 weights (:class:`~unified_models.ops.fp8_block.FP8BlockExperts`: e4m3
+  ``[E, N, K]``, one power-of-two scale per 128x128 block; DeepSeek-V4) likewise:
+  each byte decoded exactly, times its block's scale (exact), one rounding to the
+  activation dtype: the values of ``FP8BlockExperts.dequantize``, so the same dot
+  inputs as dequantizing the stack first (:data:`FP8_DEQUANTIZE_ROWS_PER_EXPERT`).
 
 Combine: per ``[BLOCK_T, BLOCK_D]`` tile, ``acc = acc + w_k * y_k`` for
 ``k = 0..K-1`` in fp32 (slot order), then ``+ shared``, then one rounding.
@@ -40,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8_block.common import BLOCK as FP8_BLOCK
+from ..fp8_block.experts import FP8BlockExperts
 from ..nvfp4 import NVFP4Weight
 from .common import expert_counts
 from ..triton._common import _INTERP, INTERPRET, check_device, e4m3_bits_to_f32, interpreter_dot, round_f64_to, round_to
@@ -72,6 +79,16 @@ expert) 1.92 vs 2.15 ms; T = 2,048 (96) 3.68 vs 2.47 ms; T = 16,384 (768) 21.0 v
 decode batches (T <= 512 with top-6 of 128: <= 24 rows per expert) stay below the threshold and
 allocate nothing. The tests check that both paths give the same bits (the batch size picks the
 path)."""
+
+
+FP8_DEQUANTIZE_ROWS_PER_EXPERT = BLOCK_M
+"""At ``T * top_k >= this * E`` assignments the block-FP8 experts are dequantized once per call
+(:func:`unified_models.ops.fp8_block.triton.fp8_block_dequantize_triton`) instead of in every row
+tile's K loop (:func:`_w_tile`), the NVFP4 rule (:data:`NVFP4_DEQUANTIZE_ROWS_PER_EXPERT`): below
+it (decode) most experts have one row tile, which decodes each weight byte once and reads 1 byte
+per weight instead of dequantizing the whole stack (read 1, write 2, read 2 bytes per weight) on
+every forward. Both paths give the GEMM the same bf16/fp32 values with the same launch (tiles,
+warps), so a row's bits do not depend on the path (``tests/ops/test_fp8_block_experts.py``)."""
 
 
 class MoeTiles(NamedTuple):
@@ -137,17 +154,31 @@ def _e2m1_to_f32(c):
     return tl.where(((c & 8) != 0) & (mi != 0), -mag, mag)
 
 
+FMT_DENSE = tl.constexpr(0)
+"""Weight format of :func:`_w_tile`: a tensor in the activations' dtype."""
+FMT_NVFP4 = tl.constexpr(1)
+"""Weight format of :func:`_w_tile`: NVFP4 codes ``[E, N, K/2]`` (ModelOpt)."""
+FMT_FP8_BLOCK = tl.constexpr(2)
+"""Weight format of :func:`_w_tile`: block-FP8 bytes ``[E, N, K]`` with fp32 block scales ``[E, N/128, K/128]``."""
+
+
 @triton.jit
 def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn, stride_wk,
-            stride_se, stride_sn, stride_sk, NVFP4: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[e, n, k0:k0+BLOCK_K]^T`` in ``dtype`` (NVFP4 dequantized).
+            stride_se, stride_sn, stride_sk, FMT: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` tile ``W[e, n, k0:k0+BLOCK_K]^T`` in ``dtype`` (quantized formats dequantized).
 
-    NVFP4: each code byte is loaded once and both its nibbles decoded (low nibble = even
-    ``k``), each e4m3 block scale once per 16 values and broadcast; the values are
+    NVFP4 (``FMT_NVFP4``): each code byte is loaded once and both its nibbles decoded (low nibble
+    = even ``k``), each e4m3 block scale once per 16 values and broadcast; the values are
     ModelOpt's ``bf16(e2m1 * fp32(fp32(scale) * ws2))`` exactly as one scale per element
     would give them (same fp32 products, one rounding). ``K`` is a multiple of 16 there.
+
+    Block FP8 (``FMT_FP8_BLOCK``): the e4m3 bytes decoded exactly with integer ops
+    (:func:`~unified_models.ops.triton._common.e4m3_bits_to_f32`), times the fp32 scale of the
+    128x128 block (a power of two: exact), one rounding: DeepSeek's ``weight_dequant``, the values
+    of :func:`~unified_models.ops.fp8_block.triton.fp8_block_dequantize_triton`. ``BLOCK_K`` divides
+    128, so a tile's K range lies in one scale block.
     """
-    if NVFP4:
+    if FMT == FMT_NVFP4:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         byte = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + kb[None, :] * stride_wk,
                        mask=mask_n[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)  # [BN, BK/2]
@@ -159,6 +190,13 @@ def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn
         vals = tl.reshape(vals, (offs_n.shape[0], BLOCK_K // 16, 16))
         w = tl.reshape(vals * blk[:, :, None], (offs_n.shape[0], BLOCK_K))
         w = tl.trans(round_to(w, dtype))
+    elif FMT == FMT_FP8_BLOCK:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        byte = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                       mask=(kk < K)[:, None] & mask_n[None, :], other=0).to(tl.int32)  # [BK, BN]
+        sc = tl.load(ws_ptr + e64 * stride_se + (offs_n // 128)[None, :] * stride_sn + (k0 // 128) * stride_sk,
+                     mask=mask_n[None, :], other=0.0)  # [1, BN] fp32
+        w = round_to(e4m3_bits_to_f32(byte) * sc, dtype)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
@@ -179,7 +217,7 @@ def _nvfp4_dequantize_kernel(w_ptr, ws_ptr, ws2_ptr, out_ptr, N, K,
     k0 = tl.program_id(2) * BLOCK_K
     ws2 = tl.load(ws2_ptr + e64)
     w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, True, out_ptr.dtype.element_ty, BLOCK_K)  # [BK, BN]
+                stride_se, stride_sn, stride_sk, FMT_NVFP4, out_ptr.dtype.element_ty, BLOCK_K)  # [BK, BN]
     kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + e64 * stride_oe + offs_n[None, :] * stride_on + kk[:, None] * stride_ok, w,
              mask=(kk < K)[:, None] & mask_n[None, :])
@@ -197,7 +235,7 @@ def nvfp4_dequantize_experts_triton(w: NVFP4Weight, dtype: torch.dtype = torch.b
         raise ValueError(f"nvfp4_dequantize_experts_triton: expected an NVFP4Weight, got {type(w).__name__}")
     if dtype not in _DTYPES:
         raise ValueError(f"nvfp4_dequantize_experts_triton: dtype {dtype} must be bf16 or fp32")
-    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), _ = _weight_args(w, "experts", dtype)
+    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), _ = _weight_args(w, "experts", dtype)  # NVFP4
     E, N, K = w.shape
     out = torch.empty(E, N, K, dtype=dtype, device=w.weight.device)
     if out.numel() == 0:
@@ -215,7 +253,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
                      stride_am, stride_ak, stride_we, stride_wn, stride_wk,
                      stride_se, stride_sn, stride_sk, stride_om, stride_on,
                      TOPK: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
-                     RELU2: tl.constexpr, NVFP4: tl.constexpr, FP32_DOT: tl.constexpr,
+                     RELU2: tl.constexpr, FMT: tl.constexpr, FP32_DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -238,7 +276,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        if NVFP4:
+        if FMT == FMT_NVFP4:
             ws2 = tl.load(ws2_ptr + e64)
         else:
             ws2 = 0.0
@@ -252,7 +290,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
                 w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K,
-                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt, BLOCK_K)
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, FMT, wdt, BLOCK_K)
                 acc64 += interpreter_dot(a, w)
                 a_ptrs += BLOCK_K * stride_ak
             acc = round_f64_to(acc64, tl.float32)
@@ -263,7 +301,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tile_exper
                 mask_k = kk < K
                 a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
                 w = _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K,
-                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, NVFP4, wdt, BLOCK_K)
+                            stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, FMT, wdt, BLOCK_K)
                 if FP32_DOT:
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                 else:
@@ -329,28 +367,37 @@ def moe_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: b
 
 
 def _weight_args(w, what: str, dtype: torch.dtype):
-    """(w_ptr, ws_ptr, ws2_ptr, strides (we, wn, wk), scale strides (se, sn, sk), nvfp4)."""
+    """(w_ptr, ws_ptr, ws2_ptr, strides (we, wn, wk), scale strides (se, sn, sk), format) for :func:`_w_tile`;
+    format ``FMT_DENSE`` / ``FMT_NVFP4`` / ``FMT_FP8_BLOCK`` as an int."""
     if isinstance(w, NVFP4Weight):
         if w.weight.dim() != 3:
             raise ValueError(f"moe_triton: {what} NVFP4 weight must be stacked [E, N, K/2]")
         s = w.weight_scale.view(torch.uint8)
         s2 = w.weight_scale_2.contiguous()
-        return w.weight, s, s2, w.weight.stride(), s.stride(), True
+        return w.weight, s, s2, w.weight.stride(), s.stride(), FMT_NVFP4.value
+    if isinstance(w, FP8BlockExperts):
+        if w.weight.dim() != 3:
+            raise ValueError(f"moe_triton: {what} block-FP8 weight must be stacked [E, N, K]")
+        b = w.weight.view(torch.uint8)  # bytes: the kernel decodes e4m3 itself (exact on every device)
+        s = w.weight_scale_inv.float()  # ue8m0 -> fp32 powers of two (exact; [E, N/128, K/128], small)
+        return b, s, s, b.stride(), s.stride(), FMT_FP8_BLOCK.value
     if w.dtype != dtype:
         raise ValueError(f"moe_triton: {what} weight dtype {w.dtype} differs from the activations' {dtype}")
-    return w, w, w, w.stride(), (0, 0, 0), False
+    return w, w, w, w.stride(), (0, 0, 0), FMT_DENSE.value
 
 
 def _launch(a, w, out, sorted_ids, tile_expert, n_tiles, R, E, topk, gather, scatter, relu2, what,
             tiles: MoeTiles | None = None):
     N, K = w.shape[1], w.shape[2]
     t = tiles or gemm_tiles(N, K)
-    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), nvfp4 = _weight_args(w, what, a.dtype)
+    w_ptr, ws_ptr, ws2_ptr, (swe, swn, swk), (sse, ssn, ssk), fmt = _weight_args(w, what, a.dtype)
+    if fmt == FMT_FP8_BLOCK.value and FP8_BLOCK % t.block_k:
+        raise ValueError(f"moe_triton: {what} block-FP8 weight needs block_k dividing {FP8_BLOCK}, got {t.block_k}")
     grid = (n_tiles * triton.cdiv(N, t.block_n),)
     _moe_gemm_kernel[grid](
         a, w_ptr, ws_ptr, ws2_ptr, out, sorted_ids, tile_expert, R, N, K, E,
         a.stride(0), a.stride(1), swe, swn, swk, sse, ssn, ssk, out.stride(0), out.stride(1),
-        TOPK=topk, GATHER_A=gather, SCATTER_OUT=scatter, RELU2=relu2, NVFP4=nvfp4,
+        TOPK=topk, GATHER_A=gather, SCATTER_OUT=scatter, RELU2=relu2, FMT=fmt,
         FP32_DOT=INTERPRET or a.dtype == torch.float32,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
 
