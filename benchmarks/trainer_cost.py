@@ -17,7 +17,7 @@ Not a test: a measurement. On one preset's checkpoint (default ``nemotron_3_nano
 
 (b) **one optimizer step** over the same B x S tokens: zero the gradients, per micro-batch the forward with
     a graph and the mean next-token NLL, backward, then one Adam step; **ours** is ``Trainer.step``'s body
-    (``token_logprobs(..., return_full=True)``) and **megatron** is Megatron-core's OWN model of the same
+    (``token_logprobs_and_rows``: the fused token-logprob backward) and **megatron** is Megatron-core's OWN model of the same
     widths with its local (non-Transformer-Engine) layers:
 
     * attention + MLP presets (pattern ``*-`` repeated): ``megatron.core.models.gpt.GPTModel`` with
@@ -291,15 +291,14 @@ def measure_ours(plan: dict, rec: dict) -> None:
             losses = []
             for mb in mbs:
                 t = clock()
-                tok_R, lp_RV = trainer.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0,
-                                                            return_full=True)
+                tok_R, rows_fn = trainer.model.token_logprobs_and_rows(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0)
                 loss = -tok_R.mean() / len(mbs)
                 t1 = clock()
                 loss.backward()
                 ph["forward"] += t1 - t
                 ph["backward"] += clock() - t1
                 losses.append(loss.detach())
-                del tok_R, lp_RV, loss
+                del tok_R, rows_fn, loss
             t = clock()
             stats = trainer.optimizer.step()
             ph["optimizer"] = clock() - t

@@ -102,3 +102,14 @@ def forward_logprobs(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden
     lp_RV = ops.logprobs(logits_fp32(spec, params, hidden_RD), temperature)
     if taps.SINK is not None: lp_RV = taps.SINK("logprobs", lp_RV)
     return lp_RV
+
+
+def forward_token_logprobs(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden_RD: torch.Tensor,
+                           targets_R: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of ``targets_R[r]`` in row ``r``: fp32 ``[R]``, the bits of
+    ``gather(forward_logprobs(...), targets_R)``; with a graph, its backward keeps one fp32 ``[R, V]``
+    tensor instead of three (:func:`unified_models.ops.token_logprobs`). Under a tap (porting tools)
+    the full rows are formed so that the ``logprobs`` tap sees them."""
+    if taps.SINK is not None:
+        return ops.gather_token_logprobs(forward_logprobs(spec, params, hidden_RD, temperature), targets_R)
+    return ops.token_logprobs(logits_fp32(spec, params, hidden_RD), targets_R, temperature)

@@ -103,6 +103,35 @@ def test_values_bitwise_equal_with_and_without_grad(models):
         assert torch.equal(bits(a), bits(b)), f"{what} differ with grad enabled"
 
 
+def test_fused_token_logprobs_give_the_unfused_bits_and_gradients(models):
+    """The trainer's path (``token_logprobs_and_rows``: the token logprobs' backward writes over the one kept
+    [R, V] tensor) gives the values and every parameter gradient of ``token_logprobs(return_full=True)``'s
+    gathered logprobs bit for bit; its lazy full rows equal those rows."""
+    spec, model, _ = models
+    _, ids, cu = _batch()
+    model.requires_grad_(True)
+    adv = torch.linspace(-1.0, 1.0, sum(LENS) - len(LENS))
+
+    def grads(fused):
+        model.zero_grad(set_to_none=True)
+        if fused:
+            tok, rows_fn = model.token_logprobs_and_rows(ids, cu, temperature=TEMPERATURE)
+        else:
+            tok, _ = model.token_logprobs(ids, cu, temperature=TEMPERATURE, return_full=True)
+        (tok * adv).sum().backward()
+        return tok.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, rows_fn if fused else None
+
+    tok_f, g_f, rows_fn = grads(True)
+    tok_u, g_u, _ = grads(False)
+    assert torch.equal(bits(tok_f), bits(tok_u))
+    assert g_f.keys() == g_u.keys() and all(torch.equal(bits(g_f[n]), bits(g_u[n])) for n in g_f), \
+        [n for n in g_f if not torch.equal(bits(g_f[n]), bits(g_u[n]))]
+    assert any(float(g.abs().max()) > 0 for g in g_f.values())
+    with torch.no_grad():
+        _, full = model.token_logprobs(ids, cu, temperature=TEMPERATURE, return_full=True)
+    assert torch.equal(bits(rows_fn()), bits(full))
+
+
 def test_stale_weight_guard_names_the_parameter(models):
     spec, model, _ = models
     _, ids, cu = _batch()

@@ -191,7 +191,8 @@ def test_trainer_backward_has_no_atomic_race(monkeypatch, preset):
     completions = [[5, 5, 9, 22, 5, 9, 5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 3, [7, 7, 3, 5, 7] * 4]
     with Trainer(spec, sd, options=TrainerOptions(optimizer=OptimizerConfig(lr=1e-3))) as trainer:
         mb = trainer.pack(prompts, completions)[0]
-        tok_R, rows_RV = trainer.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0, return_full=True)
+        tok_R, rows_fn = trainer.model.token_logprobs_and_rows(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0)
+        rows_RV = rows_fn()  # the step's path: the token logprobs' fused backward and the full rows' own
         with AtomicAudit() as audit:
             (tok_R.sum() + rows_RV.logsumexp(-1).sum()).backward()
         grads = [p.main_grad for p in trainer.model.parameters() if p.requires_grad]  # the optimizer's fp32 buffers

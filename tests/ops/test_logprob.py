@@ -122,3 +122,38 @@ def test_triton_backward_vs_the_formula(temperature, device, gen):
         logprobs_backward_triton(y.t().contiguous().t(), g, temperature)
     with pytest.raises(ValueError, match="temperature"):
         logprobs_backward_triton(y, g, 0.0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_fused_equals_the_two_ops_bitwise(backend, temperature, device, gen, monkeypatch):
+    """``ops.token_logprobs`` (gradient written over the kept log-probabilities) against ``logprobs`` then
+    ``gather_token_logprobs``: the same forward and logits-gradient bits on the Triton path (CPU: the
+    interpreter) and the torch path, with token gradients of -0.0, +0.0, tiny and large values, tokens in
+    the ragged last chunk, logits that underflow exp; backward refuses a second run."""
+    from unified_models import ops
+
+    dev = device if backend == "triton" else "cpu"
+    monkeypatch.setenv("UM_OPS_BACKEND", backend)
+    z = _logits(6, torch.float32, gen)
+    z[3, :1500] = -1e4  # exp(y) underflows to 0 in most of the row
+    ids = torch.tensor([0, 1999, 1024, 5, 1998, 700])
+    g = torch.tensor([-0.0, 0.0, 1e-30, -3.5, 2.0 ** 60, 0.25])
+
+    def run(fused):
+        zz = z.clone().to(dev).requires_grad_(True)
+        t = ids.to(dev)
+        tok = ops.token_logprobs(zz, t, temperature) if fused else \
+            ops.gather_token_logprobs(ops.logprobs(zz, temperature), t)
+        tok.backward(g.to(dev))
+        return tok.detach(), zz.grad
+
+    (tok_f, dz_f), (tok_u, dz_u) = run(True), run(False)
+    assert torch.equal(tok_f.view(torch.int32), tok_u.view(torch.int32))
+    assert torch.equal(dz_f.view(torch.int32), dz_u.view(torch.int32))
+    assert dz_f.abs().max() > 0
+    zz = z.clone().to(dev).requires_grad_(True)
+    tok = ops.token_logprobs(zz, ids.to(dev), temperature)
+    tok.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        tok.sum().backward()

@@ -47,7 +47,7 @@ from ...dsl import CheckpointError, ModelSpec, SpecError
 from ...layers import family_of, megatron_fields, residual_policy
 from ...layers.expert_parallel import ShardPlan
 from ...layers.expert_shards import local_expert_stacks
-from ...forward import forward_hidden, forward_logprobs
+from ...forward import forward_hidden, forward_logprobs, forward_token_logprobs
 from ...ops import gather_token_logprobs, name_weights
 from ...state import FlatBatch
 from ...private_state import PrivateStateStore, StateBuffers
@@ -512,7 +512,36 @@ class UnifiedMegatronModel(MegatronModule):
         Raises:
             ValueError: a row out of range, or a sequence's last row without ``target_ids``.
         """
-        check_current_parallel_state("UnifiedMegatronModel.token_logprobs")
+        hidden_RD, targets_R = self._scored_rows("token_logprobs", input_ids, cu_seqlens, rows, packed_seq_params,
+                                                 target_ids)
+        if return_full:
+            lp_RV = forward_logprobs(self.spec, self._params(), hidden_RD, temperature)
+            return gather_token_logprobs(lp_RV, targets_R), lp_RV
+        return forward_token_logprobs(self.spec, self._params(), hidden_RD, targets_R, temperature)
+
+    def token_logprobs_and_rows(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                                rows: torch.Tensor | None = None, temperature: float = 1.0, *,
+                                packed_seq_params: Any = None, target_ids: torch.Tensor | None = None):
+        """:meth:`token_logprobs` for a loss (the trainer's step): the ``[R]`` logprobs, whose backward keeps
+        one fp32 ``[R, V]`` tensor (:func:`unified_models.forward.forward_token_logprobs`), and a function
+        that forms the full ``[R, V]`` rows from the same hidden rows when a loss asks for them (the bits of
+        ``token_logprobs(..., return_full=True)[1]``; their memory and LM-head GEMM only then).
+
+        Returns:
+            ``(tok_R fp32 [R], rows_fn)``, ``rows_fn()`` -> fp32 ``[R, V]`` with a graph when grad mode is on.
+
+        Raises:
+            As :meth:`token_logprobs`.
+        """
+        hidden_RD, targets_R = self._scored_rows("token_logprobs_and_rows", input_ids, cu_seqlens, rows,
+                                                 packed_seq_params, target_ids)
+        tok_R = forward_token_logprobs(self.spec, self._params(), hidden_RD, targets_R, temperature)
+        return tok_R, lambda: forward_logprobs(self.spec, self._params(), hidden_RD, temperature)
+
+    def _scored_rows(self, what: str, input_ids, cu_seqlens, rows, packed_seq_params, target_ids):
+        """The backbone's hidden states at the scored rows and their target tokens: ``([R, D], [R])``
+        (arguments and errors as :meth:`token_logprobs`)."""
+        check_current_parallel_state(f"UnifiedMegatronModel.{what}")
         ids_T, cu, _ = self._flat_inputs(input_ids, cu_seqlens, packed_seq_params)
         t = ids_T.shape[0]
         batch_seq = FlatBatch.from_cu_seqlens(ids_T, cu).seq_idx
@@ -545,6 +574,4 @@ class UnifiedMegatronModel(MegatronModule):
             if targets_R.shape[0] != rows_R.shape[0]:
                 raise ValueError(f"target_ids has {targets_R.shape[0]} entries for {rows_R.shape[0]} rows")
         hidden_TD, _ = self._hidden(ids_T, cu)
-        lp_RV = forward_logprobs(self.spec, self._params(), hidden_TD[rows_R], temperature)
-        tok_R = gather_token_logprobs(lp_RV, targets_R)
-        return (tok_R, lp_RV) if return_full else tok_R
+        return hidden_TD[rows_R], targets_R

@@ -29,7 +29,7 @@ one-token padding passes that score nothing (:meth:`Trainer._padding_passes`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -73,15 +73,25 @@ class TrainBatch:
 
     Attributes:
         batch: the packed micro-batch (``owners``, ``flat`` slice, tensors).
-        logprobs: ``[R]`` fp32 logprob of each completion token, with a graph.
-        rows: ``[R, V]`` fp32 whole rows (``log_softmax(logits / T)``), same graph.
+        logprobs: ``[R]`` fp32 logprob of each completion token, with a graph (its backward keeps one
+            fp32 ``[R, V]`` tensor: :func:`unified_models.ops.token_logprobs`).
+        rows: ``[R, V]`` fp32 whole rows (``log_softmax(logits / T)``), same graph; formed on first
+            access (the LM head's fp32 logits and two more ``[R, V]`` tensors in the backward), so a
+            loss of the token logprobs alone (GRPO's) never pays for them.
     """
 
     batch: MicroBatch
     logprobs: torch.Tensor
-    rows: torch.Tensor
+    _rows_fn: Callable[[], torch.Tensor]
     _trainer: "Trainer"
     _temperature: float
+    _rows: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = self._rows_fn()
+        return self._rows
 
     def reference_logprobs(self) -> torch.Tensor:
         """``[R]`` fp32 logprobs of the frozen initial weights (no graph).
@@ -268,12 +278,12 @@ class Trainer:
         for _ in range(self._padding_passes(len(mbs))):
             self._padding_pass(temperature, backward=True)
         for mb in mbs:
-            tok_R, lp_RV = self.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, temperature,
-                                                     return_full=True)
-            loss = loss_fn(TrainBatch(batch=mb, logprobs=tok_R, rows=lp_RV, _trainer=self,
-                                      _temperature=temperature))
+            tok_R, rows_fn = self.model.token_logprobs_and_rows(mb.input_ids, mb.cu_seqlens, mb.rows, temperature)
+            train_batch = TrainBatch(batch=mb, logprobs=tok_R, _rows_fn=rows_fn, _trainer=self,
+                                     _temperature=temperature)
+            loss = loss_fn(train_batch)
             loss.backward()
-            del tok_R, lp_RV, loss
+            del tok_R, rows_fn, train_batch, loss
         return self.optimizer.step()
 
     def _padding_passes(self, mine: int) -> int:

@@ -1,10 +1,12 @@
 """Backward of the logprob ops: autograd functions (analytic: softmax form with the
-temperature; scatter) and the differentiable ``logprobs`` /
-``gather_token_logprobs`` that :mod:`unified_models.ops` exports."""
+temperature; scatter; the two fused for a gathered token) and the differentiable ``logprobs`` /
+``gather_token_logprobs`` / ``token_logprobs`` that :mod:`unified_models.ops` exports."""
 
 from __future__ import annotations
 
 import torch
+
+from torch.autograd.function import once_differentiable
 
 from .._dispatch import use_triton
 from ..grad.helpers import acc, needs_grad
@@ -62,3 +64,66 @@ def gather_token_logprobs(logprobs_TV: torch.Tensor, token_ids_T: torch.Tensor) 
     if needs_grad(logprobs_TV):
         return GatherTokenFn.apply(logprobs_TV, token_ids_T)
     return dispatch.gather_token_logprobs(logprobs_TV, token_ids_T)
+
+
+def token_logprobs_backward_(logprobs_TV: torch.Tensor, token_ids_T: torch.Tensor, grad_T: torch.Tensor,
+                             temperature: float) -> torch.Tensor:
+    """In place: the logits' gradient of ``logprobs_TV[t, ids[t]]`` (``logprobs_TV = log_softmax(z / T)``)
+    written over ``logprobs_TV`` (fp32 or fp64 ``[T, V]``) and returned; bit for bit what
+    :class:`LogprobsFn` gives for :class:`GatherTokenFn`'s scattered gradient
+    (``(g - exp(y) * sum(g)) / T`` with ``g`` one-hot: ``sum(g) = g_t + 0``, ``0 - P = -P + 0``
+    exactly, zeros' signs included), with no other ``[T, V]`` tensor. Triton on the Triton path
+    (:func:`.triton.token_logprobs_backward_triton_`), torch ops in place otherwise.
+
+    Raises:
+        ValueError: as :func:`.triton.token_logprobs_backward_triton_` on the Triton path.
+    """
+    y, ids = logprobs_TV, token_ids_T.long().view(-1, 1)
+    if use_triton(y) and y.dtype == torch.float32:
+        from .triton import token_logprobs_backward_triton_
+
+        return token_logprobs_backward_triton_(y, token_ids_T, grad_T, temperature)
+    g = grad_T.to(y.dtype).view(-1, 1)
+    s = g + 0.0  # the unfused backward's sum over a row with one nonzero
+    p = y.exp_().mul_(s)  # exp(y) * sum(g), as LogprobsFn's expression
+    p_tok = p.gather(1, ids)
+    d = p.mul_(-1).add_(0.0)  # 0 - p for every column (exact; -0.0 + 0 = +0 as 0 - +0)
+    d.scatter_(1, ids, g - p_tok)  # the token's column: g_t - p
+    return d.div_(temperature)
+
+
+class TokenLogprobsFn(torch.autograd.Function):
+    """``tok[t] = log_softmax(z[t] / T)[ids[t]]``: :class:`LogprobsFn` then :class:`GatherTokenFn` with
+    one ``[T, V]`` tensor kept (the log-probabilities) and the gradient written over it
+    (:func:`token_logprobs_backward_`): the same bits forward and backward, a third of the memory.
+    Backward runs once (its saved tensor is overwritten)."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, token_ids_T, temperature):
+        y = dispatch.logprobs(logits_TV, temperature)
+        ctx.y, ctx.ids = y, token_ids_T
+        ctx.temperature, ctx.z_dtype = temperature, logits_TV.dtype
+        return dispatch.gather_token_logprobs(y, token_ids_T)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_T):
+        y, ctx.y = ctx.y, None
+        if y is None:
+            raise RuntimeError("token_logprobs: backward ran twice through the same graph (its saved log-probabilities "
+                               "hold the first backward's gradient); recompute the forward")
+        dz = token_logprobs_backward_(y, ctx.ids, acc(g_T), ctx.temperature)
+        return dz.to(ctx.z_dtype), None, None
+
+
+def token_logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``gather_token_logprobs(logprobs(logits_TV, temperature), token_ids_T)``, differentiable with one
+    fp32 ``[T, V]`` tensor alive in the backward instead of three (:class:`TokenLogprobsFn`); the same
+    bits forward and backward as the two ops composed. ``[T, V]``, ``[T]`` -> fp32 ``[T]``.
+
+    Raises:
+        ValueError: as :func:`.dispatch.logprobs`.
+    """
+    if needs_grad(logits_TV):
+        return TokenLogprobsFn.apply(logits_TV, token_ids_T, temperature)
+    return dispatch.gather_token_logprobs(dispatch.logprobs(logits_TV, temperature), token_ids_T)

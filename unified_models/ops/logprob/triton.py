@@ -138,3 +138,57 @@ def logprobs_backward_triton(logprobs_TV: torch.Tensor, grad_TV: torch.Tensor, t
         _logprobs_backward_kernel[(T,)](logprobs_TV, grad_TV, dz, V, t32, logprobs_TV.stride(0), grad_TV.stride(0),
                                         dz.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
     return dz
+
+
+@triton.jit
+def _token_logprobs_backward_kernel(y_ptr, ids_ptr, g_ptr, V, temperature, stride_yt, BLOCK_V: tl.constexpr):
+    """Row ``t`` of ``dz = (g - exp(y) sum(g)) / temperature`` for the one-hot ``g`` of a gathered token
+    logprob, written over ``y``: ``_logprobs_backward_kernel``'s expression with the row's ``g`` made
+    in registers (``g_t`` at column ``ids[t]``, else 0) and ``sum(g) = g_t + 0`` (what that kernel's
+    sum of one nonzero and zeros gives), so the same operations on the same values."""
+    t = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + t * stride_yt
+    gt = tl.load(g_ptr + t)
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    s = gt + 0.0
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        mask = c < V
+        g = tl.where(c == tok, gt, 0.0)
+        p = tl.exp(tl.load(y_row + c, mask=mask, other=0.0))
+        tl.store(y_row + c, tl.math.div_rn(g - p * s, temperature), mask=mask)
+
+
+def token_logprobs_backward_triton_(logprobs_TV: torch.Tensor, token_ids_T: torch.Tensor, grad_T: torch.Tensor,
+                                    temperature: float) -> torch.Tensor:
+    """In place: the logits' gradient of ``logprobs_TV[t, ids[t]]`` written over ``logprobs_TV`` and
+    returned: bit for bit :func:`logprobs_backward_triton` of the scattered one-hot gradient (the
+    unfused ``gather`` backward), without the two other fp32 ``[T, V]`` tensors (the scattered
+    gradient and a separate output). Megatron's vocab-parallel cross entropy writes its gradient
+    over its softmax in the same way.
+
+    Args:
+        logprobs_TV: fp32 ``[T, V]`` (unit stride along V), the forward's log-probabilities;
+            overwritten. token_ids_T: int ``[T]`` in ``[0, V)``. grad_T: fp32 ``[T]``.
+        temperature: the forward's, positive and finite in fp32.
+
+    Raises:
+        ValueError: shapes, dtypes or strides other than these; a CPU tensor without the interpreter.
+    """
+    if (logprobs_TV.dim() != 2 or logprobs_TV.dtype != torch.float32
+            or (logprobs_TV.shape[1] > 1 and logprobs_TV.stride(1) != 1)
+            or tuple(token_ids_T.shape) != (logprobs_TV.shape[0],) or tuple(grad_T.shape) != (logprobs_TV.shape[0],)):
+        raise ValueError(f"token_logprobs_backward_triton_: logprobs {tuple(logprobs_TV.shape)} {logprobs_TV.dtype}, ids "
+                         f"{tuple(token_ids_T.shape)} and grad {tuple(grad_T.shape)} must be fp32 [T, V] (unit stride "
+                         "along V), [T] and [T]")
+    t32 = float(torch.tensor(float(temperature), dtype=torch.float32))
+    if not (t32 > 0.0 and t32 != float("inf")):
+        raise ValueError(f"token_logprobs_backward_triton_: temperature must be positive and finite in fp32, got "
+                         f"{temperature}")
+    check_device("token_logprobs_backward_triton_", logprobs_TV, token_ids_T, grad_T)
+    T, V = logprobs_TV.shape
+    if T and V:
+        _token_logprobs_backward_kernel[(T,)](logprobs_TV, token_ids_T.contiguous(), grad_T.float().contiguous(), V, t32,
+                                              logprobs_TV.stride(0), BLOCK_V=BLOCK_V, num_warps=NUM_WARPS)
+    return logprobs_TV
