@@ -173,3 +173,48 @@ def test_the_weight_format_entry_round_trips_and_stored_equals_master():
     wq = rules.fake_quantized(w.float())
     assert torch.equal(wq, rules.dequantize(stored, torch.float32))
     assert rules.problems(stored, (N, K), fmt) == [] and rules.modelopt_algo is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_activation_quantizer_equals_the_torch_form_bitwise(dtype, device):
+    """The one-kernel 1x128 activation quantizer against the torch form, codes and scales bit for bit, and its
+    quantize-dequantize form against ``fp8_activation_f64(x).to(dtype)``: tiles of every size from 2^-40 to
+    2^40, values that round to every e4m3 code incl. subnormals, ties and -0.0, an all-zero tile (the amax
+    floor), a tile whose amax is the floor exactly, rows beyond one program, a strided input; NaN tiles give
+    NaN in both."""
+    from unified_models.ops.fp8_block.common import fp8_block_quantize_activation_torch
+    from unified_models.ops.fp8_block.triton import (fp8_block_activation_qdq_triton,
+                                                     fp8_block_quantize_activation_triton)
+    from unified_models.ops.moe.deepseek_cpu import fp8_activation_f64
+
+    g = torch.Generator().manual_seed(5)
+    T, K = 37, 512
+    x = torch.randn(T, K, generator=g) * torch.pow(2.0, torch.randint(-40, 41, (T, 1), generator=g).float())
+    codes = torch.arange(256)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    grid = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()  # every e4m3 value, and midpoints (ties)
+    x[0, :254] = grid
+    x[0, 254:256] = 448.0
+    x[1, :253] = (grid[:-1] + grid[1:]) / 2
+    x[1, 253:256] = -0.0
+    x[2, :128] = 0.0
+    x[3, :128] = 0.0
+    x[3, 5] = 1e-4
+    x[4, 128:256] = 1e-30
+    x = x.to(dtype)
+    xd = x.to(device)
+    q, s = fp8_block_quantize_activation_triton(xd)
+    q0, s0 = fp8_block_quantize_activation_torch(x)
+    assert torch.equal(q.cpu().view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s.cpu(), s0)
+    for view in (torch.cat([xd, xd], 1)[:, :K], torch.stack([xd, xd], 2)[:, :, 0]):  # row / column strides
+        qs, ss = fp8_block_quantize_activation_triton(view)
+        assert torch.equal(qs.cpu().view(torch.uint8), q0.view(torch.uint8)) and torch.equal(ss.cpu(), s0)
+    want = fp8_activation_f64(x).to(dtype)
+    got = fp8_block_activation_qdq_triton(xd)
+    assert got.dtype == dtype and torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    bad = x[:2].clone()
+    bad[0, 3] = float("nan")
+    assert bool(torch.isnan(fp8_block_quantize_activation_triton(bad.to(device))[1][0, 0]))
+    assert bool(torch.isnan(fp8_block_quantize_activation_torch(bad)[1][0, 0]))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_block_quantize_activation_triton(xd[:, :100])

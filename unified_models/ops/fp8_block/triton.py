@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton._common import (_INTERP, INTERPRET, check_device, e4m3_bits_to_f32, grouped_tile, interpreter_dot,
-                              round_to)
-from .common import BLOCK, fp8_block_quantize_activation
+from ..triton._common import (_INTERP, INTERPRET, check_device, e4m3_bits_to_f32, f32_to_e4m3_bits, grouped_tile,
+                              interpreter_dot, round_to)
+from .common import AMAX_FLOOR, BLOCK, E4M3_MAX, fp8_block_quantize_activation
 
 BLOCK_M = 64
 NUM_WARPS, NUM_STAGES = (4, 1) if INTERPRET else (4, 3)
@@ -150,3 +150,92 @@ def fp8_block_dequantize_triton(weight: torch.Tensor, weight_scale_inv: torch.Te
         _fp8_block_dequantize_kernel[(w3.shape[0], triton.cdiv(n, BLOCK), k // BLOCK)](
             wb, s3, out, n, k, *wb.stride(), *s3.stride(), *out.stride(), BLOCK=BLOCK, num_warps=4)
     return out if weight.dim() == 3 else out[0]
+
+
+ACT_ROWS = 16
+"""Rows per program of the activation quantizer (a function of nothing: row ``t``'s codes never depend
+on the batch; every op is elementwise or an exact maximum)."""
+
+assert AMAX_FLOOR == 1e-4 and E4M3_MAX == 448.0, "the activation kernel writes these literals"
+
+
+@triton.jit(do_not_specialize=["T"])
+def _fp8_block_act_kernel(x_ptr, q_ptr, s_ptr, out_ptr, T, stride_xt, stride_qt, stride_st, stride_ot,
+                          QDQ: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One ``[ROWS, 128]`` tile column of ``x``: per row the tile's amax (exact), its ue8m0 scale
+    ``2^ceil(log2(max(amax, 1e-4) / 448))`` (IEEE division, the exponent rounded up on the bits, as
+    :func:`~.common.ue8m0_scale`), the codes ``e4m3_rne(clamp(x / s, +-448))`` (IEEE division); stores
+    the codes and scales, or (``QDQ``) ``code * s`` rounded to the output dtype (exact: 4 significant bits)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    kb = tl.program_id(1).to(tl.int64)
+    cols = kb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = (rows < T)[:, None]
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    amax = tl.where(has_nan, float("nan"), amax)  # torch's amax propagates NaN
+    sc = tl.math.div_rn(tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL), 448.0)
+    bits = sc.to(tl.int32, bitcast=True)
+    ex, mant = bits & 0x7F800000, bits & 0x007FFFFF
+    up = tl.where(mant != 0, ex + 0x00800000, ex).to(tl.float32, bitcast=True)
+    sc = tl.where(tl.abs(sc) < float("inf"), up, sc)  # inf / NaN stay (torch.isfinite)
+    v = tl.math.div_rn(x, sc[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    code = f32_to_e4m3_bits(v)
+    if QDQ:
+        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
+                 round_to(e4m3_bits_to_f32(code) * sc[:, None], out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q_ptr + rows[:, None] * stride_qt + cols[None, :], code.to(tl.uint8), mask=mask)
+        tl.store(s_ptr + rows * stride_st + kb, sc, mask=rows < T)
+
+
+def _act_args(x_TK: torch.Tensor, what: str) -> tuple[int, int]:
+    if x_TK.dim() != 2 or x_TK.shape[1] % BLOCK or x_TK.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: x must be bf16/fp16/fp32 [T, K] with K a multiple of {BLOCK}, got {x_TK.dtype} "
+                         f"{list(x_TK.shape)}")
+    check_device(what, x_TK)
+    return x_TK.shape
+
+
+def fp8_block_quantize_activation_triton(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.common.fp8_block_quantize_activation` in one kernel: the same codes and scales bit for bit
+    (``tests/ops/test_fp8_block.py``), where the torch form runs about ten elementwise kernels.
+
+    Args:
+        x_TK: bf16/fp16/fp32 ``[T, K]``, K a multiple of 128 (any row stride, unit stride along K is made).
+
+    Returns:
+        ``(codes float8_e4m3fn [T, K], scales fp32 [T, K/128])``.
+
+    Raises:
+        ValueError: other dtypes or shapes; a CPU tensor without the interpreter.
+    """
+    T, K = _act_args(x_TK, "fp8_block_quantize_activation_triton")
+    x = x_TK if x_TK.stride(1) == 1 or K <= 1 else x_TK.contiguous()
+    q = torch.empty(T, K, dtype=torch.uint8, device=x.device)
+    s = torch.empty(T, K // BLOCK, dtype=torch.float32, device=x.device)
+    if T and K:
+        _fp8_block_act_kernel[(triton.cdiv(T, ACT_ROWS), K // BLOCK)](
+            x, q, s, q, T, x.stride(0), q.stride(0), s.stride(0), 0, QDQ=False, ROWS=ACT_ROWS, BLOCK=BLOCK, num_warps=4)
+    return q.view(torch.float8_e4m3fn), s
+
+
+def fp8_block_activation_qdq_triton(x_TK: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The activation as the W8A8 / W4A8 GEMMs see it: quantized per token to FP8 1x128 ue8m0 tiles and
+    dequantized (``code * scale``, exact), in ``dtype`` (default ``x``'s), one kernel; equal bit for bit to
+    ``unified_models.ops.moe.deepseek_cpu.fp8_activation_f64(x).to(dtype)``.
+
+    Raises:
+        ValueError: as :func:`fp8_block_quantize_activation_triton`, or ``dtype`` not bf16/fp16/fp32.
+    """
+    T, K = _act_args(x_TK, "fp8_block_activation_qdq_triton")
+    dtype = dtype or x_TK.dtype
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp8_block_activation_qdq_triton: dtype {dtype} must be bf16/fp16/fp32")
+    x = x_TK if x_TK.stride(1) == 1 or K <= 1 else x_TK.contiguous()
+    out = torch.empty(T, K, dtype=dtype, device=x.device)
+    if T and K:
+        _fp8_block_act_kernel[(triton.cdiv(T, ACT_ROWS), K // BLOCK)](
+            x, out, out, out, T, x.stride(0), 0, 0, out.stride(0), QDQ=True, ROWS=ACT_ROWS, BLOCK=BLOCK, num_warps=4)
+    return out

@@ -240,7 +240,8 @@ def swiglu_expert_outputs(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_we
 def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down, limit):
     """GPU W4A8 / W8A8 experts from the model-dtype kernels: the gate/up activation quantized per token
     to FP8 1x128 tiles and dequantized into ``x``'s dtype (exact: a 4-bit significand times a power of
-    two), then the same two grouped GEMMs, the down projection's activation (the rounded ``h``)
+    two; one kernel, :func:`unified_models.ops.fp8_block.triton.fp8_block_activation_qdq_triton`), then
+    the same two grouped GEMMs, the down projection's activation (the rounded ``h``)
     through the same tile rule between them. Row-local, so batch-invariant.
 
     The weights: block FP8 on small batches (below
@@ -250,6 +251,7 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     (:meth:`~unified_models.ops.fp8_block.experts.FP8BlockExperts.dequantize`). Both give the
     GEMMs the same values with the same launch, so the bits do not depend on the path. MXFP4 is
     dequantized expert by expert on every call (no in-loop tile yet)."""
+    from ..fp8_block.triton import fp8_block_activation_qdq_triton
     from .deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
     from .triton import FP8_DEQUANTIZE_ROWS_PER_EXPERT
 
@@ -264,8 +266,8 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
         return torch.stack([expert_weight(w, e, dt) for e in range(w.shape[0])]) if w.shape[0] else \
             torch.zeros(w.shape, dtype=dt, device=w.device)
 
-    def qdq(a):
-        return fp8_activation_f64(a).to(dt) if a.shape[0] else a
+    def qdq(a):  # one kernel: the bits of fp8_activation_f64(a).to(dt)
+        return fp8_block_activation_qdq_triton(a, dt) if a.shape[0] else a
 
     g, u, d = (dense(w) for w in (gate, up, down))
     a = qdq(x_TD) if quantizes_activations(gate) or quantizes_activations(up) else x_TD

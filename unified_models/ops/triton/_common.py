@@ -137,6 +137,25 @@ def e4m3_bits_to_f32(b):
 
 
 @triton.jit
+def f32_to_e4m3_bits(v):
+    """fp32 -> float8_e4m3fn bit patterns (int32 0..255), round to nearest even, as torch's
+    ``.to(torch.float8_e4m3fn)`` for ``|v| <= 448`` (larger values are the caller's to clamp) and NaN
+    (0x7F with the sign). Integer ops on the bits (the interpreter's fp8 casts are not reliable):
+    normal results (``|v| >= 2^-6``) drop 20 mantissa bits with RNE on the fp32 pattern (a carry moves
+    into the exponent); subnormal ones are ``RNE(|v| * 2^9)`` by the ``2^23`` add-and-subtract (exact
+    up to that rounding: ``|v| * 2^9 < 8``); the sign is copied as a bit (-0.0 -> 0x80)."""
+    vb = v.to(tl.int32, bitcast=True)
+    sign = (vb >> 24) & 0x80
+    ab = vb & 0x7FFFFFFF
+    a = ab.to(tl.float32, bitcast=True)
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(ab < 0x3C800000, sub, normal)  # 0x3C800000 = 2^-6, the smallest normal e4m3
+    code = tl.where(ab > 0x7F800000, 0x7F, code)  # NaN
+    return code | sign
+
+
+@triton.jit
 def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Output tile ``tile_id`` of a GEMM -> (row tile, column tile), ordered in groups of
     ``GROUP_M`` row tiles (L2 reuse). Changes which program computes a tile, never how."""
