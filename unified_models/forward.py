@@ -107,9 +107,9 @@ def forward_logprobs(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden
 def forward_token_logprobs(spec: ModelSpec, params: Mapping[str, torch.Tensor], hidden_RD: torch.Tensor,
                            targets_R: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """The log-probability of ``targets_R[r]`` in row ``r``: fp32 ``[R]``, the bits of
-    ``gather(forward_logprobs(...), targets_R)``; with a graph, its backward keeps one fp32 ``[R, V]``
-    tensor instead of three (:func:`unified_models.ops.token_logprobs`). Under a tap (porting tools)
-    the full rows are formed so that the ``logprobs`` tap sees them."""
+    ``gather(forward_logprobs(...), targets_R)``, formed in row chunks of about 1 GiB of logits, forward
+    and backward (:func:`unified_models.ops.lm_head_token_logprobs`): no fp32 ``[R, V]`` tensor of the
+    whole batch. Under a tap (porting tools) the full rows are formed so that the taps see them."""
     if taps.SINK is not None:
         return ops.gather_token_logprobs(forward_logprobs(spec, params, hidden_RD, temperature), targets_R)
-    return ops.token_logprobs(logits_fp32(spec, params, hidden_RD), targets_R, temperature)
+    return ops.lm_head_token_logprobs(hidden_RD, params[spec.lm_head.weight_name], targets_R, temperature)

@@ -104,9 +104,10 @@ def test_values_bitwise_equal_with_and_without_grad(models):
 
 
 def test_fused_token_logprobs_give_the_unfused_bits_and_gradients(models):
-    """The trainer's path (``token_logprobs_and_rows``: the token logprobs' backward writes over the one kept
-    [R, V] tensor) gives the values and every parameter gradient of ``token_logprobs(return_full=True)``'s
-    gathered logprobs bit for bit; its lazy full rows equal those rows."""
+    """The trainer's path (``token_logprobs_and_rows``: LM head + logprob + gather in row chunks, the gradient
+    written over the chunk's log-probabilities; one chunk at these sizes) gives the values and every parameter
+    gradient of ``token_logprobs(return_full=True)``'s gathered logprobs bit for bit; its lazy full rows equal
+    those rows."""
     spec, model, _ = models
     _, ids, cu = _batch()
     model.requires_grad_(True)

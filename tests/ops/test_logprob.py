@@ -157,3 +157,60 @@ def test_token_logprobs_fused_equals_the_two_ops_bitwise(backend, temperature, d
     tok.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         tok.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_lm_head_token_logprobs_in_chunks(backend, device, gen, monkeypatch):
+    """``ops.lm_head_token_logprobs`` (LM head + logprob + gather in row chunks): forward bits equal to the
+    unchunked ops at every chunk size; one chunk: hidden and weight gradients bit for bit those of
+    ``linear`` -> ``logprobs`` -> ``gather_token_logprobs``; several chunks: the same to fp32 rounding of
+    the chunk sums, and bitwise repeatable; a second backward and a weight changed since the forward are
+    refused."""
+    from unified_models import ops
+
+    dev = device if backend == "triton" else "cpu"
+    monkeypatch.setenv("UM_OPS_BACKEND", backend)
+    R, D, Vh = 11, 64, 300
+    h0 = (torch.randn(R, D, generator=gen)).bfloat16()
+    w0 = (torch.randn(Vh, D, generator=gen) / 4).bfloat16()
+    ids = torch.randint(0, Vh, (R,), generator=gen)
+    g = torch.randn(R, generator=gen)
+
+    def run(rows):
+        h = h0.clone().to(dev).requires_grad_(True)
+        w = w0.clone().to(dev).requires_grad_(True)
+        if rows is None:
+            tok = ops.gather_token_logprobs(ops.logprobs(ops.linear(h, w, out_dtype=torch.float32), 0.8), ids.to(dev))
+        else:
+            tok = ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8, rows_per_chunk=rows)
+        tok.backward(g.to(dev))
+        return tok.detach(), h.grad, w.grad
+
+    def bits(t):
+        return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    ref = run(None)
+    one = run(R)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(one, ref))
+    for rows in (1, 4):
+        got, again = run(rows), run(rows)
+        assert torch.equal(bits(got[0]), bits(ref[0]))  # the forward: row-local ops
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, again))
+        torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=0, atol=1e-2 * float(ref[1].abs().max()))
+        torch.testing.assert_close(got[2].float(), ref[2].float(), rtol=0, atol=1e-2 * float(ref[2].abs().max()))
+    h = h0.clone().to(dev).requires_grad_(True)
+    w = w0.clone().to(dev).requires_grad_(True)
+    tok = ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8)
+    tok.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        tok.sum().backward()
+    tok = ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="lm_head_token_logprobs"):
+        tok.sum().backward()
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8, rows_per_chunk=0)
+    with torch.no_grad():
+        plain = ops.lm_head_token_logprobs(h0.to(dev), w0.to(dev), ids.to(dev), 0.8, rows_per_chunk=3)
+    assert plain.grad_fn is None and torch.equal(bits(plain), bits(ref[0]))

@@ -46,6 +46,7 @@ from .autograd import (
     paged_attention,
     relu2,
     rms_norm,
+    lm_head_token_logprobs,
     swiglu,
     token_logprobs,
     weight_version,
@@ -57,7 +58,8 @@ from .nvfp4 import (NVFP4Error, NVFP4Weight, nvfp4_dequantize, nvfp4_quantize, n
                     stack_nvfp4_experts, validate_nvfp4, validate_nvfp4_experts)
 
 __all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "relu2", "swiglu", "write_kv_cache",
-           "paged_attention", "logprobs", "gather_token_logprobs", "token_logprobs", "rope_cos_sin", "apply_rope",
+           "paged_attention", "logprobs", "gather_token_logprobs", "token_logprobs", "lm_head_token_logprobs",
+           "rope_cos_sin", "apply_rope",
            "StaleWeightError", "bump_weight_version", "bump_on_step", "name_weights", "weight_version"]
 __all__ += ["moe_route", "moe_experts", "moe_shared_expert", "NVFP4Error", "NVFP4Weight", "nvfp4_quantize",
             "nvfp4_dequantize", "nvfp4_quantize_into", "nvfp4_scale_2", "validate_nvfp4", "validate_nvfp4_experts",

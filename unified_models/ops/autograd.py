@@ -22,6 +22,7 @@ read_kv_cache               scatter onto the taped writes; older rows constant
 logprobs                    analytic (softmax form, temperature included)
 gather_token_logprobs       analytic (scatter)
 token_logprobs              the two above fused: the gradient written over the kept log-probabilities
+lm_head_token_logprobs      linear + token_logprobs in row chunks (recomputed per chunk)
 ==========================  ===============================================
 
 Roundings of the forward (bf16 outputs, the KV-cache dtype, the FP8 KV-cache
@@ -59,12 +60,13 @@ from .grad.helpers import needs_grad
 from .grad.weights import StaleWeightError, bump_on_step, bump_weight_version, name_weights, weight_version
 from .linear.backward import linear
 from .logprob.backward import gather_token_logprobs, logprobs, token_logprobs
+from .logprob.lm_head import lm_head_token_logprobs
 from .rmsnorm.backward import add_rms_norm, rms_norm
 from .rope.backward import apply_rope
 
 __all__ = [
     "embedding", "rms_norm", "add_rms_norm", "linear", "relu2", "swiglu", "apply_rope", "write_kv_cache", "paged_attention",
     "read_kv_cache", "CompressedKV",
-    "logprobs", "gather_token_logprobs", "token_logprobs", "StaleWeightError", "bump_weight_version", "bump_on_step",
+    "logprobs", "gather_token_logprobs", "token_logprobs", "lm_head_token_logprobs", "StaleWeightError", "bump_weight_version", "bump_on_step",
     "name_weights", "weight_version", "needs_grad",
 ]

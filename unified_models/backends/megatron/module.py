@@ -522,8 +522,8 @@ class UnifiedMegatronModel(MegatronModule):
     def token_logprobs_and_rows(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                                 rows: torch.Tensor | None = None, temperature: float = 1.0, *,
                                 packed_seq_params: Any = None, target_ids: torch.Tensor | None = None):
-        """:meth:`token_logprobs` for a loss (the trainer's step): the ``[R]`` logprobs, whose backward keeps
-        one fp32 ``[R, V]`` tensor (:func:`unified_models.forward.forward_token_logprobs`), and a function
+        """:meth:`token_logprobs` for a loss (the trainer's step): the ``[R]`` logprobs, formed in row chunks
+        forward and backward (:func:`unified_models.forward.forward_token_logprobs`), and a function
         that forms the full ``[R, V]`` rows from the same hidden rows when a loss asks for them (the bits of
         ``token_logprobs(..., return_full=True)[1]``; their memory and LM-head GEMM only then).
 

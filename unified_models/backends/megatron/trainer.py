@@ -73,8 +73,9 @@ class TrainBatch:
 
     Attributes:
         batch: the packed micro-batch (``owners``, ``flat`` slice, tensors).
-        logprobs: ``[R]`` fp32 logprob of each completion token, with a graph (its backward keeps one
-            fp32 ``[R, V]`` tensor: :func:`unified_models.ops.token_logprobs`).
+        logprobs: ``[R]`` fp32 logprob of each completion token, with a graph (LM head, logprob and
+            gather in row chunks of ~1 GiB of logits, forward and backward:
+            :func:`unified_models.ops.lm_head_token_logprobs`).
         rows: ``[R, V]`` fp32 whole rows (``log_softmax(logits / T)``), same graph; formed on first
             access (the LM head's fp32 logits and two more ``[R, V]`` tensors in the backward), so a
             loss of the token logprobs alone (GRPO's) never pays for them.

@@ -1,0 +1,120 @@
+"""The trainer's token logprobs straight from the hidden rows: LM head, logprob op and gather in row
+chunks, so no fp32 ``[R, V]`` tensor of the whole micro-batch is ever alive.
+
+``tok[r] = log_softmax(fp32(h_r W^T) / T)[ids[r]]`` with the rollout's ops: the batch-invariant
+linear (:func:`unified_models.ops.linear.dispatch.linear`, fp32 output) and the logprob op
+(:func:`.dispatch.logprobs`), both row-local, so a chunk's rows hold the bits the whole batch would
+(the contract's side: these are the values the rollout engine reports). Chunks are
+:func:`chunk_rows` rows (about 1 GiB of fp32 logits each).
+
+Backward, per chunk: the logits and log-probabilities recomputed (the same bits), the gradient
+written over them (:func:`.backward.token_logprobs_backward_`), then the linear's two GEMMs
+(:func:`unified_models.ops.grad.helpers.grad_matmul`, as :class:`~unified_models.ops.linear.backward.LinearFn`):
+``dX`` rows of the chunk, ``dW`` summed over the chunks in fp32 in chunk order. One chunk (``R <=
+chunk_rows``): the log-probabilities kept from the forward, no recompute, and the same gradient bits
+as ``linear`` -> ``logprobs`` -> ``gather_token_logprobs``; several chunks: ``dW`` is a sum of
+per-chunk GEMMs (other bits than one GEMM over all rows, deterministic; DESIGN.md rule 11: gradients
+are not batch-invariant). Peak memory: one chunk's logits and gradient (+ the GEMMs' bf16 splits of
+it) instead of three fp32 ``[R, V]`` tensors and the splits of the whole one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..grad.helpers import acc, grad_matmul, needs_grad
+from ..grad.weights import check_stamps, stamp
+from ..linear import dispatch as linear_dispatch
+from . import dispatch
+from .backward import token_logprobs_backward_
+
+CHUNK_ELEMENTS = 1 << 28
+"""fp32 logits per chunk (1 GiB): :func:`chunk_rows` is ``max(1, CHUNK_ELEMENTS // V)``."""
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk for a vocabulary of ``vocab_size``: ``max(1, CHUNK_ELEMENTS // V)`` (2,048 at V = 131,072)."""
+    return max(1, CHUNK_ELEMENTS // max(1, int(vocab_size)))
+
+
+def _chunk_logprobs(h_RD, weight_VD, temperature):
+    return dispatch.logprobs(linear_dispatch.linear(h_RD, weight_VD, None, torch.float32), temperature)
+
+
+class LmHeadTokenLogprobsFn(torch.autograd.Function):
+    """Module doc. Inputs ``(hidden [R, D], weight [V, D], ids [R], temperature, rows per chunk)``."""
+
+    @staticmethod
+    def forward(ctx, h_RD, weight_VD, ids_R, temperature, rows):
+        R = h_RD.shape[0]
+        out = torch.empty(R, dtype=torch.float32, device=h_RD.device)
+        y = None
+        for r0 in range(0, R, rows):
+            y = _chunk_logprobs(h_RD[r0:r0 + rows], weight_VD, temperature)
+            out[r0:r0 + rows] = dispatch.gather_token_logprobs(y, ids_R[r0:r0 + rows])
+        ctx.save_for_backward(h_RD)
+        ctx.y = y if R <= rows else None  # one chunk: kept (no recompute); several: recomputed per chunk
+        ctx.weight, ctx.ids, ctx.temperature, ctx.rows = weight_VD, ids_R, temperature, rows
+        ctx.stamps = stamp(weight=weight_VD)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_R):
+        check_stamps("lm_head_token_logprobs", ctx.stamps)
+        (h,) = ctx.saved_tensors
+        w, ids, temp, rows = ctx.weight, ctx.ids, ctx.temperature, ctx.rows
+        kept, ctx.y = ctx.y, None
+        R = h.shape[0]
+        if kept is None and R <= rows and R:
+            raise RuntimeError("lm_head_token_logprobs: backward ran twice through the same graph (its saved "
+                               "log-probabilities hold the first backward's gradient); recompute the forward")
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_x else None
+        dw = None
+        for r0 in range(0, R, rows):
+            hc = h[r0:r0 + rows]
+            y = kept if kept is not None else _chunk_logprobs(hc, w, temp)
+            dz = token_logprobs_backward_(y, ids[r0:r0 + rows], acc(g_R[r0:r0 + rows]), temp)
+            if want_x:
+                dx[r0:r0 + rows] = grad_matmul(dz, w)
+            if want_w:
+                part = grad_matmul(dz.t(), hc)
+                dw = part if dw is None else dw.add_(part)
+            del y, dz
+        if want_w and dw is None:
+            dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        return (dx.to(h.dtype) if want_x else None, dw.to(w.dtype) if want_w else None, None, None, None)
+
+
+def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, token_ids_R: torch.Tensor,
+                           temperature: float = 1.0, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """``gather_token_logprobs(logprobs(linear(hidden, weight, out fp32), T), ids)`` in row chunks (module doc).
+
+    Args:
+        hidden_RD: ``[R, D]`` final hidden rows (model dtype). weight_VD: ``[V, D]`` LM head.
+        token_ids_R: int ``[R]`` in ``[0, V)``. temperature: > 0.
+        rows_per_chunk: rows per chunk (default :func:`chunk_rows` of V; tests pass small ones).
+
+    Returns:
+        fp32 ``[R]``: the bits of the unchunked ops; differentiable w.r.t. ``hidden_RD`` and ``weight_VD``
+        (backward once per graph).
+
+    Raises:
+        ValueError: ``rows_per_chunk`` < 1; as :func:`.dispatch.logprobs` and the linear.
+    """
+    rows = chunk_rows(weight_VD.shape[0]) if rows_per_chunk is None else int(rows_per_chunk)
+    if rows < 1:
+        raise ValueError(f"lm_head_token_logprobs: rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    if needs_grad(hidden_RD, weight_VD):
+        return LmHeadTokenLogprobsFn.apply(hidden_RD, weight_VD, token_ids_R, temperature, rows)
+    with torch.no_grad():
+        return LmHeadTokenLogprobsFn.forward(_NoCtx(), hidden_RD, weight_VD, token_ids_R, temperature, rows)
+
+
+class _NoCtx:
+    """A stand-in autograd context for the no-grad forward (it keeps nothing)."""
+
+    def save_for_backward(self, *tensors):
+        pass
