@@ -1,5 +1,7 @@
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -132,6 +134,13 @@ def test_save_is_atomic_and_round_trips(tmp_path, tiny_model):
     back = load_file(str(out))
     assert all(torch.equal(back[k], v) for k, v in sd.items())
     assert not list((tmp_path / "out").glob("*.tmp"))
+    mask = os.umask(0o027)  # a team-readable setting: the file takes it, as every file this process writes
+    try:
+        again = save_state_dict(sd, tmp_path / "team")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~mask  # not safetensors' own 0o600
+    assert stat.S_IMODE(again.stat().st_mode) == 0o640
 
 
 def test_another_models_table_is_counted_not_dumped():

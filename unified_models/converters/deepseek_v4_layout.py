@@ -464,7 +464,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     """
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from .hf_safetensors import save_safetensors
 
     src, dst = Path(src), Path(dst)
     raw = json.loads((src / "config.json").read_text())
@@ -493,7 +495,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         out = canonical_to_official(tensors, scale_dtype=official_scale_dtype(cfg))
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in out.items()}, str(tmp), metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in out.items()}, tmp, metadata={"format": "pt"})
     os.replace(tmp, dst / "model.safetensors")
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     for f in src.iterdir():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -294,6 +294,17 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
                 raise CheckpointError(f"checkpoint {source}: tensor {n} holds NaN or Inf")
 
 
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, then the file's mode that of any file this process creates
+    (``0o666`` less the umask): ``save_file`` itself writes ``0o600``, so a checkpoint written for a
+    team (or a serving process of another user) could not be read."""
+    save_file(dict(tensors), str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
                     config_json: dict | None = None, filename: str = "model.safetensors") -> Path:
     """Write ``state_dict`` (and optionally ``config.json``) atomically.
@@ -304,7 +315,7 @@ def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / (filename + ".tmp")
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp), metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
     os.replace(tmp, d / filename)
     if config_json is not None:
         tmpc = d / "config.json.tmp"

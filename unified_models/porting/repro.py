@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from ..converters.hf_safetensors import save_safetensors
 from .compare import Divergence
 from .taps import TapRecorder, TapRecords, recording, tap_name
 
@@ -111,8 +112,8 @@ def write_repro(out_dir: Path, spec, model_dir: Path, state_dict: Mapping[str, t
     s, p = div.sequence, div.position
     sub = _sublayer_of(spec, div.name)
     rows_a, rows_b = a.rows(div.name), b.rows(div.name)
-    save_file({"side_a": rows_a[(s, p)].contiguous(), "side_b": rows_b[(s, p)].contiguous()},
-              str(out_dir / "outputs.safetensors"))
+    save_safetensors({"side_a": rows_a[(s, p)].contiguous(), "side_b": rows_b[(s, p)].contiguous()},
+                     out_dir / "outputs.safetensors")
     if sub is not None:
         kind, what = "mixer", f"x = normed input of {tap_name(sub.mixer.name)} at positions 0..{p}, its parameters"
         tensors = {"x": _seq_prefix(a, tap_name(sub.norm.name), s, p).contiguous()}
@@ -122,7 +123,7 @@ def write_repro(out_dir: Path, spec, model_dir: Path, state_dict: Mapping[str, t
         kind, what = "model", f"input_ids of positions 0..{p}, every parameter"
         tensors = {"input_ids": torch.tensor(sequences[s][:p + 1], dtype=torch.long)}
         tensors.update({f"param.{n}": t.detach().cpu().contiguous() for n, t in state_dict.items()})
-    save_file(tensors, str(out_dir / "inputs.safetensors"))
+    save_safetensors(tensors, out_dir / "inputs.safetensors")
     meta = {"name": div.name, "kind": kind, "mode": mode, "sides": list(div.sides), "sequence": s, "position": p,
             "element": list(div.element), "tolerance": div.tolerance if mode == "reference" else None,
             "sublayer": None if sub is None else sub.index}

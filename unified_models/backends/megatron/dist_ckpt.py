@@ -40,6 +40,7 @@ from ...converters.hf_safetensors import (
     canonical_tensors,
     load_hf_config,
     read_tensors,
+    save_safetensors,
     stored_tensors,
     tensor_table_problems,
     validate_state_dict,
@@ -331,8 +332,6 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
             ``requantize`` on a checkpoint that records no quantization recipe;
             a recipe the masters cannot be quantized under (named).
     """
-    from safetensors.torch import save_file
-
     check_destination(ckpt_dir, out_dir, src_name="the Megatron checkpoint", dst_name="the output")
     info = check_dist_checkpoint(ckpt_dir)
     source = str(ckpt_dir)
@@ -355,8 +354,8 @@ def megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, o
     out = Path(out_dir)
     with layout.atomic_output_dir(out, overwrite) as tmp:
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
+                             metadata={"format": "pt"})
             (tmp / "config.json").write_bytes(text.encode("utf-8"))
             layout.copy_assets(Path(ckpt_dir) / ASSETS_DIR, tmp)
             if info.recipe is not None:  # the recipe's own quantization file, or none for the masters
