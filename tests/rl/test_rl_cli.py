@@ -78,17 +78,22 @@ def _trained_state(ckpt_dir, spec):
 def test_resume_equals_the_uninterrupted_run_bitwise(uninterrupted, tiny_model, tmp_path):
     """Resume from the step-2 checkpoint (with --use-rollout-logprobs, which the resumed
     process may use from its second step on): steps 3-4 sample the same tokens with the same
-    logprob bits, and the final weights, fp32 main weights and Adam moments are equal bitwise."""
+    logprob bits, and the final weights, fp32 main weights and Adam moments are equal bitwise.
+    The metrics file lacks step 2's line (as when a run stops between its checkpoint and that line):
+    the resume restores it from the checkpoint, and drops the later lines."""
     status, d, model_dir = uninterrupted
     assert status == 0
     _, spec, _ = tiny_model
     metrics = tmp_path / "resumed.jsonl"
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(d / "m.jsonl")))  # 4 lines to trim
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(d / "m.jsonl") if r["step"] != 2))
     assert main(["rl", "--model", str(model_dir), *SMALL,
                  "--steps", "4", "--metrics", str(metrics), "--resume", str(d / "ckpt" / "iter_0000002"),
                  "--save", str(tmp_path / "ckpt"), "--use-rollout-logprobs"]) == 0
     a, b = read_metrics(d / "m.jsonl"), read_metrics(metrics)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]  # steps 1-2 kept, 3-4 rewritten by the resumed run
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # step 1 kept, 2 restored, 3-4 rewritten by the resumed run
+    assert b[1].pop("restored_from_checkpoint") is True and "restored_from_checkpoint" not in b[0]
+    assert b[1]["seconds"]["save"] == 0.0 and "step" not in b[1]["seconds"]  # as recorded before the save
+    assert {k: v for k, v in b[1].items() if k != "seconds"} == {k: v for k, v in a[1].items() if k != "seconds"}
     assert [r["old_logprobs"] for r in b[2:]] == ["recompute", "rollout"]
     for ra, rb in zip(a[2:], b[2:]):
         assert _diff_zero(rb), rb

@@ -466,7 +466,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
 
     from safetensors.torch import load_file
 
-    from .hf_safetensors import save_safetensors
+    from .safetensors_io import save_safetensors
 
     src, dst = Path(src), Path(dst)
     raw = json.loads((src / "config.json").read_text())

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..dsl import CheckpointError, ModelSpec, SpecError
 from .quantized import validate_quantized
+from .safetensors_io import save_safetensors
 
 
 def load_hf_config(model_dir: str | os.PathLike) -> Any:
@@ -292,17 +293,6 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
                 continue
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"checkpoint {source}: tensor {n} holds NaN or Inf")
-
-
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
-                     metadata: dict[str, str] | None = None) -> None:
-    """safetensors' ``save_file``, then the file's mode that of any file this process creates
-    (``0o666`` less the umask): ``save_file`` itself writes ``0o600``, so a checkpoint written for a
-    team (or a serving process of another user) could not be read."""
-    save_file(dict(tensors), str(path), metadata=metadata)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,

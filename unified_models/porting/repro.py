@@ -29,7 +29,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file
 
-from ..converters.hf_safetensors import save_safetensors
+from ..converters.safetensors_io import save_safetensors
 from .compare import Divergence
 from .taps import TapRecorder, TapRecords, recording, tap_name
 

@@ -123,7 +123,11 @@ def run_rl(opts: RLOptions) -> int:
         contract = run.verify_contract()  # refuses (exit 2) engines whose execution contracts differ
         console.log(f"contract fingerprint {contract.digest[:16]} (vLLM = Megatron, {len(contract.shared_names())} "
                     "components); weight fingerprint checked after every sync")
-        writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None) if lead else None
+        writer = MetricsWriter(opts.metrics, resume_step=start if opts.resume else None,
+                               saved_row=run.saved_metrics_row) if lead else None
+        if writer is not None and writer.restored_step is not None:
+            console.log(f"metrics: step {writer.restored_step}'s line restored from the checkpoint (the run had "
+                        "stopped after saving it, before writing the line)")
         columns = (SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
         with Progress(*columns, console=console) as progress:
@@ -134,15 +138,16 @@ def run_rl(opts: RLOptions) -> int:
                 timer = {p: 0.0 for p in ("rollout", "recompute", "update", "sync", "save")}
                 t_step = time.perf_counter()
                 res = run.step(step, timer)
+                res.row.setdefault("importance_ratio_max", None)
+                res.row.setdefault("entropy", None)
                 if res.error is None and opts.save and (step == opts.steps or
                                                         (opts.save_every and step % opts.save_every == 0)):
                     t0 = time.perf_counter()
-                    saved_at = save_checkpoint(run, step)
+                    before = dict(res.row, seconds={k: round(v, 4) for k, v in timer.items()})
+                    saved_at = save_checkpoint(run, step, metrics_row=before)
                     timer["save"] = time.perf_counter() - t0
                 timer["step"] = time.perf_counter() - t_step
                 res.row["seconds"] = {k: round(v, 4) for k, v in timer.items()}
-                res.row.setdefault("importance_ratio_max", None)
-                res.row.setdefault("entropy", None)
                 if writer is not None:
                     writer.write(res.row)
                 if res.error is not None:

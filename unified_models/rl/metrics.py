@@ -96,14 +96,25 @@ class MetricsWriter:
         resume_step: None for a fresh run (the file is truncated); k for a run
             resumed after step k (lines with ``step <= k`` are kept, later ones
             dropped, so the file reads like one uninterrupted run).
+        saved_row: on resume, the line the checkpoint of step k recorded
+            (:func:`.startup.save_checkpoint`): appended, marked ``"restored_from_checkpoint": true``
+            (its ``seconds`` without the save), when the file holds the lines of steps 1..k-1 and not
+            k (the run stopped between its checkpoint and the line); :attr:`restored_step` is then k.
+            A new file (the resumed part written elsewhere) gets nothing restored.
     """
 
-    def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None):
+    def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None, saved_row: dict | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.restored_step: int | None = None
         keep: list[dict] = []
         if resume_step is not None and self.path.is_file():
             keep = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resume_step]
+        steps = [int(r.get("step", 0)) for r in keep]
+        if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
+                and saved_row.get("step") == resume_step and steps == list(range(1, resume_step))):
+            keep.append(dict(saved_row, restored_from_checkpoint=True))
+            self.restored_step = resume_step
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as f:
             for r in keep:

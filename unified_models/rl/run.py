@@ -98,6 +98,8 @@ class RLRun:
     trainer: Any = None
     """The :class:`~..backends.megatron.trainer.Trainer` (module, optimizer, frozen reference)."""
     first_step_of_process: int = 1
+    saved_metrics_row: dict | None = None
+    """On ``--resume``: the metrics line the checkpoint recorded for its step (or None)."""
     state_dict: dict | None = None
     """The checkpoint's validated tensors until both engines hold them (then None)."""
     contract: Any = None

@@ -15,6 +15,7 @@ from ..dsl import PromptError, UnifiedModelsError
 from ..run_options import resolve_device, tokenizer_dir_for
 from .data import load_prompt_rows
 from .distributed import RLLayout, check_layout_for_spec
+from .metrics import json_safe
 from .options import AUTO, RLOptions, run_identity
 from .rewards import build_reward, check_references, reward_info
 from .run import RLRun
@@ -146,6 +147,7 @@ def start_engines(run: RLRun, console) -> int:
         ck = run.trainer.resume(o.resume)
         start = ck.iteration
         saved = ck.extra.get("rl", {})
+        run.saved_metrics_row = saved.get("metrics_row")
         if run.reward_name == "target-token" and run.target_token_id is None:
             if saved.get("target_token_id") is None:
                 raise UnifiedModelsError(f"--resume {o.resume}: the checkpoint does not record the target token "
@@ -223,9 +225,11 @@ def model_config(run: RLRun) -> dict:
     return json.loads((run.model_dir / "config.json").read_text())
 
 
-def save_checkpoint(run: RLRun, step: int) -> Path:
+def save_checkpoint(run: RLRun, step: int, metrics_row: dict | None = None) -> Path:
     """Write the trainer's checkpoint of ``step`` under ``--save`` with the run's identity
-    (:func:`.options.run_identity`, the target token); returns its directory.
+    (:func:`.options.run_identity`, the target token) and ``metrics_row``, the step's metrics line as of
+    before the save (a ``--resume`` whose metrics file lacks it, the run having stopped between the
+    checkpoint and the line, restores it: :class:`.metrics.MetricsWriter`); returns its directory.
 
     The checkpoint carries the model's ``config.json`` and, in ``hf_assets/``, the files of the tokenizer the
     run used (``run.tokenizer_dir``: ``--tokenizer``, else the model's or the bundled one) and the
@@ -240,7 +244,8 @@ def save_checkpoint(run: RLRun, step: int) -> Path:
     config = (run.model_dir / "config.json").read_text()
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step,
                     "tokenizer": str(run.tokenizer_dir), "prompts_file": prompts_file(run),
-                    "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": json.loads(config)}}
+                    "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": json.loads(config),
+                    "metrics_row": json_safe(metrics_row) if metrics_row is not None else None}}
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
     return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,

@@ -40,7 +40,6 @@ from ...converters.hf_safetensors import (
     canonical_tensors,
     load_hf_config,
     read_tensors,
-    save_safetensors,
     stored_tensors,
     tensor_table_problems,
     validate_state_dict,
@@ -53,6 +52,7 @@ from ...converters.megatron_dist_ckpt import (
     describe_error,
     verify_digests,
 )
+from ...converters.safetensors_io import save_safetensors
 from ...dsl import CheckpointError, ModelSpec, SpecError, UnifiedModelsError
 from ...paths import check_destination
 from ...serving.vocabulary import pad_tokenizer_dir

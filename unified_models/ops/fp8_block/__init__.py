@@ -35,8 +35,9 @@ interpreter), ``dispatch.py`` (argument checks, then one of the two), ``referenc
 """
 
 from .backward import fp8_block_linear
-from .common import (BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_problems, fp8_block_quantize_activation,
-                     fp8_block_quantize_weight, ue8m0_scale)
+from .common import (BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_problems, fp8_block_quantize_weight,
+                     ue8m0_scale)
+from .dispatch import fp8_block_quantize_activation
 from .experts import FP8BlockExperts, FP8BlockMaster
 from .kv import KV_TILE, ds_kv_fp8_roundtrip
 from .reference import fp8_block_linear_reference

@@ -16,8 +16,8 @@ import torch
 
 from ..grad.helpers import acc, grad_matmul
 from ..grad.weights import check_stamps, stamp
-from .common import BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_quantize_activation, fp8_block_quantize_weight
-from .dispatch import fp8_block_linear_forward
+from .common import BLOCK, FP8BlockWeight, fp8_block_dequantize, fp8_block_quantize_weight
+from .dispatch import fp8_block_linear_forward, fp8_block_quantize_activation
 
 
 class Fp8BlockLinearFn(torch.autograd.Function):

@@ -1,15 +1,12 @@
 """The block-FP8 weight format: :class:`FP8BlockWeight`, the ue8m0 scale rule, the weight and
 activation quantizers, dequantization and load-time checks (rules: :mod:`unified_models.ops.fp8_block`).
-Plain torch, elementwise per tile, the same on every device (the activation quantizer also as one
-Triton kernel on the Triton path, the same bits)."""
+Plain torch, elementwise per tile, the same on every device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from .._dispatch import use_triton
 
 BLOCK = 128
 """Weight block (both dims) and activation tile width along K."""
@@ -86,17 +83,16 @@ def fp8_block_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
     return (weight.float() * s).to(dtype)
 
 
-def fp8_block_quantize_activation(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic 1x128 activation quantization (DeepSeek ``act_quant``, ue8m0 scales).
+def fp8_block_quantize_activation_torch(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic 1x128 activation quantization (DeepSeek ``act_quant``, ue8m0 scales) in plain torch
+    (elementwise ops and exact maxima: the same bits on every device). The op is
+    :func:`.dispatch.fp8_block_quantize_activation` (this, or the Triton kernel with the same bits).
 
     Args:
         x_TK: ``[T, K]`` bf16/fp16/fp32, K a multiple of 128.
 
     Returns:
-        ``(codes e4m3 [T, K], scales fp32 [T, K/128])``; row ``t`` depends only on ``x_TK[t]``. On the
-        Triton path (CUDA, or ``UM_OPS_BACKEND=triton``) one kernel
-        (:func:`.triton.fp8_block_quantize_activation_triton`), the same bits as the torch form
-        (:func:`fp8_block_quantize_activation_torch`).
+        ``(codes e4m3 [T, K], scales fp32 [T, K/128])``; row ``t`` depends only on ``x_TK[t]``.
 
     Raises:
         ValueError: not 2-D, or K not a multiple of 128.
@@ -104,16 +100,6 @@ def fp8_block_quantize_activation(x_TK: torch.Tensor) -> tuple[torch.Tensor, tor
     if x_TK.dim() != 2:
         raise ValueError(f"fp8_block_quantize_activation: x must be [T, K], got {list(x_TK.shape)}")
     _check_k(x_TK.shape[1], "fp8_block_quantize_activation")
-    if use_triton(x_TK) and x_TK.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        from .triton import fp8_block_quantize_activation_triton
-
-        return fp8_block_quantize_activation_triton(x_TK)
-    return fp8_block_quantize_activation_torch(x_TK)
-
-
-def fp8_block_quantize_activation_torch(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fp8_block_quantize_activation` in plain torch (elementwise ops and exact maxima: the same
-    bits on every device); arguments checked by the caller."""
     t, k = x_TK.shape
     xb = x_TK.float().view(t, k // BLOCK, BLOCK)
     s = ue8m0_scale(xb.abs().amax(dim=2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import map_row_tiles
-from .common import BLOCK, fp8_block_quantize_activation
+from .common import BLOCK, fp8_block_quantize_activation_torch
 
 
 def fp8_block_linear_torch(x_TK: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -23,7 +23,7 @@ def fp8_block_linear_torch(x_TK: torch.Tensor, weight_q: torch.Tensor, weight_sc
     b = bias_N.float() if bias_N is not None else None
 
     def tile(x):
-        xq, sx = fp8_block_quantize_activation(x)
+        xq, sx = fp8_block_quantize_activation_torch(x)
         part = torch.einsum("tkb,nkb->tnk", xq.double().view(-1, kb, BLOCK), w).float()  # exact, then fp32
         part = part * sx[:, None, :] * sw[None, :, :]
         acc = torch.zeros_like(part[..., 0])  # 0 + first block: -0.0 becomes +0.0, as in the kernel

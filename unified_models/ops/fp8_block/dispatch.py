@@ -6,10 +6,31 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import use_triton
-from .common import BLOCK
+from .common import BLOCK, fp8_block_quantize_activation_torch
 from .cpu import fp8_block_linear_torch
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fp8_block_quantize_activation(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic 1x128 activation quantization (DeepSeek ``act_quant``, ue8m0 scales): on the Triton path
+    (CUDA, or ``UM_OPS_BACKEND=triton``) one kernel (:func:`.triton.fp8_block_quantize_activation_triton`),
+    else the torch form (:func:`.common.fp8_block_quantize_activation_torch`); the same bits.
+
+    Args:
+        x_TK: ``[T, K]`` bf16/fp16/fp32, K a multiple of 128.
+
+    Returns:
+        ``(codes e4m3 [T, K], scales fp32 [T, K/128])``; row ``t`` depends only on ``x_TK[t]``.
+
+    Raises:
+        ValueError: not 2-D, K not a multiple of 128, another dtype on the Triton path.
+    """
+    if use_triton(x_TK) and x_TK.dim() == 2:
+        from .triton import fp8_block_quantize_activation_triton
+
+        return fp8_block_quantize_activation_triton(x_TK)
+    return fp8_block_quantize_activation_torch(x_TK)
 
 
 def fp8_block_linear_forward(x_TK: torch.Tensor, weight_q: torch.Tensor, weight_scale_inv: torch.Tensor,

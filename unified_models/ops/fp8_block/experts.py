@@ -6,7 +6,7 @@ linears: per expert and projection ``weight`` float8_e4m3fn ``[N, K]`` and ``wei
 float8_e8m0fnu ``[ceil(N/128), K/128]``. The experts ops (:mod:`unified_models.ops.moe.deepseek`)
 compute them in the W8A8 rule: the weight dequantized exactly (``e4m3 * 2^j`` is exact in bf16
 and fp32), the activation quantized per token to FP8 with 1x128 ue8m0 tiles and dequantized
-exactly (:func:`.common.fp8_block_quantize_activation`, DeepSeek's ``act_quant`` before its
+exactly (:func:`.dispatch.fp8_block_quantize_activation`, DeepSeek's ``act_quant`` before its
 ``fp8_gemm``), then the experts' own GEMM. A token's result depends on its own row only.
 
 :class:`FP8BlockExperts` holds stored codes (no gradient); :class:`FP8BlockMaster` a model-dtype

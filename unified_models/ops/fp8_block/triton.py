@@ -10,7 +10,7 @@ same sequence of operations whatever the batch. Per K block: GPU ``tl.dot`` on e
 so the kernel equals :func:`~.cpu.fp8_block_linear_torch` bit for bit. Then
 ``acc = acc + (part * sx[t, kb]) * sw[n // 128, kb]`` in fp32, bias in fp32, one RNE
 rounding. The 1x128 activation quantization runs before the launch in plain torch
-(:func:`~.common.fp8_block_quantize_activation`: elementwise and exact maxima, the same
+(:func:`fp8_block_quantize_activation_triton`: elementwise and exact maxima, the same
 bits on every device).
 """
 
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..triton._common import (_INTERP, INTERPRET, check_device, e4m3_bits_to_f32, f32_to_e4m3_bits, grouped_tile,
                               interpreter_dot, round_to)
-from .common import AMAX_FLOOR, BLOCK, E4M3_MAX, fp8_block_quantize_activation
+from .common import AMAX_FLOOR, BLOCK, E4M3_MAX
 
 BLOCK_M = 64
 NUM_WARPS, NUM_STAGES = (4, 1) if INTERPRET else (4, 3)
@@ -75,7 +75,7 @@ def fp8_block_linear_triton(x_TK: torch.Tensor, weight_q: torch.Tensor, weight_s
     out = torch.empty((T, N), dtype=out_dtype, device=x_TK.device)
     if T == 0 or N == 0:
         return out
-    xq, sx = fp8_block_quantize_activation(x_TK)
+    xq, sx = fp8_block_quantize_activation_triton(x_TK)
     sw = weight_scale_inv.float().contiguous()
     wq = weight_q
     if INTERPRET:  # bytes: the kernel decodes e4m3 itself (the interpreter's fp8 casts are unreliable)
@@ -199,7 +199,7 @@ def _act_args(x_TK: torch.Tensor, what: str) -> tuple[int, int]:
 
 
 def fp8_block_quantize_activation_triton(x_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~.common.fp8_block_quantize_activation` in one kernel: the same codes and scales bit for bit
+    """:func:`~.common.fp8_block_quantize_activation_torch` in one kernel: the same codes and scales bit for bit
     (``tests/ops/test_fp8_block.py``), where the torch form runs about ten elementwise kernels.
 
     Args:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .._dispatch import map_row_tiles
 from ..fp8_block.common import BLOCK as ACT_TILE
-from ..fp8_block.common import fp8_block_quantize_activation
+from ..fp8_block.common import fp8_block_quantize_activation_torch
 from ..linear import round_f64
 from .common import ExpertWeight, expert_rows, expert_weight, quantizes_activations
 
@@ -51,7 +51,7 @@ def fp8_activation_f64(a_TK: torch.Tensor) -> torch.Tensor:
     """The W4A8 activation rule as fp64 values: ``a`` quantized per token to FP8 with 1x128 ue8m0 tiles
     (``ops.fp8_block.fp8_block_quantize_activation``, DeepSeek ``act_quant``) and dequantized exactly
     (``e4m3 * 2^j``: 4 significant bits). Row ``t`` depends only on ``a_TK[t]``. ``[T, K]`` -> fp64 ``[T, K]``."""
-    q, s = fp8_block_quantize_activation(a_TK)
+    q, s = fp8_block_quantize_activation_torch(a_TK)
     return q.double() * s.double().repeat_interleave(ACT_TILE, 1)
 
 
