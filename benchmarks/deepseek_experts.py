@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernel_bench import finish, graph_time_ms
+from kernel_bench import finish, forced_paths, graph_time_ms
 from moe_kernels import moe_widths
 
 
@@ -94,15 +94,7 @@ def main(argv=None) -> int:
         ref = ours()
         row = {"preset": args.preset, **w, "T": T, "gpu": name, "experts_touched": touched,
                "fp8_weight_gb_touched": gbytes, "default_path": "in_loop" if default_in_loop else "once"}
-        saved = moe.FP8_DEQUANTIZE_ROWS_PER_EXPERT
-        try:
-            for path, threshold in (("in_loop", 1 << 40), ("once", 0)):
-                moe.FP8_DEQUANTIZE_ROWS_PER_EXPERT = threshold
-                out = ours()
-                row[f"{path}_ms"] = graph_time_ms(ours, args.iters)
-                row[f"{path}_bitwise_equal_to_default"] = bool(torch.equal(out, ref))
-        finally:
-            moe.FP8_DEQUANTIZE_ROWS_PER_EXPERT = saved
+        row.update(forced_paths(moe, "FP8_DEQUANTIZE_ROWS_PER_EXPERT", ours, ref, args.iters))
         row["default_ms"] = graph_time_ms(ours, args.iters)
         row["bf16_resident_ms"] = graph_time_ms(lambda: ours(resident), args.iters)
         row["default_fp8_gb_s"] = gbytes / (row["default_ms"] / 1e3)

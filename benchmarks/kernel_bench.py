@@ -1,4 +1,4 @@
-"""Shared pieces of the kernel benchmarks (``gemm_configs.py``, ``attention_decode.py``)."""
+"""Shared pieces of the kernel benchmarks (``gemm_configs.py``, ``attention_decode.py``, ``moe_kernels.py``, ``deepseek_experts.py``)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,27 @@ def graph_time_ms(fn, iters: int, replays: int = 5) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / iters)
     return statistics.median(times)
+
+
+def forced_paths(module, threshold: str, fn, ref, iters: int) -> dict:
+    """Time ``fn`` with the batch-size threshold ``module.<threshold>`` (rows per expert above which a
+    quantized expert stack is dequantized once per call) forced to each side: ``in_loop`` (never
+    reached: tiles decoded in the GEMMs' K loop) and ``once`` (always reached), each output compared
+    bit for bit with ``ref`` (the default path's). Returns ``{"in_loop_ms", "in_loop_bitwise_equal_to_default",
+    "once_ms", "once_bitwise_equal_to_default"}``; the threshold is restored."""
+    import torch
+
+    out: dict = {}
+    saved = getattr(module, threshold)
+    try:
+        for name, value in (("in_loop", 1 << 40), ("once", 0)):
+            setattr(module, threshold, value)
+            got = fn()
+            out[f"{name}_ms"] = graph_time_ms(fn, iters)
+            out[f"{name}_bitwise_equal_to_default"] = bool(torch.equal(got, ref))
+    finally:
+        setattr(module, threshold, saved)
+    return out
 
 
 def finish(results: list, json_out: str | None, legend: str) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 
-from kernel_bench import finish, graph_time_ms
+from kernel_bench import finish, forced_paths, graph_time_ms
 
 # (block_m, block_n, block_k, num_warps, num_stages); block_m is shared by the up and down launches
 CANDIDATES = {
@@ -127,15 +127,7 @@ def main(argv=None) -> int:
             path = {"ours_path": ("dequantize once + bf16 GEMM" if once else "dequantize in the K loop")
                     if fmt == "nvfp4" else "bf16 GEMM"}
             if fmt == "nvfp4":  # both NVFP4 paths, forced, timed and compared bit for bit
-                saved = moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT
-                try:
-                    for name, threshold in (("in_loop", 1 << 40), ("once", 0)):
-                        moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = threshold
-                        out = ours()
-                        path[f"{name}_ms"] = graph_time_ms(ours, args.iters)
-                        path[f"{name}_bitwise_equal_to_default"] = bool(torch.equal(out, ref))
-                finally:
-                    moe.NVFP4_DEQUANTIZE_ROWS_PER_EXPERT = saved
+                path.update(forced_paths(moe, "NVFP4_DEQUANTIZE_ROWS_PER_EXPERT", ours, ref, args.iters))
             cells = {}
             for name, cfg in CANDIDATES.items():
                 if args.only and name not in args.only:
