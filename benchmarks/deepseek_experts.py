@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256, 2048], help="tokens T per call")
     ap.add_argument("--iters", type=int, default=10, help="calls per captured graph")
     ap.add_argument("--hbm-tb-s", type=float, default=None,
-                    help="the card's HBM bandwidth in TB/s for the GB/s column's fraction (default: H100 3.35, H200 4.8)")
+                    help="the card's HBM bandwidth in TB/s for the GB/s column's fraction "
+                         "(default: H100 3.35, H200 4.8)")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)
 
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
               f"({row['default_fp8_gb_s']:.0f} GB/s, {row['default_fraction_of_hbm']:.2f} of HBM) | in loop "
               f"{row['in_loop_ms']:.3f}{'' if row['in_loop_bitwise_equal_to_default'] else '*'} once "
               f"{row['once_ms']:.3f}{'' if row['once_bitwise_equal_to_default'] else '*'} bf16 resident "
-              f"{row['bf16_resident_ms']:.3f} | native fp8 " + (f"{nat:.3f} ms" if nat else row.get("native_error", "-")),
+              f"{row['bf16_resident_ms']:.3f} | native fp8 "
+              + (f"{nat:.3f} ms" if nat else row.get("native_error", "-")),
               flush=True)
         results.append(row)
     return finish(results, args.json_out, "(* = bits differ from the default path's: a defect)")

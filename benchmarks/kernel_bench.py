@@ -1,4 +1,5 @@
-"""Shared pieces of the kernel benchmarks (``gemm_configs.py``, ``attention_decode.py``, ``moe_kernels.py``, ``deepseek_experts.py``)."""
+"""Shared pieces of the kernel benchmarks (``gemm_configs.py``, ``attention_decode.py``, ``moe_kernels.py``,
+``deepseek_experts.py``)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ Not a test: a measurement. On one preset's checkpoint (default ``nemotron_3_nano
 
 (b) **one optimizer step** over the same B x S tokens: zero the gradients, per micro-batch the forward with
     a graph and the mean next-token NLL, backward, then one Adam step; **ours** is ``Trainer.step``'s body
-    (``token_logprobs_and_rows``: the fused token-logprob backward) and **megatron** is Megatron-core's OWN model of the same
-    widths with its local (non-Transformer-Engine) layers:
+    (``token_logprobs_and_rows``: LM head and logprobs in row chunks) and **megatron** is Megatron-core's OWN
+    model of the same widths with its local (non-Transformer-Engine) layers:
 
     * attention + MLP presets (pattern ``*-`` repeated): ``megatron.core.models.gpt.GPTModel`` with
       ``get_gpt_layer_local_spec(normalization="RMSNorm")``, one Megatron layer per ``*-`` pair, relu^2 MLP,

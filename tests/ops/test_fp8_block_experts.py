@@ -224,7 +224,8 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     def stack(n, k, lo, hi):
         codes = torch.randint(0, 256, (E, n, k), generator=g, dtype=torch.int32)
         codes[(codes & 0x7F) == 0x7F] = 0x80
-        codes[0, 0, :256 if k >= 256 else k] = torch.arange(256)[:k].masked_fill((torch.arange(256)[:k] & 0x7F) == 0x7F, 0)
+        every = torch.arange(256)[:k]
+        codes[0, 0, :every.numel()] = every.masked_fill((every & 0x7F) == 0x7F, 0)  # every code
         s = torch.pow(2.0, torch.randint(lo, hi + 1, (E, n // 128, k // 128), generator=g).float())
         return FP8BlockExperts(codes.to(torch.uint8).view(torch.float8_e4m3fn).to(device),
                                s.to(torch.float8_e8m0fnu).to(device))
