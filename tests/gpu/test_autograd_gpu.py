@@ -149,7 +149,7 @@ def test_trainer_gradients_are_bitwise_repeatable(preset):
         for _ in range(2):
             trainer.optimizer.zero_grad()
             for mb in trainer.pack(prompts, completions):
-                tok_R, _ = trainer.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0, return_full=True)
+                tok_R, _ = trainer.model.token_logprobs_and_rows(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0)  # the step's
                 tok_R.sum().backward()
             runs.append([p.main_grad.clone() for p in params])
     names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]

@@ -201,6 +201,35 @@ def test_trainer_backward_has_no_atomic_race(monkeypatch, preset):
     assert audit.findings == [], f"{preset}: " + "; ".join(sorted(set(audit.findings)))
 
 
+def test_train_batch_rows_read_without_grad_then_with_grad():
+    """``TrainBatch.rows`` read first under ``torch.no_grad()`` (a metric) and then in the loss: the loss's
+    rows carry their graph, so the step's gradient equals that of a loss that reads them only with grad."""
+    from unified_models.backends.megatron.optimizer import OptimizerConfig
+    from unified_models.backends.megatron.trainer import Trainer, TrainerOptions
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.presets import build_preset_checkpoint
+
+    _, spec, sd = spec_and_state_dict(build_preset_checkpoint("nemotron_h_tiny"))
+    prompts, completions = [[1, 5, 9, 13], [1, 7, 3]], [[5, 9, 22, 5, 9], [7, 3, 5, 7]]
+
+    def entropy(rows):
+        return -(rows.exp() * rows).sum()
+
+    def metric_first(tb):
+        with torch.no_grad():
+            assert tb.rows.grad_fn is None and float(entropy(tb.rows)) > 0
+        return -entropy(tb.rows) - 0.0 * tb.logprobs.sum()
+
+    def grad_only(tb):
+        return -entropy(tb.rows) - 0.0 * tb.logprobs.sum()
+
+    norms = []
+    for loss_fn in (metric_first, grad_only):
+        with Trainer(spec, sd, options=TrainerOptions(optimizer=OptimizerConfig(lr=1e-3))) as trainer:
+            norms.append(trainer.step(prompts, completions, loss_fn)["grad_norm"])
+    assert norms[0] > 0 and norms[0] == norms[1], norms
+
+
 @pytest.mark.parametrize("preset", ["nemotron_h_hybrid_tiny", "deepseek_v4_tiny"])
 def test_trainer_gradients_repeat_bitwise(preset):
     """Two identical backwards of one 1,024-token micro-batch over a 64-id alphabet (every embedding row,
@@ -224,7 +253,7 @@ def test_trainer_gradients_repeat_bitwise(preset):
         for _ in range(2):
             trainer.optimizer.zero_grad()
             (mb,) = trainer.pack(prompts, completions)
-            tok_R, _ = trainer.model.token_logprobs(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0, return_full=True)
+            tok_R, _ = trainer.model.token_logprobs_and_rows(mb.input_ids, mb.cu_seqlens, mb.rows, 1.0)  # the step's
             tok_R.sum().backward()
             runs.append([p.main_grad.clone() for _, p in named])
     assert sum(bool(a.abs().sum() > 0) for a in runs[0]) > len(named) // 2

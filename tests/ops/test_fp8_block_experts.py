@@ -255,6 +255,8 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     xb = torch.cat([x, (torch.randn(big, D, generator=g) * 100).to(dtype).to(device)])
     idb = torch.cat([ids, torch.randint(0, E, (big, K), generator=g, dtype=torch.int32).to(device)])
     wb = torch.cat([wts, torch.rand(big, K, generator=g).to(device)])
+    empty = swiglu_expert_outputs(x[:0], ids[:0], wts[:0], gate, up, down, swiglu_limit=L)  # an EP rank without rows
+    assert empty.shape == (0, D) and empty.dtype == torch.float32
     alone = swiglu_expert_outputs(x, ids, wts, gate, up, down, swiglu_limit=L)
     batched = swiglu_expert_outputs(xb, idb, wb, gate, up, down, swiglu_limit=L)
     assert torch.equal(bits(alone), bits(batched[:T * K])) and alone.abs().max() > 0

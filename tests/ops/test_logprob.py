@@ -157,6 +157,14 @@ def test_token_logprobs_fused_equals_the_two_ops_bitwise(backend, temperature, d
     tok.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         tok.sum().backward()
+    moved = ids.clone().to(dev)
+    tok = ops.token_logprobs(z.clone().to(dev).requires_grad_(True), moved, temperature)
+    moved.add_(1)  # the ids changed after the forward: refused like the unfused ops, not a gradient elsewhere
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        tok.sum().backward()
+    zz = z.clone().to(dev).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(ops.token_logprobs(zz, ids.to(dev), temperature).sum(), zz, create_graph=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -258,9 +258,12 @@ class RLRun:
             mb = tb.batch
             new_R = tb.logprobs.detach().float().cpu()
             trainer_parts.append(new_R)
-            acc["entropy_sum"] += entropy_sum(tb.rows)
-            pairs = [(full_rows[key], tb.rows[r].detach().float().cpu(), key)
-                     for r, key in enumerate(mb.owners) if key in full_rows] if compare else []
+            with torch.no_grad():  # metrics: the rows formed without a graph and dropped before the backward
+                rows = tb.rows
+                acc["entropy_sum"] += entropy_sum(rows)
+                pairs = [(full_rows[key], rows[r].float().cpu(), key)
+                         for r, key in enumerate(mb.owners) if key in full_rows] if compare else []
+                del rows
             fv_pairs.extend(pairs)
             # every token (and recorded row) is compared before this micro-batch's backward
             try:

@@ -77,8 +77,10 @@ class TrainBatch:
             gather in row chunks of ~1 GiB of logits, forward and backward:
             :func:`unified_models.ops.lm_head_token_logprobs`).
         rows: ``[R, V]`` fp32 whole rows (``log_softmax(logits / T)``), same graph; formed on first
-            access (the LM head's fp32 logits and two more ``[R, V]`` tensors in the backward), so a
-            loss of the token logprobs alone (GRPO's) never pays for them.
+            access (one more LM-head GEMM, the ``[R, V]`` tensors alive until the step's backward), so a
+            loss of the token logprobs alone never pays for them. Read under ``torch.no_grad()`` (a
+            metric): formed without a graph and not kept, so a later access with grad forms them again
+            with their graph (the same bits).
     """
 
     batch: MicroBatch
@@ -90,9 +92,12 @@ class TrainBatch:
 
     @property
     def rows(self) -> torch.Tensor:
-        if self._rows is None:
-            self._rows = self._rows_fn()
-        return self._rows
+        if self._rows is not None:
+            return self._rows
+        rows = self._rows_fn()
+        if torch.is_grad_enabled():
+            self._rows = rows
+        return rows
 
     def reference_logprobs(self) -> torch.Tensor:
         """``[R]`` fp32 logprobs of the frozen initial weights (no graph).

@@ -224,7 +224,8 @@ def fp8_block_quantize_activation_triton(x_TK: torch.Tensor) -> tuple[torch.Tens
 def fp8_block_activation_qdq_triton(x_TK: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The activation as the W8A8 / W4A8 GEMMs see it: quantized per token to FP8 1x128 ue8m0 tiles and
     dequantized (``code * scale``, exact), in ``dtype`` (default ``x``'s), one kernel; equal bit for bit to
-    ``unified_models.ops.moe.deepseek_cpu.fp8_activation_f64(x).to(dtype)``.
+    ``unified_models.ops.moe.deepseek_cpu.fp8_activation_f64(x).to(dtype)`` for finite inputs (a tile with an
+    inf or NaN is NaN in both, not always the same NaN bit pattern).
 
     Raises:
         ValueError: as :func:`fp8_block_quantize_activation_triton`, or ``dtype`` not bf16/fp16/fp32.

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from torch.autograd.function import once_differentiable
-
 from .._dispatch import use_triton
 from ..grad.helpers import acc, needs_grad
 from . import dispatch
@@ -92,27 +90,42 @@ def token_logprobs_backward_(logprobs_TV: torch.Tensor, token_ids_T: torch.Tenso
     return d.div_(temperature)
 
 
+def refuse_double_backward(op: str) -> None:
+    """Raise when a backward runs with ``create_graph=True`` (grad mode on inside it): the fused logprob
+    backwards form no graph of their own, so second-order terms would be silently zero.
+
+    Raises:
+        RuntimeError: naming ``op`` and the unfused ops that do support it.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: double backward (create_graph=True) is not supported; compose "
+                           "ops.logprobs and ops.gather_token_logprobs for second-order gradients")
+
+
 class TokenLogprobsFn(torch.autograd.Function):
     """``tok[t] = log_softmax(z[t] / T)[ids[t]]``: :class:`LogprobsFn` then :class:`GatherTokenFn` with
     one ``[T, V]`` tensor kept (the log-probabilities) and the gradient written over it
     (:func:`token_logprobs_backward_`): the same bits forward and backward, a third of the memory.
-    Backward runs once (its saved tensor is overwritten)."""
+    Backward runs once (its saved tensor is overwritten), without ``create_graph``; the ids are saved
+    through autograd (changing them in place after the forward is refused, as for the unfused ops)."""
 
     @staticmethod
     def forward(ctx, logits_TV, token_ids_T, temperature):
         y = dispatch.logprobs(logits_TV, temperature)
-        ctx.y, ctx.ids = y, token_ids_T
-        ctx.temperature, ctx.z_dtype = temperature, logits_TV.dtype
-        return dispatch.gather_token_logprobs(y, token_ids_T)
+        ids = token_ids_T.reshape(-1)
+        ctx.save_for_backward(ids)
+        ctx.y, ctx.temperature, ctx.z_dtype = y, temperature, logits_TV.dtype
+        return dispatch.gather_token_logprobs(y, ids)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g_T):
+        refuse_double_backward("token_logprobs")
+        (ids,) = ctx.saved_tensors
         y, ctx.y = ctx.y, None
         if y is None:
             raise RuntimeError("token_logprobs: backward ran twice through the same graph (its saved log-probabilities "
                                "hold the first backward's gradient); recompute the forward")
-        dz = token_logprobs_backward_(y, ctx.ids, acc(g_T), ctx.temperature)
+        dz = token_logprobs_backward_(y, ids, acc(g_T), ctx.temperature)
         return dz.to(ctx.z_dtype), None, None
 
 

@@ -21,13 +21,12 @@ it) instead of three fp32 ``[R, V]`` tensors and the splits of the whole one.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..grad.helpers import acc, grad_matmul, needs_grad
 from ..grad.weights import check_stamps, stamp
 from ..linear import dispatch as linear_dispatch
 from . import dispatch
-from .backward import token_logprobs_backward_
+from .backward import refuse_double_backward, token_logprobs_backward_
 
 CHUNK_ELEMENTS = 1 << 28
 """fp32 logits per chunk (1 GiB): :func:`chunk_rows` is ``max(1, CHUNK_ELEMENTS // V)``."""
@@ -53,18 +52,18 @@ class LmHeadTokenLogprobsFn(torch.autograd.Function):
         for r0 in range(0, R, rows):
             y = _chunk_logprobs(h_RD[r0:r0 + rows], weight_VD, temperature)
             out[r0:r0 + rows] = dispatch.gather_token_logprobs(y, ids_R[r0:r0 + rows])
-        ctx.save_for_backward(h_RD)
+        ctx.save_for_backward(h_RD, ids_R)
         ctx.y = y if R <= rows else None  # one chunk: kept (no recompute); several: recomputed per chunk
-        ctx.weight, ctx.ids, ctx.temperature, ctx.rows = weight_VD, ids_R, temperature, rows
+        ctx.weight, ctx.temperature, ctx.rows = weight_VD, temperature, rows
         ctx.stamps = stamp(weight=weight_VD)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g_R):
+        refuse_double_backward("lm_head_token_logprobs")
         check_stamps("lm_head_token_logprobs", ctx.stamps)
-        (h,) = ctx.saved_tensors
-        w, ids, temp, rows = ctx.weight, ctx.ids, ctx.temperature, ctx.rows
+        h, ids = ctx.saved_tensors
+        w, temp, rows = ctx.weight, ctx.temperature, ctx.rows
         kept, ctx.y = ctx.y, None
         R = h.shape[0]
         if kept is None and R <= rows and R:
@@ -99,7 +98,7 @@ def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, tok
 
     Returns:
         fp32 ``[R]``: the bits of the unchunked ops; differentiable w.r.t. ``hidden_RD`` and ``weight_VD``
-        (backward once per graph).
+        (backward once per graph, no ``create_graph``; the ids may not change in place before it).
 
     Raises:
         ValueError: ``rows_per_chunk`` < 1; as :func:`.dispatch.logprobs` and the linear.
@@ -107,10 +106,11 @@ def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, tok
     rows = chunk_rows(weight_VD.shape[0]) if rows_per_chunk is None else int(rows_per_chunk)
     if rows < 1:
         raise ValueError(f"lm_head_token_logprobs: rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    ids = token_ids_R.reshape(-1)
     if needs_grad(hidden_RD, weight_VD):
-        return LmHeadTokenLogprobsFn.apply(hidden_RD, weight_VD, token_ids_R, temperature, rows)
+        return LmHeadTokenLogprobsFn.apply(hidden_RD, weight_VD, ids, temperature, rows)
     with torch.no_grad():
-        return LmHeadTokenLogprobsFn.forward(_NoCtx(), hidden_RD, weight_VD, token_ids_R, temperature, rows)
+        return LmHeadTokenLogprobsFn.forward(_NoCtx(), hidden_RD, weight_VD, ids, temperature, rows)
 
 
 class _NoCtx:

@@ -272,7 +272,7 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     g, u, d = (dense(w) for w in (gate, up, down))
     a = qdq(x_TD) if quantizes_activations(gate) or quantizes_activations(up) else x_TD
     h, plan = swiglu_hidden_triton(a, topk_ids_TK, topk_weights_TK, g, u, limit)
-    if quantizes_activations(down):
+    if h is not None and quantizes_activations(down):  # None: no rows (T = 0, e.g. an EP rank without tokens)
         h = qdq(h)
     return swiglu_down_triton(h, plan, d, topk_ids_TK)
 
