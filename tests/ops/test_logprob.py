@@ -219,6 +219,20 @@ def test_lm_head_token_logprobs_in_chunks(backend, device, gen, monkeypatch):
         tok.sum().backward()
     with pytest.raises(ValueError, match="rows_per_chunk"):
         ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8, rows_per_chunk=0)
+    with pytest.raises(ValueError, match="one integer id per hidden row"):
+        ops.lm_head_token_logprobs(h, w, torch.cat([ids, ids]).to(dev), 0.8, rows_per_chunk=2)
+    tok = ops.lm_head_token_logprobs(h, w, ids.to(dev), 0.8, rows_per_chunk=4)  # several chunks: once too
+    tok.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        tok.sum().backward()
+    if backend == "torch":  # fp64 (the gradient checks' dtype): the hidden gradient stays fp64 as LinearFn's
+        h64 = h0.double().requires_grad_(True)
+        ops.lm_head_token_logprobs(h64, w0.double(), ids, 0.8).sum().backward()
+        g64 = h64.grad
+        h64.grad = None
+        ops.gather_token_logprobs(ops.logprobs(ops.linear(h64, w0.double(), out_dtype=torch.float32), 0.8),
+                                  ids).sum().backward()
+        assert torch.equal(g64, h64.grad)
     with torch.no_grad():
         plain = ops.lm_head_token_logprobs(h0.to(dev), w0.to(dev), ids.to(dev), 0.8, rows_per_chunk=3)
     assert plain.grad_fn is None and torch.equal(bits(plain), bits(ref[0]))

@@ -113,7 +113,7 @@ class MetricsWriter:
         steps = [int(r.get("step", 0)) for r in keep]
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
                 and saved_row.get("step") == resume_step and steps == list(range(1, resume_step))):
-            keep.append(dict(saved_row, restored_from_checkpoint=True))
+            keep.append(json_safe(dict(saved_row, restored_from_checkpoint=True)))
             self.restored_step = resume_step
         tmp = self.path.with_name(self.path.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as f:

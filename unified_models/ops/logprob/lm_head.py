@@ -54,7 +54,7 @@ class LmHeadTokenLogprobsFn(torch.autograd.Function):
             out[r0:r0 + rows] = dispatch.gather_token_logprobs(y, ids_R[r0:r0 + rows])
         ctx.save_for_backward(h_RD, ids_R)
         ctx.y = y if R <= rows else None  # one chunk: kept (no recompute); several: recomputed per chunk
-        ctx.weight, ctx.temperature, ctx.rows = weight_VD, temperature, rows
+        ctx.weight, ctx.temperature, ctx.rows, ctx.done = weight_VD, temperature, rows, False
         ctx.stamps = stamp(weight=weight_VD)
         return out
 
@@ -64,27 +64,31 @@ class LmHeadTokenLogprobsFn(torch.autograd.Function):
         check_stamps("lm_head_token_logprobs", ctx.stamps)
         h, ids = ctx.saved_tensors
         w, temp, rows = ctx.weight, ctx.temperature, ctx.rows
-        kept, ctx.y = ctx.y, None
-        R = h.shape[0]
-        if kept is None and R <= rows and R:
+        if ctx.done:
             raise RuntimeError("lm_head_token_logprobs: backward ran twice through the same graph (its saved "
                                "log-probabilities hold the first backward's gradient); recompute the forward")
+        ctx.done = True
+        kept, ctx.y = ctx.y, None
+        R = h.shape[0]
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = torch.empty(h.shape, dtype=torch.float32, device=h.device) if want_x else None
+        parts_x = []
         dw = None
         for r0 in range(0, R, rows):
             hc = h[r0:r0 + rows]
             y = kept if kept is not None else _chunk_logprobs(hc, w, temp)
             dz = token_logprobs_backward_(y, ids[r0:r0 + rows], acc(g_R[r0:r0 + rows]), temp)
             if want_x:
-                dx[r0:r0 + rows] = grad_matmul(dz, w)
+                parts_x.append(grad_matmul(dz, w).to(h.dtype))  # LinearFn's dX, rounded per row as there
             if want_w:
                 part = grad_matmul(dz.t(), hc)
                 dw = part if dw is None else dw.add_(part)
             del y, dz
         if want_w and dw is None:
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        return (dx.to(h.dtype) if want_x else None, dw.to(w.dtype) if want_w else None, None, None, None)
+        dx = None
+        if want_x:
+            dx = torch.cat(parts_x) if parts_x else torch.zeros(h.shape, dtype=h.dtype, device=h.device)
+        return dx, dw.to(w.dtype) if want_w else None, None, None, None
 
 
 def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, token_ids_R: torch.Tensor,
@@ -101,11 +105,16 @@ def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, tok
         (backward once per graph, no ``create_graph``; the ids may not change in place before it).
 
     Raises:
-        ValueError: ``rows_per_chunk`` < 1; as :func:`.dispatch.logprobs` and the linear.
+        ValueError: ``rows_per_chunk`` not an int >= 1; ``token_ids_R`` not one integer id per row; as
+            :func:`.dispatch.logprobs` and the linear.
     """
-    rows = chunk_rows(weight_VD.shape[0]) if rows_per_chunk is None else int(rows_per_chunk)
-    if rows < 1:
-        raise ValueError(f"lm_head_token_logprobs: rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    if rows_per_chunk is not None and (isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int)
+                                       or rows_per_chunk < 1):
+        raise ValueError(f"lm_head_token_logprobs: rows_per_chunk must be an int >= 1, got {rows_per_chunk!r}")
+    rows = chunk_rows(weight_VD.shape[0]) if rows_per_chunk is None else rows_per_chunk
+    if token_ids_R.is_floating_point() or token_ids_R.numel() != hidden_RD.shape[0] or token_ids_R.dim() > 2:
+        raise ValueError(f"lm_head_token_logprobs: token_ids_R must hold one integer id per hidden row "
+                         f"([R] = [{hidden_RD.shape[0]}]), got {token_ids_R.dtype} {list(token_ids_R.shape)}")
     ids = token_ids_R.reshape(-1)
     if needs_grad(hidden_RD, weight_VD):
         return LmHeadTokenLogprobsFn.apply(hidden_RD, weight_VD, ids, temperature, rows)
