@@ -30,13 +30,6 @@ from kernel_bench import finish, forced_paths, graph_time_ms
 from moe_kernels import moe_widths
 
 
-def _stored(w, fp8_block_quantize_weight, FP8BlockExperts):
-    parts = [fp8_block_quantize_weight(w[e]) for e in range(w.shape[0])]
-    import torch
-
-    return FP8BlockExperts(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
-
-
 def _native(x, w13, w2, tw, ids):
     """vLLM's fused_experts with block-FP8 W8A8 (128x128 weight blocks, 1x128 activation tiles)."""
     from vllm.model_executor.layers.fused_moe import fused_experts
@@ -61,7 +54,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from unified_models.ops.fp8_block import FP8BlockExperts, fp8_block_quantize_weight
+    from unified_models.ops.fp8_block import FP8BlockExperts, FP8BlockMaster
     from unified_models.ops.moe import moe_combine, swiglu_expert_outputs
     from unified_models.ops.moe import triton as moe
 
@@ -73,8 +66,7 @@ def main(argv=None) -> int:
     E, D, I, K = w["E"], w["D"], w["I"], w["top_k"]
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: (torch.randn(*s, device="cuda", generator=g) * s[-1] ** -0.5).bfloat16()  # noqa: E731
-    gate, up, down = (_stored(m, fp8_block_quantize_weight, FP8BlockExperts) for m in (mk(E, I, D), mk(E, I, D),
-                                                                                       mk(E, D, I)))
+    gate, up, down = (FP8BlockMaster(m).quantize() for m in (mk(E, I, D), mk(E, I, D), mk(E, D, I)))
     resident = [q.dequantize(torch.bfloat16) for q in (gate, up, down)]
     w13 = FP8BlockExperts(torch.cat([gate.weight, up.weight], 1), torch.cat([gate.weight_scale_inv,
                                                                              up.weight_scale_inv], 1))

@@ -41,19 +41,25 @@ def _chunk_logprobs(h_RD, weight_VD, temperature):
     return dispatch.logprobs(linear_dispatch.linear(h_RD, weight_VD, None, torch.float32), temperature)
 
 
+def _token_logprobs_in_chunks(h_RD, weight_VD, ids_R, temperature, rows):
+    """The forward: fp32 ``[R]`` and the last chunk's log-probabilities (None when R = 0)."""
+    R = h_RD.shape[0]
+    out = torch.empty(R, dtype=torch.float32, device=h_RD.device)
+    y = None
+    for r0 in range(0, R, rows):
+        y = _chunk_logprobs(h_RD[r0:r0 + rows], weight_VD, temperature)
+        out[r0:r0 + rows] = dispatch.gather_token_logprobs(y, ids_R[r0:r0 + rows])
+    return out, y
+
+
 class LmHeadTokenLogprobsFn(torch.autograd.Function):
     """Module doc. Inputs ``(hidden [R, D], weight [V, D], ids [R], temperature, rows per chunk)``."""
 
     @staticmethod
     def forward(ctx, h_RD, weight_VD, ids_R, temperature, rows):
-        R = h_RD.shape[0]
-        out = torch.empty(R, dtype=torch.float32, device=h_RD.device)
-        y = None
-        for r0 in range(0, R, rows):
-            y = _chunk_logprobs(h_RD[r0:r0 + rows], weight_VD, temperature)
-            out[r0:r0 + rows] = dispatch.gather_token_logprobs(y, ids_R[r0:r0 + rows])
+        out, y = _token_logprobs_in_chunks(h_RD, weight_VD, ids_R, temperature, rows)
         ctx.save_for_backward(h_RD, ids_R)
-        ctx.y = y if R <= rows else None  # one chunk: kept (no recompute); several: recomputed per chunk
+        ctx.y = y if h_RD.shape[0] <= rows else None  # one chunk: kept (no recompute); several: recomputed per chunk
         ctx.weight, ctx.temperature, ctx.rows, ctx.done = weight_VD, temperature, rows, False
         ctx.stamps = stamp(weight=weight_VD)
         return out
@@ -119,11 +125,4 @@ def lm_head_token_logprobs(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, tok
     if needs_grad(hidden_RD, weight_VD):
         return LmHeadTokenLogprobsFn.apply(hidden_RD, weight_VD, ids, temperature, rows)
     with torch.no_grad():
-        return LmHeadTokenLogprobsFn.forward(_NoCtx(), hidden_RD, weight_VD, ids, temperature, rows)
-
-
-class _NoCtx:
-    """A stand-in autograd context for the no-grad forward (it keeps nothing)."""
-
-    def save_for_backward(self, *tensors):
-        pass
+        return _token_logprobs_in_chunks(hidden_RD, weight_VD, ids, temperature, rows)[0]
