@@ -155,19 +155,22 @@ def test_ste_gradient_matches_fp64(gen):
     assert xs.grad is not None and xs.grad.abs().max() > 0
 
 
-def test_triton_interpreter_path_is_row_local_and_close_to_the_cpu_rule(gen, monkeypatch):
-    pytest.importorskip("triton")
+def test_triton_path_is_row_local_and_close_to_the_cpu_rule(gen, device, monkeypatch):
+    """The Triton experts (natively on CUDA, through the interpreter on CPU: the ``device`` fixture; the
+    interpreter is chosen when Triton is imported, never switched on here) give a token the same row
+    alone and in a batch, within 2e-2 of the CPU rule."""
     qs = [_stored(m) for m in _masters(gen)]
     x = torch.randn(6, D, generator=gen).bfloat16()
     ids = torch.randint(0, E, (6, 2), generator=gen).int()
     wts = torch.rand(6, 2, generator=gen)
     cpu = swiglu_expert_outputs(x, ids, wts, *qs, swiglu_limit=L)
     monkeypatch.setenv("UM_OPS_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tri = swiglu_expert_outputs(x, ids, wts, *qs, swiglu_limit=L)
-    sub = swiglu_expert_outputs(x[2:5], ids[2:5], wts[2:5], *qs, swiglu_limit=L)
+    on = [FP8BlockExperts(q.weight.to(device), q.weight_scale_inv.to(device)) for q in qs]
+    x, ids, wts = x.to(device), ids.to(device), wts.to(device)
+    tri = swiglu_expert_outputs(x, ids, wts, *on, swiglu_limit=L)
+    sub = swiglu_expert_outputs(x[2:5], ids[2:5], wts[2:5], *on, swiglu_limit=L)
     assert torch.equal(sub.view(torch.int32), tri[4:10].view(torch.int32))  # rows do not depend on the batch
-    err = (tri - cpu).abs().max() / cpu.abs().max()
+    err = (tri.cpu() - cpu).abs().max() / cpu.abs().max()
     assert err < 2e-2, err  # h is rounded to bf16 on both; the GEMMs accumulate in another order
 
 

@@ -955,5 +955,71 @@ def test_metadata_from_host_layout_equals_the_read_one():
     with pytest.raises(ValueError, match="state_idx must be"):
         mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, state_idx_B=torch.tensor([0, 1]),
                         host_layout=(np.array([0, 2]), np.array([0])))
+    with pytest.raises(ValueError, match="state_idx must be"):  # also when the layout is cached already
+        cache: dict = {}
+        mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, state_idx_B=torch.tensor([0]),
+                        host_layout=(np.array([0, 2]), np.array([0])), layout_cache=cache)
+        mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, state_idx_B=torch.tensor([0, 1]),
+                        host_layout=(np.array([0, 2]), np.array([0])), layout_cache=cache)
     with pytest.raises(ValueError, match="needs state_idx_B"):
         mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, host_layout=(np.array([0, 2]), np.array([0])))
+
+
+def test_layout_cache_shares_the_layout_across_slot_groups():
+    """Slot-state groups of one step (same layout, own slots) share one layout build through
+    ``layout_cache``: each group's metadata equals the one read from its own tensors, field for
+    field and in the host lists; the slot-free tensors are the same objects (built and uploaded once);
+    the per-group ``host`` dicts (where ops cache slot-dependent indices) are separate; another
+    layout or chunk size is built anew."""
+    import dataclasses
+
+    for cu, p0, slot, Q, T in _random_batches(2, 120, slots_follow_rows=True):
+        cache: dict = {}
+        rng = np.random.default_rng(len(cu) * 1000 + Q)
+        live = [i for i, s_ in enumerate(slot) if s_ >= 0]
+        other = list(slot)
+        for i, v in zip(live, rng.permutation([slot[i] + 100 for i in live])):
+            other[i] = int(v)  # another group: its own slots for the same sequences
+        metas = []
+        for sl in (slot, other):
+            args = (torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), Q)
+            idx = torch.tensor(sl, dtype=torch.int32)
+            read = mamba2_metadata(*args, num_tokens=T, state_idx_B=idx)
+            shared = mamba2_metadata(*args, num_tokens=T, state_idx_B=idx, host_layout=(np.array(cu), np.array(p0)),
+                                     layout_cache=cache)
+            for f in dataclasses.fields(read):
+                a, b = getattr(read, f.name), getattr(shared, f.name)
+                if isinstance(a, torch.Tensor):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (f.name, cu, p0, sl, Q)
+                elif f.name != "host":
+                    assert a == b, f.name
+            assert {k: v for k, v in read.host.items() if k != "cpu"} == \
+                   {k: v for k, v in shared.host.items() if k != "cpu"}
+            assert torch.equal(read.host["cpu"]["slot"], shared.host["cpu"]["slot"])
+            metas.append(shared)
+        assert len(cache) == 1
+        assert metas[0].token_seq is metas[1].token_seq and metas[0].item_chunk is metas[1].item_chunk
+        assert metas[0].host is not metas[1].host
+        metas[0].host["probe"] = 1
+        assert "probe" not in metas[1].host
+        mamba2_metadata(torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), 2 * Q, num_tokens=T,
+                        state_idx_B=torch.tensor(slot, dtype=torch.int32), host_layout=(np.array(cu), np.array(p0)),
+                        layout_cache=cache)
+        assert len(cache) == 2
+
+
+def test_metadata_upload_packing_is_exact():
+    """The one-copy upload of the metadata (:func:`~unified_models.ops.mamba2.common._pack_fields`):
+    int32 and int64 fields of odd and zero lengths, extreme values, cut back out as views in their
+    dtypes with the same values and 8-byte aligned offsets."""
+    from unified_models.ops.mamba2.common import _pack_fields, _unpack_fields
+
+    i32, i64 = np.iinfo(np.int32), np.iinfo(np.int64)
+    fields = dict(a=(np.array([i32.min, -1, 0, i32.max, 7]), torch.int32), b=(np.array([i64.min, i64.max]), torch.int64),
+                  c=(np.zeros(0, dtype=np.int64), torch.int32), d=(np.array([3]), torch.int32),
+                  e=(np.arange(9, dtype=np.int64) - 4, torch.int64))
+    packed, spans = _pack_fields(fields)
+    assert packed.dtype == torch.uint8 and all(o % 8 == 0 for o, _, _ in spans.values())
+    out = _unpack_fields(packed, spans)
+    for k, (v, dtype) in fields.items():
+        assert out[k].dtype == dtype and out[k].tolist() == v.tolist(), k

@@ -109,7 +109,7 @@ def mamba2_batch_metadata(spec: Mamba2Spec, batch: FlatBatch, ms: SlotState | No
         cu = ms.cu_seqlens_B1 if ms.cu_seqlens_B1 is not None else _cu_from_seq_idx(batch.seq_idx, b)
         hint = ms.host_layout if ms.cu_seqlens_B1 is not None else None  # vLLM's host copies: no device read
         meta = ops.mamba2_metadata(cu, ms.start_B, spec.chunk_size, num_tokens=t, state_idx_B=ms.slots_B,
-                                   host_layout=hint)
+                                   host_layout=hint, layout_cache=ctx.cache)  # one layout build per step
     ctx.cache[key] = (meta, objs, batch.seq_idx)
     return meta
 

@@ -126,7 +126,8 @@ def start_positions(cu_seqlens_B1: torch.Tensor, positions_T: torch.Tensor) -> t
 
 def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chunk_size: int,
                     num_tokens: int | None = None, state_idx_B: torch.Tensor | None = None,
-                    host_layout: tuple[np.ndarray, np.ndarray] | None = None) -> Mamba2Metadata:
+                    host_layout: tuple[np.ndarray, np.ndarray] | None = None,
+                    layout_cache: dict | None = None) -> Mamba2Metadata:
     """Build the batch description shared by every Mamba layer of one forward.
 
     Args:
@@ -148,6 +149,12 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
             stream); the slot-dependent fields are gathered on the device, and ``host["slot"]``
             (what the CPU implementations and the backward read) is filled only for CPU tensors
             (None for GPU ones: Triton kernels only).
+        layout_cache: optional dict the caller keeps for one forward (e.g. ``LayerContext.cache``).
+            With ``host_layout``, everything but the slots depends on the layout alone, so it is
+            built and uploaded once per layout and device and shared by every slot-state group of
+            the step (vLLM gives each group its own slots, the same ``query_start_loc`` and
+            positions); each call then only gathers its slots on the device. The same integers
+            as without it.
 
     Raises:
         ValueError: malformed boundaries, negative positions, ``start_pos > 0``
@@ -170,6 +177,9 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         p0 = np.asarray(host_layout[1], dtype=np.int64).reshape(-1)
         if cu.shape[0] != state_idx_B.shape[0] + 1:
             raise ValueError(f"mamba2: state_idx must be [B={cu.shape[0] - 1}], got {state_idx_B.shape[0]}")
+        shared_key = ("mamba2_layout", Q, num_tokens, str(cu_seqlens_B1.device), cu.tobytes(), p0.tobytes())
+        if layout_cache is not None and shared_key in layout_cache:
+            return _with_slots(layout_cache[shared_key], state_idx_B)
         slot = np.where(cu[1:] > cu[:-1], 0, -1)  # liveness only: the slot values stay on the device
     else:
         cu, p0, slot = _read_to_host(cu_seqlens_B1, start_pos_B, state_idx_B)
@@ -228,8 +238,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
 
     t = torch.from_numpy
     pend_seq = row_seq[keep] if has_state else np.zeros(0, dtype=np.int64)
-    if hinted:  # host copies of the slots only where reading them costs no wait (CPU tensors)
-        slot = state_idx_B.detach().to(torch.int64).numpy() if state_idx_B.device.type == "cpu" else None
+    if hinted:  # the slots are added per group (_with_slots)
+        slot = None
     host = dict(cu=cu.tolist(), start_pos=p0.tolist(), seq_len=L.tolist(), slot=None if slot is None else slot.tolist(),
                 item_seq=item_seq.tolist(), item_chunk=item_chunk.tolist(), item_rank=item_rank.tolist(),
                 seq_item_ptr=item_ptr.tolist(), seq_entry_ptr=ent_ptr.tolist(), conv_seqs=conv_seqs.tolist(),
@@ -251,11 +261,40 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
         fields.update(commit_seq_=(state_seqs, torch.int64), pend_seq_=(pend_seq, torch.int64))
     on_dev = _to_device(fields, dev)
     if hinted:
-        slot_dev = state_idx_B.detach().reshape(-1).to(device=dev, dtype=torch.int64)
-        on_dev.update(slot=slot_dev, commit_slot=slot_dev[on_dev.pop("commit_seq_")],
-                      pend_slot=slot_dev[on_dev.pop("pend_seq_")])
+        layout = _SlotFreeLayout(fields=on_dev, host=host, chunk_size=Q, num_tokens=T, num_items=U,
+                                 num_entries=int(ent_ptr[-1]))
+        if layout_cache is not None:
+            layout_cache[shared_key] = layout
+        return _with_slots(layout, state_idx_B)
     return Mamba2Metadata(chunk_size=Q, num_tokens=T, has_state=has_state, num_items=U, num_entries=int(ent_ptr[-1]),
                           host=host, **on_dev)
+
+
+@dataclass(frozen=True)
+class _SlotFreeLayout:
+    """What :func:`mamba2_metadata` builds from a host layout alone (every field but the slots)."""
+
+    fields: dict
+    host: dict
+    chunk_size: int
+    num_tokens: int
+    num_items: int
+    num_entries: int
+
+
+def _with_slots(layout: _SlotFreeLayout, state_idx_B: torch.Tensor) -> Mamba2Metadata:
+    """The metadata of one slot-state group: ``layout`` plus its slots, gathered on the device."""
+    on_dev = dict(layout.fields)
+    dev = on_dev["cu_seqlens"].device
+    slot_dev = state_idx_B.detach().reshape(-1).to(device=dev, dtype=torch.int64)
+    on_dev.update(slot=slot_dev, commit_slot=slot_dev[on_dev.pop("commit_seq_")],
+                  pend_slot=slot_dev[on_dev.pop("pend_seq_")])
+    host = dict(layout.host)  # per group: ops cache their group's slot-dependent indices in it
+    if state_idx_B.device.type == "cpu":  # host copies of the slots only where reading them costs no wait
+        slot = state_idx_B.detach().to(torch.int64).numpy()
+        host.update(slot=slot.tolist(), cpu=dict(host["cpu"], slot=torch.from_numpy(slot)))
+    return Mamba2Metadata(chunk_size=layout.chunk_size, num_tokens=layout.num_tokens, has_state=True,
+                          num_items=layout.num_items, num_entries=layout.num_entries, host=host, **on_dev)
 
 
 def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tensor | None
@@ -277,17 +316,37 @@ def _read_to_host(cu_B1: torch.Tensor, start_B: torch.Tensor, slot_B: torch.Tens
 
 def _to_device(fields: dict[str, tuple[np.ndarray, torch.dtype]], dev: torch.device) -> dict[str, torch.Tensor]:
     """Each host index array as a tensor on ``dev`` in its dtype. On a GPU all of them go in ONE
-    non-blocking copy from pinned memory, then are cut and cast there: a blocking copy from pageable
+    non-blocking copy from pinned memory, then are cut out as views (:func:`_pack_fields`): a blocking copy from pageable
     memory waits for the stream, and there were 19 per call (the GPU idled while the host built the
     rest; ``benchmarks/results/h200_session29/profile_ours_64x256-2048.txt``). Integer values: the
     same numbers either way."""
     if dev.type == "cpu":
         return {k: torch.from_numpy(np.ascontiguousarray(v)).to(dtype) for k, (v, dtype) in fields.items()}
-    names = list(fields)
-    sizes = [int(fields[k][0].size) for k in names]
-    packed = torch.from_numpy(np.concatenate([fields[k][0].reshape(-1).astype(np.int64) for k in names]))
-    on_dev = host_to_device(packed, dev).split(sizes)
-    return {k: x.to(fields[k][1]) for k, x in zip(names, on_dev)}
+    packed, spans = _pack_fields(fields)
+    return _unpack_fields(host_to_device(packed, dev), spans)
+
+
+def _pack_fields(fields: dict[str, tuple[np.ndarray, torch.dtype]]) -> tuple[torch.Tensor, dict]:
+    """Every field in its own dtype (int32/int64) at an 8-byte aligned offset of one uint8 host
+    buffer, so that one copy moves them all and views cut them out on the device (no cast kernel per
+    field: 19 launches per :func:`mamba2_metadata` before). Returns the buffer and ``{name: (byte
+    offset, bytes, dtype)}``."""
+    parts, spans, off = [], {}, 0
+    for k, (v, dtype) in fields.items():
+        raw = np.ascontiguousarray(np.asarray(v).reshape(-1).astype(_NP_INT[dtype])).view(np.uint8)
+        spans[k] = (off, raw.size, dtype)
+        pad = -raw.size % 8
+        parts += [raw, np.zeros(pad, dtype=np.uint8)]
+        off += raw.size + pad
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8)), spans
+
+
+def _unpack_fields(packed: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]:
+    """The fields of :func:`_pack_fields`'s buffer (on any device) as views in their dtypes."""
+    return {k: packed[o:o + n].view(dtype) for k, (o, n, dtype) in spans.items()}
+
+
+_NP_INT = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def mamba2_decode_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, state_idx_B: torch.Tensor,

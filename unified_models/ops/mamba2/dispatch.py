@@ -87,13 +87,18 @@ def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2Stat
         idx = torch.where(q >= p0, cu + q - p0, zero)
         idx = torch.where((q < p0) & (q >= 0), T + torch.arange(nb).view(-1, 1) * Wm1 + j + L, idx)
         slots = meta.slot.to(x_TC.device)[meta.conv_seqs.to(x_TC.device)]  # on the device: no host slots needed
-        meta.host[key] = (host_to_device(idx, x_TC.device), slots, nb)
-    idx, slots, nb = meta.host[key]
+        idx = host_to_device(idx, x_TC.device)  # [nb, W-1] rows of [x; the old state rows; a zero row]
+        meta.host[key] = (slots, nb, idx < T, idx.clamp(max=max(T - 1, 0)), (idx - T).clamp(min=0))
+    slots, nb, from_x, x_row, old_row = meta.host[key]
     if nb == 0 or Wm1 == 0:
         return
-    table = torch.cat([x_TC.to(state.conv.dtype), state.conv[slots].reshape(-1, C),
-                       x_TC.new_zeros((1, C), dtype=state.conv.dtype)])
-    state.conv[slots] = table[idx]
+    # the kept rows gathered from x and from the old state without copying all of x into one table
+    # (that copy of [T, C] was ~0.4 ms per layer at 16k-token prefill steps); exact copies either way
+    old = torch.cat([state.conv[slots].reshape(-1, C), state.conv.new_zeros((1, C))])
+    rows = old[old_row]
+    if T:
+        rows = torch.where(from_x[..., None], x_TC[x_row].to(state.conv.dtype), rows)
+    state.conv[slots] = rows
 
 
 def mamba2_dt(dt_TH: torch.Tensor, dt_bias_H: torch.Tensor,
