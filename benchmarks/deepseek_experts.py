@@ -6,7 +6,7 @@ preset's MoE widths (default ``deepseek_v4_flash_reduced_fp8``: 32 experts, hidd
 2048, top-6, clamped SwiGLU, W8A8 block FP8) and each token count ``T`` it times
 ``ops.moe.swiglu_expert_outputs`` + ``moe_combine`` (what a MoE layer runs) on stored block-FP8 weights:
 
-* **default**: the path the batch size picks (:data:`unified_models.ops.moe.triton.FP8_DEQUANTIZE_ROWS_PER_EXPERT`);
+* **default**: the path the batch size picks (:func:`unified_models.ops.moe.triton.fp8_dequantize_rows_per_expert`);
 * **in_loop** and **once**, each forced: the e4m3 tiles decoded inside the GEMMs' K loop, or the whole
   stack dequantized first (one kernel) and the GEMMs on bf16; each output compared bit for bit with
   the default's (the two must agree: the same values reach the same dot);
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             y = swiglu_expert_outputs(x, ids, tw, *weights, swiglu_limit=limit)
             return moe_combine(y, torch.ones_like(tw), None, torch.bfloat16)
 
-        default_in_loop = T * K < moe.FP8_DEQUANTIZE_ROWS_PER_EXPERT * E
+        default_in_loop = T * K < moe.fp8_dequantize_rows_per_expert(gate.weight) * E
         ref = ours()
         row = {"preset": args.preset, **w, "T": T, "gpu": name, "experts_touched": touched,
                "fp8_weight_gb_touched": gbytes, "default_path": "in_loop" if default_in_loop else "once"}

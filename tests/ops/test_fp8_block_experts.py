@@ -219,7 +219,7 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     2^-20 .. 2^20 differing per 128x128 block (so a wrong block index shows), every non-NaN code; and
     through the op, a token's row is the same in a batch on either side of the threshold."""
     from unified_models.ops.moe.deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
-    from unified_models.ops.moe.triton import FP8_DEQUANTIZE_ROWS_PER_EXPERT
+    from unified_models.ops.moe.triton import fp8_dequantize_rows_per_expert
 
     monkeypatch.setenv("UM_OPS_BACKEND", "triton")
     g = torch.Generator().manual_seed(11)
@@ -239,7 +239,8 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     x = (torch.randn(T, D, generator=g) * 4).to(dtype).to(device)
     ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]], dtype=torch.int32, device=device)
     wts = torch.rand(T, K, generator=g).to(device)
-    assert ids.numel() < FP8_DEQUANTIZE_ROWS_PER_EXPERT * E  # the op takes the in-loop path at this size
+    threshold = fp8_dequantize_rows_per_expert(gate.weight)  # rows per expert (GPU conversion or bytes)
+    assert ids.numel() < threshold * E  # the op takes the in-loop path at this size
 
     def bits(t):
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
@@ -254,7 +255,7 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     y_once = swiglu_down_triton(h_loop, plan, down.dequantize(dtype), ids)
     assert torch.equal(bits(y_loop), bits(y_once)) and y_loop.abs().max() > 0
 
-    big = FP8_DEQUANTIZE_ROWS_PER_EXPERT * E // K + 1  # this batch dequantizes the stacks once
+    big = threshold * E // K + 1  # this batch dequantizes the stacks once
     xb = torch.cat([x, (torch.randn(big, D, generator=g) * 100).to(dtype).to(device)])
     idb = torch.cat([ids, torch.randint(0, E, (big, K), generator=g, dtype=torch.int32).to(device)])
     wb = torch.cat([wts, torch.rand(big, K, generator=g).to(device)])

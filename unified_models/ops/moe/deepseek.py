@@ -245,7 +245,7 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     through the same tile rule between them. Row-local, so batch-invariant.
 
     The weights: block FP8 on small batches (below
-    :data:`.triton.FP8_DEQUANTIZE_ROWS_PER_EXPERT` rows per expert: decode) goes to the GEMMs as
+    :func:`.triton.fp8_dequantize_rows_per_expert` rows per expert: decode and short prefills) goes to the GEMMs as
     stored and is dequantized tile by tile in their K loop (1 byte read per weight); on larger
     batches the stack is dequantized once per call in one kernel
     (:meth:`~unified_models.ops.fp8_block.experts.FP8BlockExperts.dequantize`). Both give the
@@ -253,10 +253,11 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     dequantized expert by expert on every call (no in-loop tile yet)."""
     from ..fp8_block.triton import fp8_block_activation_qdq_triton
     from .deepseek_triton import swiglu_down_triton, swiglu_hidden_triton
-    from .triton import FP8_DEQUANTIZE_ROWS_PER_EXPERT
+    from .triton import fp8_dequantize_rows_per_expert
 
     dt = x_TD.dtype
-    in_loop = topk_ids_TK.numel() < FP8_DEQUANTIZE_ROWS_PER_EXPERT * gate.shape[0]
+    in_loop = not isinstance(gate, FP8BlockExperts) or \
+        topk_ids_TK.numel() < fp8_dequantize_rows_per_expert(gate.weight) * gate.shape[0]
 
     def dense(w):
         if not quantizes_activations(w):

@@ -26,7 +26,7 @@ Grouped GEMM (one kernel, two launches per MoE):
   ``[E, N, K]``, one power-of-two scale per 128x128 block; DeepSeek-V4) likewise:
   each byte decoded exactly, times its block's scale (exact), one rounding to the
   activation dtype: the values of ``FP8BlockExperts.dequantize``, so the same dot
-  inputs as dequantizing the stack first (:data:`FP8_DEQUANTIZE_ROWS_PER_EXPERT`).
+  inputs as dequantizing the stack first (:func:`fp8_dequantize_rows_per_expert`).
 
 Combine: per ``[BLOCK_T, BLOCK_D]`` tile, ``acc = acc + w_k * y_k`` for
 ``k = 0..K-1`` in fp32 (slot order), then ``+ shared``, then one rounding.
@@ -81,14 +81,30 @@ allocate nothing. The tests check that both paths give the same bits (the batch 
 path)."""
 
 
-FP8_DEQUANTIZE_ROWS_PER_EXPERT = BLOCK_M
+FP8_DEQUANTIZE_ROWS_PER_EXPERT = 8 * BLOCK_M
 """At ``T * top_k >= this * E`` assignments the block-FP8 experts are dequantized once per call
 (:func:`unified_models.ops.fp8_block.triton.fp8_block_dequantize_triton`) instead of in every row
-tile's K loop (:func:`_w_tile`), the NVFP4 rule (:data:`NVFP4_DEQUANTIZE_ROWS_PER_EXPERT`): below
-it (decode) most experts have one row tile, which decodes each weight byte once and reads 1 byte
-per weight instead of dequantizing the whole stack (read 1, write 2, read 2 bytes per weight) on
-every forward. Both paths give the GEMM the same bf16/fp32 values with the same launch (tiles,
-warps), so a row's bits do not depend on the path (``tests/ops/test_fp8_block_experts.py``)."""
+tile's K loop (:func:`_w_tile`), on GPUs that convert e4m3 themselves (:func:`_gpu_converts_e4m3`).
+Below it each weight is read as 1 byte and converted in the tile instead of dequantizing the whole
+stack (read 1, write 2, read 2 bytes per weight) on every forward. Measured on the H100 (session 38,
+``benchmarks/results/h100_session38/deepseek_experts_hw_cvt``; 32 experts, top-6): in-loop 0.21 /
+0.54 / 0.64 ms at T = 1 / 8 / 256 against 1.25 / 1.65 / 1.80 ms once, and still 2.92 against 3.21 ms at
+T = 2,048 (384 rows per expert). Both paths give the GEMM the same bf16/fp32 values with the same
+launch (tiles, warps), so a row's bits do not depend on the path
+(``tests/ops/test_fp8_block_experts.py``, natively on the H100 too)."""
+
+FP8_DEQUANTIZE_ROWS_PER_EXPERT_BYTE_DECODE = BLOCK_M
+"""The same threshold where the tiles decode bytes with integer ops (the interpreter; GPUs before
+sm_89): that decode is slower than one dequantization from 384 rows per expert on (7.6 against
+3.2 ms at T = 2,048 on the H100, session 38, before the GPU conversion), the NVFP4 rule
+(:data:`NVFP4_DEQUANTIZE_ROWS_PER_EXPERT`)."""
+
+
+def fp8_dequantize_rows_per_expert(weight: torch.Tensor) -> int:
+    """The rows per expert from which block-FP8 experts stored in ``weight`` (e4m3 ``[E, N, K]``) are
+    dequantized once per call instead of in the K loop: :data:`FP8_DEQUANTIZE_ROWS_PER_EXPERT` where the
+    GPU converts e4m3, :data:`FP8_DEQUANTIZE_ROWS_PER_EXPERT_BYTE_DECODE` elsewhere."""
+    return FP8_DEQUANTIZE_ROWS_PER_EXPERT if _gpu_converts_e4m3(weight) else FP8_DEQUANTIZE_ROWS_PER_EXPERT_BYTE_DECODE
 
 
 class MoeTiles(NamedTuple):
@@ -197,14 +213,14 @@ def _w_tile(w_ptr, ws_ptr, ws2, e64, offs_n, mask_n, k0, K, stride_we, stride_wn
         w = tl.trans(round_to(w, dtype))
     elif FMT == FMT_FP8_BLOCK:
         kk = k0 + tl.arange(0, BLOCK_K)
-        raw = tl.load(w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                      mask=(kk < K)[:, None] & mask_n[None, :], other=0)  # [BK, BN]
+        live = (kk < K)[:, None] & mask_n[None, :]
+        ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + kk[:, None] * stride_wk  # [BK, BN]
         sc = tl.load(ws_ptr + e64 * stride_se + (offs_n // 128)[None, :] * stride_sn + (k0 // 128) * stride_sk,
                      mask=mask_n[None, :], other=0.0)  # [1, BN] fp32
         if w_ptr.dtype.element_ty == tl.float8e4nv:  # the GPU's own e4m3 -> fp32 conversion (exact)
-            v = raw.to(tl.float32)
+            v = tl.where(live, tl.load(ptrs, mask=live).to(tl.float32), 0.0)
         else:  # bytes: the integer decode (the interpreter, GPUs without e4m3 conversions)
-            v = e4m3_bits_to_f32(raw.to(tl.int32))
+            v = e4m3_bits_to_f32(tl.load(ptrs, mask=live, other=0).to(tl.int32))
         w = round_to(v * sc, dtype)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
