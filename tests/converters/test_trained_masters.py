@@ -63,6 +63,18 @@ def _masters(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+def test_step_without_gradients_is_refused_and_changes_nothing(trained):
+    trainer, _ = trained
+    before = _masters(trainer)
+    iteration = trainer.optimizer.iteration
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx(), pytest.raises(RuntimeError, match="Trainer.step needs gradients"):
+            trainer.step([[1, 2, 3]], [[4, 5]], lambda b: -b.logprobs.sum())
+    after = _masters(trainer)
+    assert all(_same(before[n], after[n]) for n in before)
+    assert trainer.optimizer.iteration == iteration
+
+
 def test_checkpoint_records_the_masters_config_and_the_recipe(nvfp4, trained):
     from unified_models.backends.megatron.dist_ckpt import check_dist_checkpoint
 

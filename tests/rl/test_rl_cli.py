@@ -347,3 +347,25 @@ def test_resume_with_a_broken_metrics_file_is_refused_before_any_engine(tmp_path
     err = capsys.readouterr().err
     assert f"--metrics {metrics}:2: not JSON" in err and err.count("error:") == 1
     assert metrics.read_text() == '{"step": 1}\n{"step": 2, "trunc'  # untouched
+    for bad, shown in (('{"step": null}', "None"), ('{"step": "2"}', "'2'"), ('{"reward_mean": 1.0}', "None"),
+                       ('{"step": 1.0}', "1.0")):  # lines rl never writes: named, not a TypeError later
+        metrics.write_text('{"step": 1}\n' + bad + "\n")
+        assert main(["rl", "--preset", "nemotron_h_tiny", "--resume", str(ck), "--metrics", str(metrics)]) == 2
+        err = capsys.readouterr().err
+        assert f"--metrics {metrics}:2: step {shown} is not an integer" in err and err.count("error:") == 1, err
+        assert metrics.read_text() == '{"step": 1}\n' + bad + "\n"
+
+
+def test_metrics_writer_resume_refuses_lines_without_an_integer_step(tmp_path):
+    """The writer a resumed run opens (what an API user calls directly) names the line and leaves the
+    file as it was; a file of rl's own lines keeps steps <= k and drops later ones."""
+    from unified_models.rl.metrics import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": null}\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2: step None is not an integer"):
+        MetricsWriter(path, resume_step=1)
+    assert path.read_text() == '{"step": 1}\n{"step": null}\n'
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    MetricsWriter(path, resume_step=2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -67,11 +67,16 @@ def json_safe(x: Any) -> Any:
     return x
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
+def read_metrics(path: str | os.PathLike, *, require_step: bool = False) -> list[dict]:
     """All lines of a metrics JSONL (blank lines skipped).
 
+    Args:
+        require_step: every line must hold an integer ``step`` (as every line ``rl`` writes does;
+            what a resumed run sorts the file's lines by).
+
     Raises:
-        ValueError: a line is not a JSON object (the message names the line).
+        ValueError: a line is not a JSON object, or (``require_step``) has no integer ``step``; the
+            message names the line.
     """
     rows = []
     with Path(path).open(encoding="utf-8") as f:
@@ -84,6 +89,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: not a JSON object")
+            step = row.get("step")
+            if require_step and (isinstance(step, bool) or not isinstance(step, int)):
+                raise ValueError(f"{path}:{lineno}: step {step!r} is not an integer (every line `rl` writes has one)")
             rows.append(row)
     return rows
 
@@ -101,6 +109,10 @@ class MetricsWriter:
             (its ``seconds`` without the save), when the file holds the lines of steps 1..k-1 and not
             k (the run stopped between its checkpoint and the line); :attr:`restored_step` is then k.
             A new file (the resumed part written elsewhere) gets nothing restored.
+
+    Raises:
+        ValueError: on resume, a line of the existing file is not a JSON object or has no integer
+            ``step`` (the file is left as it was).
     """
 
     def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None, saved_row: dict | None = None):
@@ -109,8 +121,8 @@ class MetricsWriter:
         self.restored_step: int | None = None
         keep: list[dict] = []
         if resume_step is not None and self.path.is_file():
-            keep = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resume_step]
-        steps = [int(r.get("step", 0)) for r in keep]
+            keep = [r for r in read_metrics(self.path, require_step=True) if r["step"] <= resume_step]
+        steps = [r["step"] for r in keep]
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
                 and saved_row.get("step") == resume_step and steps == list(range(1, resume_step))):
             keep.append(json_safe(dict(saved_row, restored_from_checkpoint=True)))

@@ -118,7 +118,7 @@ def validate_options(opts: RLOptions) -> None:
         from .metrics import read_metrics
 
         try:
-            read_metrics(opts.metrics)
+            read_metrics(opts.metrics, require_step=True)
         except ValueError as e:
             raise UnifiedModelsError(f"--metrics {e}: a resumed run keeps this file's earlier steps; repair or "
                                      "remove the broken line (a run killed while writing it), or pass another "

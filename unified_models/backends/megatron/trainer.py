@@ -274,11 +274,15 @@ class Trainer:
             The optimizer's stats (``grad_norm``, ``update_successful``, ``num_zeros``, ``lr``, ``iteration``).
 
         Raises:
-            RuntimeError: a recompute-only trainer (no optimizer).
+            RuntimeError: a recompute-only trainer (no optimizer); gradients disabled (called under
+                ``torch.no_grad()`` or ``torch.inference_mode()``; nothing is changed).
             FloatingPointError: a gradient holds NaN/Inf (nothing was updated).
         """
         if self.optimizer is None:
             raise RuntimeError("this Trainer was built without an optimizer (TrainerOptions(optimizer=...))")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError("Trainer.step needs gradients: it was called under torch.no_grad() or "
+                               "torch.inference_mode(); call it outside them (nothing was changed)")
         self.optimizer.zero_grad()
         mbs = self.pack(prompt_ids, completions)
         for _ in range(self._padding_passes(len(mbs))):
