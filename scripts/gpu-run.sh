@@ -7,7 +7,9 @@
 # moe-kernels: the MoE op tests natively (NVFP4 tiles == ModelOpt's dequantized bf16, bitwise) + benchmarks/moe_kernels.py
 #   (ours vs vLLM's fused_experts per token count, launch candidates with their bits; ~3 min). hybrid-profile:
 #   benchmarks/rollout_throughput.py --profile on nemotron_3_nano_reduced 128x2048/128 (prefill-bound), both engines,
-#   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD override; ~6 min).
+#   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD / UM_PROFILE_MAX_TOKENS override; ours
+#   with prefix caching off like native, as the bar runs: UM_PROFILE_ARGS replaces that; ~6 min; the outputs are
+#   tarred into profile.tgz, as the device returns only a few files).
 #   or: scripts/gpu-run.sh norm-kernels   (issue 18 item 3; not part of `all`)
 # norm-kernels: tests/ops/test_rmsnorm.py natively (the fused residual add + RMSNorm == the add then the norm, bit for
 #   bit, at D = 64/200/2688) + benchmarks/residual_norm.py (fused vs add + norm vs vLLM's fused_add_rms_norm at D =
@@ -241,11 +243,14 @@ if [ "$stage" = mamba-backward ]; then
 fi
 if [ "$stage" = hybrid-profile ]; then
   p=${UM_PROFILE_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
+  # the bar's settings (nano-interleave): ours with prefix caching off like native; UM_PROFILE_ARGS replaces that
   python3 benchmarks/rollout_throughput.py --preset "$p" --workloads ${UM_PROFILE_WORKLOAD:-128x2048/128} --repeats 1 \
-    --profile --profile-max-tokens 2 --engine-timeout-s 400 --json "$OUT/profile/rollout_throughput.json" \
+    --profile --profile-max-tokens ${UM_PROFILE_MAX_TOKENS:-2} ${UM_PROFILE_ARGS---ours-prefix-caching off} \
+    --engine-timeout-s 400 --json "$OUT/profile/rollout_throughput.json" \
     > "$OUT/hybrid_profile.log" 2>&1; rc=$((rc | $?))
   grep -vE "INFO|WARNING|DEBUG" "$OUT/hybrid_profile.log" | tail -12
   for f in "$OUT"/profile/profile_*.txt; do [ -f "$f" ] && head -32 "$f"; done
+  tar -czf "$OUT/profile.tgz" -C "$OUT/profile" . && rm -rf "$OUT/profile"  # one file: the device returns only a few
 fi
 if [ "$stage" = decode-chunk ]; then  # issue 18 item 3: decode-as-chunk cost by in-chunk position
   timeout 170 python3 benchmarks/decode_chunk_position.py --chunk 128 256 ${UM_DCP_ARGS:-} \
