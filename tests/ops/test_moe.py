@@ -393,3 +393,20 @@ def test_stale_expert_weight_refuses_backward(gen):
     ops.bump_weight_version(gate)
     with pytest.raises(StaleWeightError, match="moe_route"):
         weights.sum().backward()
+
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_one_expert_plan_equals_the_sorted_one(exact):
+    """The shared expert's plan (one expert, every row) built without the sort gives the tensors of the
+    general expert-sorted form, tile count and sentinels included, at R = 0, 1 and around tile
+    boundaries; ``moe_plan`` takes it for every one-expert stack."""
+    from unified_models.ops.moe.triton import _one_expert_plan, _sorted_plan, moe_plan
+
+    for R in (0, 1, 2, 31, 32, 33, 64, 65, 1000):
+        ids = torch.zeros(R, 1, dtype=torch.int32)
+        fast, general = _one_expert_plan(R, 32, exact, ids.device), _sorted_plan(ids, 1, 32, exact)
+        assert fast[2] == general[2], (R, fast[2], general[2])
+        for a, b in zip(fast[:2], general[:2]):
+            assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (R, a, b)
+        assert all(torch.equal(a, b) for a, b in zip(moe_plan(ids, 1, 32, exact)[:2], fast[:2]))

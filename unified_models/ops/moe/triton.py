@@ -370,6 +370,13 @@ def moe_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: b
         end). ``exact``: the exact tile count (host sync; CPU); else the upper
         bound ``cdiv(R, block_m) + min(E, R)`` (no sync; GPU, CUDA graphs).
     """
+    if num_experts == 1:  # one expert (a shared expert: every token, row order): the same layout, no sort
+        return _one_expert_plan(topk_ids_TK.numel(), block_m, exact, topk_ids_TK.device)
+    return _sorted_plan(topk_ids_TK, num_experts, block_m, exact)
+
+
+def _sorted_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: bool):
+    """:func:`moe_plan` for any expert count: a stable sort of the assignments by expert."""
     dev = topk_ids_TK.device
     flat = topk_ids_TK.reshape(-1).long()
     R = flat.shape[0]
@@ -388,6 +395,19 @@ def moe_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: b
     sorted_ids[pos] = order.to(torch.int32)
     tiles = torch.arange(n_tiles, device=dev, dtype=torch.long) * block_m
     tile_expert = torch.searchsorted(pend, tiles, right=True).to(torch.int32)
+    return sorted_ids, tile_expert, n_tiles
+
+
+def _one_expert_plan(R: int, block_m: int, exact: bool, dev: torch.device):
+    """:func:`moe_plan` of ``R`` assignments to one expert, built directly (3 kernels instead of the
+    argsort, counts, cumsums, scatter and searchsorted): the assignments in order, then the sentinel
+    ``R``; tile ``j`` is expert 0's while ``j < cdiv(R, block_m)``, else past the end (1). The same
+    tensors as the general form (``tests/ops/test_moe.py::test_one_expert_plan_equals_the_sorted_one``)."""
+    used = triton.cdiv(R, block_m)
+    n_tiles = used if exact else used + min(1, R)
+    sorted_ids = torch.full((n_tiles * block_m,), R, dtype=torch.int32, device=dev)
+    sorted_ids[:R] = torch.arange(R, dtype=torch.int32, device=dev)
+    tile_expert = (torch.arange(n_tiles, device=dev) >= used).to(torch.int32)
     return sorted_ids, tile_expert, n_tiles
 
 
