@@ -153,8 +153,8 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, st_ptr, out_ptr, tseq_ptr, tpos_ptr, p0
             acc = acc + xv * wv
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-    y = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t * stride_ot + c * stride_oc, round_to(y, out_ptr.dtype.element_ty), mask=valid & cm)
+    y = tl.where(valid, acc * tl.sigmoid(acc), 0.0)  # padding rows: +0.0, written here (no zero-filled output)
+    tl.store(out_ptr + t * stride_ot + c * stride_oc, round_to(y, out_ptr.dtype.element_ty), mask=tm & cm)
 
 
 def causal_conv1d_triton(x_TC, weight_CW, bias_C, meta, state) -> torch.Tensor:
@@ -168,7 +168,7 @@ def causal_conv1d_triton(x_TC, weight_CW, bias_C, meta, state) -> torch.Tensor:
     W = weight_CW.shape[1]
     st = state.conv if state is not None else x_TC
     check_device("causal_conv1d_triton", x_TC, weight_CW, bias_C, st)
-    out = torch.zeros((T, C), dtype=x_TC.dtype, device=x_TC.device)
+    out = torch.empty((T, C), dtype=x_TC.dtype, device=x_TC.device)  # the kernel writes every row
     if T == 0:
         return out
     s_strides = (st.stride(0), st.stride(1), st.stride(2)) if state is not None else (0, 0, 0)
