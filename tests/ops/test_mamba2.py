@@ -947,24 +947,29 @@ def test_metadata_matches_its_definition_on_random_batches():
         assert meta.host["item_seq"] == want["item_seq"] and meta.num_items == len(want["item_seq"])
 
 
+def _assert_same_metadata(want, got, case) -> None:
+    """Every field of two :class:`Mamba2Metadata` equal (tensors in value and dtype), and the host lists."""
+    import dataclasses
+
+    for f in dataclasses.fields(want):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), (f.name, case)
+        elif f.name != "host":
+            assert a == b, (f.name, case)
+    assert {k: v for k, v in want.host.items() if k != "cpu"} == {k: v for k, v in got.host.items() if k != "cpu"}
+
+
 def test_metadata_from_host_layout_equals_the_read_one():
     """``host_layout`` (vLLM's host copies of ``query_start_loc`` and the start positions) gives the
     same metadata as reading the tensors, field for field, when the slots are >= 0 exactly for the
     sequences with rows; a mismatched slot count is refused."""
-    import dataclasses
-
     for cu, p0, slot, Q, T in _random_batches(1, 200, slots_follow_rows=True):
         args = (torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), Q)
         read = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32))
         hinted = mamba2_metadata(*args, num_tokens=T, state_idx_B=torch.tensor(slot, dtype=torch.int32),
                                  host_layout=(np.array(cu), np.array(p0)))
-        for f in dataclasses.fields(read):
-            a, b = getattr(read, f.name), getattr(hinted, f.name)
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), (f.name, cu, p0, slot, Q)
-            elif f.name != "host":
-                assert a == b, f.name
-        assert {k: v for k, v in read.host.items() if k != "cpu"} == {k: v for k, v in hinted.host.items() if k != "cpu"}
+        _assert_same_metadata(read, hinted, (cu, p0, slot, Q))
     with pytest.raises(ValueError, match="state_idx must be"):
         mamba2_metadata(torch.tensor([0, 2]), torch.tensor([0]), 4, state_idx_B=torch.tensor([0, 1]),
                         host_layout=(np.array([0, 2]), np.array([0])))
@@ -984,8 +989,6 @@ def test_layout_cache_shares_the_layout_across_slot_groups():
     field and in the host lists; the slot-free tensors are the same objects (built and uploaded once);
     the per-group ``host`` dicts (where ops cache slot-dependent indices) are separate; another
     layout or chunk size is built anew."""
-    import dataclasses
-
     for cu, p0, slot, Q, T in _random_batches(2, 120, slots_follow_rows=True):
         cache: dict = {}
         rng = np.random.default_rng(len(cu) * 1000 + Q)
@@ -1000,14 +1003,7 @@ def test_layout_cache_shares_the_layout_across_slot_groups():
             read = mamba2_metadata(*args, num_tokens=T, state_idx_B=idx)
             shared = mamba2_metadata(*args, num_tokens=T, state_idx_B=idx, host_layout=(np.array(cu), np.array(p0)),
                                      layout_cache=cache)
-            for f in dataclasses.fields(read):
-                a, b = getattr(read, f.name), getattr(shared, f.name)
-                if isinstance(a, torch.Tensor):
-                    assert a.dtype == b.dtype and torch.equal(a, b), (f.name, cu, p0, sl, Q)
-                elif f.name != "host":
-                    assert a == b, f.name
-            assert {k: v for k, v in read.host.items() if k != "cpu"} == \
-                   {k: v for k, v in shared.host.items() if k != "cpu"}
+            _assert_same_metadata(read, shared, (cu, p0, sl, Q))
             assert torch.equal(read.host["cpu"]["slot"], shared.host["cpu"]["slot"])
             metas.append(shared)
         assert len(cache) == 1
