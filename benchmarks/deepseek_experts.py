@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         ref = ours()
         row = {"preset": args.preset, **w, "T": T, "gpu": name, "experts_touched": touched,
                "fp8_weight_gb_touched": gbytes, "default_path": "in_loop" if default_in_loop else "once"}
-        row.update(forced_paths(moe, "FP8_DEQUANTIZE_ROWS_PER_EXPERT", ours, ref, args.iters))
+        row.update(forced_paths(moe, ("FP8_DEQUANTIZE_ROWS_PER_EXPERT", "FP8_DEQUANTIZE_ROWS_PER_EXPERT_BYTE_DECODE"),
+                                ours, ref, args.iters))  # both decode paths' thresholds: whichever this GPU takes
         row["default_ms"] = graph_time_ms(ours, args.iters)
         row["bf16_resident_ms"] = graph_time_ms(lambda: ours(resident), args.iters)
         row["default_fp8_gb_s"] = gbytes / (row["default_ms"] / 1e3)

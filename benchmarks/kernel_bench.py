@@ -37,24 +37,28 @@ def graph_time_ms(fn, iters: int, replays: int = 5) -> float:
     return statistics.median(times)
 
 
-def forced_paths(module, threshold: str, fn, ref, iters: int) -> dict:
-    """Time ``fn`` with the batch-size threshold ``module.<threshold>`` (rows per expert above which a
-    quantized expert stack is dequantized once per call) forced to each side: ``in_loop`` (never
-    reached: tiles decoded in the GEMMs' K loop) and ``once`` (always reached), each output compared
-    bit for bit with ``ref`` (the default path's). Returns ``{"in_loop_ms", "in_loop_bitwise_equal_to_default",
-    "once_ms", "once_bitwise_equal_to_default"}``; the threshold is restored."""
+def forced_paths(module, thresholds: str | tuple[str, ...], fn, ref, iters: int) -> dict:
+    """Time ``fn`` with the batch-size thresholds ``module.<name>`` (rows per expert above which a
+    quantized expert stack is dequantized once per call; every name given, e.g. one per decode path)
+    forced to each side: ``in_loop`` (never reached: tiles decoded in the GEMMs' K loop) and ``once``
+    (always reached), each output compared bit for bit with ``ref`` (the default path's). Returns
+    ``{"in_loop_ms", "in_loop_bitwise_equal_to_default", "once_ms", "once_bitwise_equal_to_default"}``;
+    the thresholds are restored."""
     import torch
 
+    names = (thresholds,) if isinstance(thresholds, str) else tuple(thresholds)
     out: dict = {}
-    saved = getattr(module, threshold)
+    saved = {n: getattr(module, n) for n in names}
     try:
         for name, value in (("in_loop", 1 << 40), ("once", 0)):
-            setattr(module, threshold, value)
+            for n in names:
+                setattr(module, n, value)
             got = fn()
             out[f"{name}_ms"] = graph_time_ms(fn, iters)
             out[f"{name}_bitwise_equal_to_default"] = bool(torch.equal(got, ref))
     finally:
-        setattr(module, threshold, saved)
+        for n, v in saved.items():
+            setattr(module, n, v)
     return out
 
 

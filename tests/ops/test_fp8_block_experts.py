@@ -264,3 +264,25 @@ def test_triton_in_loop_tiles_equal_the_dequantized_stack_bitwise(dtype, device,
     alone = swiglu_expert_outputs(x, ids, wts, gate, up, down, swiglu_limit=L)
     batched = swiglu_expert_outputs(xb, idb, wb, gate, up, down, swiglu_limit=L)
     assert torch.equal(bits(alone), bits(batched[:T * K])) and alone.abs().max() > 0
+
+
+def test_each_stack_takes_its_own_threshold(gen, device, monkeypatch):
+    """Past the threshold every block-FP8 stack is dequantized once, also beside a gate in another
+    format (the decision is per stack, not read off the gate); below it none is."""
+    from unified_models.ops.moe.triton import fp8_dequantize_rows_per_expert
+
+    monkeypatch.setenv("UM_OPS_BACKEND", "triton")
+    masters = _masters(gen)
+    up, down = (_stored(m) for m in masters[1:])
+    up, down = (FP8BlockExperts(q.weight.to(device), q.weight_scale_inv.to(device)) for q in (up, down))
+    gate = up.dequantize(torch.bfloat16)  # a gate of another format (its values: bf16)
+    calls = []
+    real = FP8BlockExperts.dequantize
+    monkeypatch.setattr(FP8BlockExperts, "dequantize", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    big = fp8_dequantize_rows_per_expert(up.weight) * E // 2 + 1
+    for T, want in ((3, 0), (big, 2)):
+        calls.clear()
+        x = torch.randn(T, D, generator=gen).bfloat16().to(device)
+        ids = torch.randint(0, E, (T, 2), generator=gen).int().to(device)
+        swiglu_expert_outputs(x, ids, torch.rand(T, 2, generator=gen).to(device), gate, up, down, swiglu_limit=L)
+        assert len(calls) == want, (T, len(calls))

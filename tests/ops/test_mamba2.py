@@ -1020,7 +1020,7 @@ def test_layout_cache_shares_the_layout_across_slot_groups():
 def test_metadata_upload_packing_is_exact():
     """The one-copy upload of the metadata (:func:`~unified_models.ops.mamba2.common._pack_fields`):
     int32 and int64 fields of odd and zero lengths, extreme values, cut back out as views in their
-    dtypes with the same values and 8-byte aligned offsets."""
+    dtypes with the same values and 16-byte aligned offsets; only empty fields (or none) too."""
     from unified_models.ops.mamba2.common import _pack_fields, _unpack_fields
 
     i32, i64 = np.iinfo(np.int32), np.iinfo(np.int64)
@@ -1028,7 +1028,10 @@ def test_metadata_upload_packing_is_exact():
                   c=(np.zeros(0, dtype=np.int64), torch.int32), d=(np.array([3]), torch.int32),
                   e=(np.arange(9, dtype=np.int64) - 4, torch.int64))
     packed, spans = _pack_fields(fields)
-    assert packed.dtype == torch.uint8 and all(o % 8 == 0 for o, _, _ in spans.values())
+    assert packed.dtype == torch.uint8 and all(o % 16 == 0 for o, _, _ in spans.values())
     out = _unpack_fields(packed, spans)
     for k, (v, dtype) in fields.items():
         assert out[k].dtype == dtype and out[k].tolist() == v.tolist(), k
+    for only_empty in ({}, dict(c=fields["c"]), dict(c=fields["c"], f=(np.zeros(0, dtype=np.int32), torch.int64))):
+        out = _unpack_fields(*_pack_fields(only_empty))
+        assert {k: (t.dtype, t.numel()) for k, t in out.items()} == {k: (d, 0) for k, (_, d) in only_empty.items()}

@@ -327,18 +327,21 @@ def _to_device(fields: dict[str, tuple[np.ndarray, torch.dtype]], dev: torch.dev
 
 
 def _pack_fields(fields: dict[str, tuple[np.ndarray, torch.dtype]]) -> tuple[torch.Tensor, dict]:
-    """Every field in its own dtype (int32/int64) at an 8-byte aligned offset of one uint8 host
+    """Every field in its own dtype (int32/int64) at a 16-byte aligned offset of one uint8 host
     buffer, so that one copy moves them all and views cut them out on the device (no cast kernel per
-    field: 19 launches per :func:`mamba2_metadata` before). Returns the buffer and ``{name: (byte
-    offset, bytes, dtype)}``."""
+    field: 19 launches per :func:`mamba2_metadata` before). 16 bytes: the alignment Triton
+    specializes pointer arguments on, so a field's kernel variant does not depend on its
+    neighbours' lengths. Returns the buffer and ``{name: (byte offset, bytes, dtype)}``."""
     parts, spans, off = [], {}, 0
     for k, (v, dtype) in fields.items():
         raw = np.ascontiguousarray(np.asarray(v).reshape(-1).astype(_NP_INT[dtype])).view(np.uint8)
         spans[k] = (off, raw.size, dtype)
-        pad = -raw.size % 8
+        pad = -raw.size % _FIELD_ALIGN
         parts += [raw, np.zeros(pad, dtype=np.uint8)]
         off += raw.size + pad
-    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8)), spans
+    if not off:  # torch.from_numpy of an empty array has stride 0, which view(dtype) refuses
+        return torch.zeros(0, dtype=torch.uint8), spans
+    return torch.from_numpy(np.concatenate(parts)), spans
 
 
 def _unpack_fields(packed: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]:
@@ -347,6 +350,7 @@ def _unpack_fields(packed: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]
 
 
 _NP_INT = {torch.int32: np.int32, torch.int64: np.int64}
+_FIELD_ALIGN = 16
 
 
 def mamba2_decode_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, state_idx_B: torch.Tensor,

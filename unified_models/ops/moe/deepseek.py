@@ -256,13 +256,12 @@ def _quantized_experts_triton(x_TD, topk_ids_TK, topk_weights_TK, gate, up, down
     from .triton import fp8_dequantize_rows_per_expert
 
     dt = x_TD.dtype
-    in_loop = not isinstance(gate, FP8BlockExperts) or \
-        topk_ids_TK.numel() < fp8_dequantize_rows_per_expert(gate.weight) * gate.shape[0]
 
     def dense(w):
         if not quantizes_activations(w):
             return w
-        if isinstance(w, FP8BlockExperts):
+        if isinstance(w, FP8BlockExperts):  # each stack by its own threshold and device
+            in_loop = topk_ids_TK.numel() < fp8_dequantize_rows_per_expert(w.weight) * w.shape[0]
             return w.stacked() if in_loop else w.dequantize(dt)  # the same values either way
         return torch.stack([expert_weight(w, e, dt) for e in range(w.shape[0])]) if w.shape[0] else \
             torch.zeros(w.shape, dtype=dt, device=w.device)

@@ -412,9 +412,11 @@ def _one_expert_plan(R: int, block_m: int, exact: bool, dev: torch.device):
 
 
 def _gpu_converts_e4m3(w: torch.Tensor) -> bool:
-    """True for a CUDA tensor on a GPU with e4m3 conversion instructions (compute capability >= 8.9:
-    Ada, Hopper and later); the interpreter and older GPUs take the integer decode."""
-    return w.is_cuda and not INTERPRET and torch.cuda.get_device_capability(w.device) >= (8, 9)
+    """True for a CUDA tensor on an NVIDIA GPU with e4m3 conversion instructions (compute capability
+    >= 8.9: Ada, Hopper and later); the interpreter, older GPUs and ROCm (whose capability numbers
+    mean something else, and whose FP8 is another format) take the integer decode."""
+    return (w.is_cuda and not INTERPRET and torch.version.hip is None
+            and torch.cuda.get_device_capability(w.device) >= (8, 9))
 
 
 def _weight_args(w, what: str, dtype: torch.dtype):
