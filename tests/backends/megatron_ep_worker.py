@@ -262,6 +262,14 @@ def hybrid(ckpt: str, out: Path, report: dict) -> None:
     stats = opt.step()
     report["ep2_step_grad_norm"] = stats["grad_norm"]
     ep2_dir = save_training_checkpoint(out / "ckpt_ep2", model, opt, iteration=1)
+    import torch as _t  # the stored digests cover every rank's experts (gathered), each matching its owner's tensor
+    from unified_models.converters import megatron_dist_ckpt as _layout
+    from unified_models.converters.megatron_dist_ckpt import COMMON_KEY as _CK
+
+    _entry = _t.load(ep2_dir / "common.pt", weights_only=False)[_CK]
+    report[f"ep2_digests_cover_every_tensor_rank{rank}"] = set(_entry["sha256"]) == set(model.spec.parameter_shapes())
+    report[f"ep2_digests_match_local_rank{rank}"] = all(_entry["sha256"][n] == _layout.tensor_digest(p)
+                                            for n, p in model.named_parameters())
     mine_state = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "state": opt_state(opt)}
     torch.save(mine_state, out / f"state_ep2_rank{rank}.pt")
     with torch.no_grad():

@@ -140,6 +140,8 @@ def test_swiglu_expert_families_at_ep2(swiglu_report, family):
 
 def test_checkpoint_saved_at_ep2_reloads_at_ep1_and_back_bitwise(report):
     for r in (0, 1):
+        # the tensor digests of the EP = 2 save cover both ranks' experts, each its owner's bytes
+        assert report[f"ep2_digests_cover_every_tensor_rank{r}"] and report[f"ep2_digests_match_local_rank{r}"]
         there = report[f"reload_ep2_to_ep1_rank{r}"]
         assert there["params_bitwise"] and there["optimizer_bitwise"] and there["iteration"] == 1, there
         back = report[f"reload_ep1_to_ep2_rank{r}"]

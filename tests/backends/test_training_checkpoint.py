@@ -346,3 +346,42 @@ def test_assets_that_cannot_be_written_leave_no_checkpoint(spec, hf_config, mode
         save_training_checkpoint(root, model, opt, iteration=2, assets_from=model_dir)
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", TRACKER_FILE] and latest_iteration(root) == 1
     opt.close()
+
+
+def test_a_flipped_bit_in_a_model_tensor_is_refused_on_resume_and_convert(spec, hf_config, tmp_path):
+    """The SHA-256 of every model tensor is stored at save time: a bit flipped inside a stored tensor's
+    bytes in a ``.distcp`` file (found by its contents; a readable file) is refused by the resume and by
+    ``convert --from megatron``, naming the tensor; the intact checkpoint loads."""
+    from unified_models.backends.megatron.dist_ckpt import megatron_to_hf
+    from unified_models.converters import megatron_dist_ckpt as layout
+
+    model, opt = _fresh(spec, seed=5)
+    _seed_all(0)
+    _train_step(model, opt)
+    out = save_training_checkpoint(tmp_path / "c", model, opt, hf_config=hf_config.to_dict())
+    name = "backbone.embeddings.weight" if "backbone.embeddings.weight" in dict(model.named_parameters()) else \
+        max(model.named_parameters(), key=lambda kv: kv[1].numel())[0]
+    payload = dict(model.named_parameters())[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    fresh, fresh_opt = _fresh(spec, seed=6)
+    load_training_checkpoint(out, fresh, fresh_opt)  # intact: loads
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fresh.named_parameters(), model.named_parameters()))
+    hits = []
+    for f in sorted(out.glob("*.distcp")):
+        data = f.read_bytes()
+        at = data.find(payload[:4096])
+        if at >= 0:
+            hits.append((f, at + 1000))
+    assert len(hits) == 1, f"{name}'s bytes not found once in the .distcp files ({len(hits)})"
+    f, at = hits[0]
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0x10  # one bit of one weight
+    f.write_bytes(bytes(data))
+    assert layout.check_layout_files(out)  # the files themselves still read
+    fresh, fresh_opt = _fresh(spec, seed=6)
+    with pytest.raises(CheckpointError, match=rf"corrupt: the data of 1 tensor\(s\).*{re.escape(name)}"):
+        load_training_checkpoint(out, fresh, fresh_opt)
+    with pytest.raises(CheckpointError, match=rf"corrupt.*{re.escape(name)}"):
+        megatron_to_hf(out, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    for o in (opt, fresh_opt):
+        o.close()

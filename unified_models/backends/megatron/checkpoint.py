@@ -171,6 +171,20 @@ def _state_dict(model, optimizer: TrainOptimizer, is_loading: bool, rng_states: 
             "rng_state": _rng_sharded_object(rng_states)}
 
 
+def _model_digests(model_ssd: Mapping[str, Any]) -> dict[str, str]:
+    """SHA-256 of every model tensor under its checkpoint key (the HF name), over every rank: at EP > 1
+    each rank holds its own experts, so the ranks' tables are gathered (collective). What
+    :func:`load_training_checkpoint` and ``convert --from megatron`` check the stored tensors
+    against; the optimizer state is not covered. Costs one host copy and hash of the weights per save
+    (seconds for billions of parameters)."""
+    mine = {t.key: layout.tensor_digest(t.data) for t in model_ssd.values()}
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    tables: list = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, mine)
+    return {k: v for table in tables for k, v in table.items()}
+
+
 def _plain(extra: Mapping | None) -> dict:
     try:
         return json.loads(json.dumps(dict(extra or {})))
@@ -249,10 +263,11 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
                               "directory the run used")
     on_cuda = next(model.parameters()).device.type == "cuda"
     recipe_field = {layout.RECIPE_KEY: recipe.to_entry()} if recipe is not None else {}
+    sd = _state_dict(model, optimizer, False, _gathered_rng_states())
     entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
                                 extra_tensor_prefixes=[OPTIMIZER_PREFIX], optimizer_backend=optimizer.backend,
-                                optimizer_iteration=optimizer.iteration, extra=extra, **recipe_field)
-    sd = _state_dict(model, optimizer, False, _gathered_rng_states())
+                                optimizer_iteration=optimizer.iteration, extra=extra,
+                                digests=_model_digests(sd["model"]), **recipe_field)
     sd.update({"iteration": iteration, layout.COMMON_KEY: entry})
     out = iteration_dir(root, iteration)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -385,9 +400,11 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
         :class:`TrainingCheckpoint`.
 
     Raises:
-        CheckpointError: missing / incomplete / corrupt checkpoint, a model
-            checkpoint without training state, another model (tensors named),
-            or optimizer groups that do not match.
+        CheckpointError: missing / incomplete / corrupt checkpoint (also a model tensor that does not
+            match the SHA-256 digest stored at save time, named; checkpoints of earlier versions
+            store none; the parameters may then already hold the read values: rebuild the model),
+            a model checkpoint without training state, another model (tensors named), or optimizer
+            groups that do not match.
     """
     d, _, entry = _training_entry(path, iteration, model.spec)
     if entry.get("optimizer_backend") != optimizer.backend:
@@ -398,6 +415,8 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
         loaded = compat.dist_load(template, d)
     except layout.IO_ERRORS as e:  # noqa: BLE001 - any reader failure means a corrupt checkpoint
         raise CheckpointError(f"training checkpoint {d} could not be read (corrupt?): {layout.describe_error(e)}") from None
+    layout.verify_digests({template["model"][n].key: loaded["model"][n] for n, _ in model.named_parameters()},
+                          entry.get("sha256"), str(d))  # before the optimizer state or the RNG is touched
     for name, p in model.named_parameters():
         t = loaded["model"][name]
         if t is not p:
