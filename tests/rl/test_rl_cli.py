@@ -369,3 +369,19 @@ def test_metrics_writer_resume_refuses_lines_without_an_integer_step(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     MetricsWriter(path, resume_step=2)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+@pytest.mark.parametrize("lines, restored", [((3, 4), True), ((1, 2, 3, 4), True), ((3,), False), ((3, 5), False),
+                                             ((), False), ((4, 5), False)])
+def test_metrics_writer_restores_the_saved_line_after_any_contiguous_start(tmp_path, lines, restored):
+    """The checkpoint's line of step 5 is restored when the file holds steps m..4 (a file begun by an
+    earlier resume starts at m > 1), not when a step before 5 is missing or the file holds none."""
+    from unified_models.rl.metrics import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in lines))
+    w = MetricsWriter(path, resume_step=5, saved_row={"step": 5, "reward_mean": 0.5})
+    rows = read_metrics(path)
+    assert (w.restored_step == 5) is restored and (rows[-1:] == [{"step": 5, "reward_mean": 0.5,
+                                                                   "restored_from_checkpoint": True}]) is restored
+    assert [r["step"] for r in rows] == [s for s in lines if s <= 5] + ([5] if restored else [])

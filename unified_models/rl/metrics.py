@@ -106,9 +106,10 @@ class MetricsWriter:
             dropped, so the file reads like one uninterrupted run).
         saved_row: on resume, the line the checkpoint of step k recorded
             (:func:`.startup.save_checkpoint`): appended, marked ``"restored_from_checkpoint": true``
-            (its ``seconds`` without the save), when the file holds the lines of steps 1..k-1 and not
-            k (the run stopped between its checkpoint and the line); :attr:`restored_step` is then k.
-            A new file (the resumed part written elsewhere) gets nothing restored.
+            (its ``seconds`` without the save), when the file holds the lines of steps m..k-1 (m >= 1:
+            from 1, or from where an earlier resume into a new file began) and not k (the run stopped
+            between its checkpoint and the line); :attr:`restored_step` is then k. A file without lines
+            of the steps before k gets nothing restored.
 
     Raises:
         ValueError: on resume, a line of the existing file is not a JSON object or has no integer
@@ -124,7 +125,7 @@ class MetricsWriter:
             keep = [r for r in read_metrics(self.path, require_step=True) if r["step"] <= resume_step]
         steps = [r["step"] for r in keep]
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
-                and saved_row.get("step") == resume_step and steps == list(range(1, resume_step))):
+                and saved_row.get("step") == resume_step and steps and steps == list(range(steps[0], resume_step))):
             keep.append(json_safe(dict(saved_row, restored_from_checkpoint=True)))
             self.restored_step = resume_step
         tmp = self.path.with_name(self.path.name + ".tmp")
