@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -329,3 +330,15 @@ def test_server_block_size_holds_whole_pages_of_every_cache(tiny_checkpoint):
         server_namespace(tiny_checkpoint, ["--worker-extension-cls", "x.Y"], gpu=False)
     from unified_models.converters.hf_safetensors import spec_and_state_dict
     assert default_block_size(spec_and_state_dict(tiny_checkpoint)[1]) == 64
+
+
+def test_a_flag_vllm_refuses_is_named_in_one_line(tiny_checkpoint, capsys):
+    """A server flag vLLM's parser refuses gives one error naming it and why, not vLLM's whole usage."""
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.serve import server_namespace
+
+    for flags, why in ((["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                       (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'")):
+        with pytest.raises(UnifiedModelsError, match=re.escape(why)):
+            server_namespace(tiny_checkpoint, flags, gpu=False)
+        assert "usage:" not in capsys.readouterr().err

@@ -123,6 +123,12 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     validate_checkpoint(model_dir, spec)
     check_spec_supported(spec)
     parser = _vllm_parser()
+
+    def refuse(message: str):  # argparse's error() would print vLLM's whole usage (hundreds of lines) first
+        raise UnifiedModelsError(f"vLLM server flags {' '.join(user_args)!r}: {message} (vLLM's parser; "
+                                 "`vllm serve --help` lists its flags)")
+
+    parser.error = refuse
     try:
         user_set = _user_set(parser, user_args)
     except SystemExit as e:  # argparse already printed what is wrong
