@@ -333,12 +333,18 @@ def test_server_block_size_holds_whole_pages_of_every_cache(tiny_checkpoint):
 
 
 def test_a_flag_vllm_refuses_is_named_in_one_line(tiny_checkpoint, capsys):
-    """A server flag vLLM's parser refuses gives one error naming it and why, not vLLM's whole usage."""
+    """A server flag vLLM's parser refuses gives one error naming it and why, not vLLM's whole usage or a
+    traceback; a positional argument (vLLM's model tag, which would be ignored: the default model served
+    instead of the one meant) is refused."""
     from unified_models.dsl import UnifiedModelsError
     from unified_models.serving.serve import server_namespace
 
     for flags, why in ((["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-                       (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'")):
+                       (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
+                       (["--foo.bar"], "'--foo.bar': IndexError"),  # vLLM's own pre-parsing of dotted flags
+                       (["--config", "/no/such.yaml"], "FileNotFoundError"),
+                       (["/some/checkpoint"], "not as a positional argument ('/some/checkpoint' would be ignored")):
         with pytest.raises(UnifiedModelsError, match=re.escape(why)):
             server_namespace(tiny_checkpoint, flags, gpu=False)
         assert "usage:" not in capsys.readouterr().err
+    assert server_namespace(tiny_checkpoint, ["--max-num-seqs=8"], gpu=False).max_num_seqs == 8

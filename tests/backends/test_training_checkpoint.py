@@ -383,5 +383,19 @@ def test_a_flipped_bit_in_a_model_tensor_is_refused_on_resume_and_convert(spec, 
     with pytest.raises(CheckpointError, match=rf"corrupt.*{re.escape(name)}"):
         megatron_to_hf(out, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
-    for o in (opt, fresh_opt):
+    # another dtype is named as such (it read as 27 corrupt tensors, or Adam's KeyError before the digests)
+    import dataclasses
+
+    wide, wide_opt = UnifiedMegatronModel(dataclasses.replace(spec, dtype=torch.float32), device=DEVICE), None
+    wide_opt = build_optimizer(wide, OPT)
+    with pytest.raises(CheckpointError, match=r"in another dtype than this model's parameters: .*torch.bfloat16; "
+                                              r"the model's torch.float32"):
+        load_training_checkpoint(out, wide, wide_opt)
+    # tampered digest table: named as malformed metadata
+    common = torch.load(out / "common.pt", weights_only=False)
+    common[layout.COMMON_KEY]["sha256"] = ["not", "a", "table"]
+    torch.save(common, out / "common.pt")
+    with pytest.raises(CheckpointError, match="stored tensor digests are malformed"):
+        load_training_checkpoint(out, fresh, fresh_opt)
+    for o in (opt, fresh_opt, wide_opt):
         o.close()

@@ -371,17 +371,24 @@ def test_metrics_writer_resume_refuses_lines_without_an_integer_step(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
-@pytest.mark.parametrize("lines, restored", [((3, 4), True), ((1, 2, 3, 4), True), ((3,), False), ((3, 5), False),
-                                             ((), False), ((4, 5), False)])
-def test_metrics_writer_restores_the_saved_line_after_any_contiguous_start(tmp_path, lines, restored):
-    """The checkpoint's line of step 5 is restored when the file holds steps m..4 (a file begun by an
-    earlier resume starts at m > 1), not when a step before 5 is missing or the file holds none."""
+@pytest.mark.parametrize("k, lines, restored", [
+    (5, (3, 4), True), (5, (1, 2, 3, 4), True), (1, (), True), (2, (1,), True),  # steps m..k-1 (none at k = 1)
+    (5, (3,), False), (5, (3, 5), False), (5, (), False), (5, (4, 5), False), (5, (4, 3), False),
+    (5, (3, 4, 4), False), (1, (0,), False), (5, (0, 1, 2, 3, 4), False), (5, (-10 ** 29, 4), False)])
+def test_metrics_writer_restores_the_saved_line_after_any_contiguous_start(tmp_path, k, lines, restored):
+    """The checkpoint's line of step k is restored when the file holds steps m..k-1 in order (m >= 1; a
+    file begun by an earlier resume starts at m > 1; none at k = 1, a run killed between its first
+    checkpoint and its line), not after a gap, a repeat, steps < 1 or an empty file at k > 1; a saved
+    line whose step is not the integer k is never written."""
     from unified_models.rl.metrics import MetricsWriter
 
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in lines))
-    w = MetricsWriter(path, resume_step=5, saved_row={"step": 5, "reward_mean": 0.5})
+    w = MetricsWriter(path, resume_step=k, saved_row={"step": k, "reward_mean": 0.5})
     rows = read_metrics(path)
-    assert (w.restored_step == 5) is restored and (rows[-1:] == [{"step": 5, "reward_mean": 0.5,
+    assert (w.restored_step == k) is restored and (rows[-1:] == [{"step": k, "reward_mean": 0.5,
                                                                    "restored_from_checkpoint": True}]) is restored
-    assert [r["step"] for r in rows] == [s for s in lines if s <= 5] + ([5] if restored else [])
+    assert [r["step"] for r in rows] == [s for s in lines if s <= k] + ([k] if restored else [])
+    for odd in (True, float(k)) if k == 1 else (float(k),):
+        path.write_text("".join(json.dumps({"step": s}) + "\n" for s in lines))
+        assert MetricsWriter(path, resume_step=k, saved_row={"step": odd}).restored_step is None

@@ -72,7 +72,7 @@ def read_metrics(path: str | os.PathLike, *, require_step: bool = False) -> list
 
     Args:
         require_step: every line must hold an integer ``step`` (as every line ``rl`` writes does;
-            what a resumed run sorts the file's lines by).
+            what a resumed run keeps or drops the file's lines by).
 
     Raises:
         ValueError: a line is not a JSON object, or (``require_step``) has no integer ``step``; the
@@ -106,10 +106,10 @@ class MetricsWriter:
             dropped, so the file reads like one uninterrupted run).
         saved_row: on resume, the line the checkpoint of step k recorded
             (:func:`.startup.save_checkpoint`): appended, marked ``"restored_from_checkpoint": true``
-            (its ``seconds`` without the save), when the file holds the lines of steps m..k-1 (m >= 1:
-            from 1, or from where an earlier resume into a new file began) and not k (the run stopped
-            between its checkpoint and the line); :attr:`restored_step` is then k. A file without lines
-            of the steps before k gets nothing restored.
+            (its ``seconds`` without the save), when the file holds the lines of steps m..k-1 in order
+            (m >= 1: from 1, or from where an earlier resume into a new file began; none at k = 1) and
+            not k (the run stopped between its checkpoint and the line); :attr:`restored_step` is then
+            k. Otherwise (a gap, an empty file at k > 1) nothing is restored.
 
     Raises:
         ValueError: on resume, a line of the existing file is not a JSON object or has no integer
@@ -124,8 +124,11 @@ class MetricsWriter:
         if resume_step is not None and self.path.is_file():
             keep = [r for r in read_metrics(self.path, require_step=True) if r["step"] <= resume_step]
         steps = [r["step"] for r in keep]
+        # steps m..k-1 (m >= 1) in order, or none at k = 1 (killed between the first checkpoint and its line)
+        run_up_to_k = (steps == list(range(resume_step - len(steps), resume_step)) and (not steps or steps[0] >= 1)
+                       and (steps or resume_step == 1)) if resume_step is not None else False
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
-                and saved_row.get("step") == resume_step and steps and steps == list(range(steps[0], resume_step))):
+                and type(saved_row.get("step")) is int and saved_row["step"] == resume_step and run_up_to_k):
             keep.append(json_safe(dict(saved_row, restored_from_checkpoint=True)))
             self.restored_step = resume_step
         tmp = self.path.with_name(self.path.name + ".tmp")

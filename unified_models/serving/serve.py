@@ -131,9 +131,15 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     parser.error = refuse
     try:
         user_set = _user_set(parser, user_args)
-    except SystemExit as e:  # argparse already printed what is wrong
+    except SystemExit as e:  # argparse already printed what is wrong (e.g. --help)
         raise UnifiedModelsError(f"vLLM server flags {' '.join(user_args)!r} were refused by vLLM's parser "
                                  f"(exit {e.code})") from None
+    except (ValueError, IndexError, OSError) as e:  # vLLM's own pre-parsing (dotted flags, --config FILE)
+        refuse(f"{type(e).__name__}: {e}")
+    if "model_tag" in user_set:  # vLLM's positional model, which serve would ignore
+        raise UnifiedModelsError(f"serve takes the checkpoint as --model DIR or --preset NAME, not as a "
+                                 f"positional argument ({parser.parse_args(['--model', '_', *user_args]).model_tag!r} "
+                                 "would be ignored and another model served)")
     clash = sorted(PINNED_FLAGS[k] for k in user_set & set(PINNED_FLAGS))
     if clash:
         raise UnifiedModelsError(f"serve sets {', '.join(clash)} itself (our model class, raw_logits logprobs, "

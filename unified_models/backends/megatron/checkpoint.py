@@ -403,10 +403,19 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
         CheckpointError: missing / incomplete / corrupt checkpoint (also a model tensor that does not
             match the SHA-256 digest stored at save time, named; checkpoints of earlier versions
             store none; the parameters may then already hold the read values: rebuild the model),
-            a model checkpoint without training state, another model (tensors named), or optimizer
-            groups that do not match.
+            a model checkpoint without training state, another model (tensors named), tensors stored
+            in another dtype than the model's parameters (named), or optimizer groups that do not match.
     """
     d, _, entry = _training_entry(path, iteration, model.spec)
+    digests = entry.get("sha256") or {}
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise CheckpointError(f"{d}: the stored tensor digests are malformed (corrupt checkpoint metadata)")
+    stored = compat.load_tensors_metadata(d)
+    other = [f"{n} ({stored[n].dtype}; the model's {p.dtype})" for n, p in model.named_parameters()
+             if n in stored and stored[n].dtype != p.dtype]
+    if other:
+        raise CheckpointError(f"training checkpoint {d} stores {len(other)} tensor(s) in another dtype than this "
+                              f"model's parameters: {', '.join(other[:5])}; build the model in the checkpoint's dtype")
     if entry.get("optimizer_backend") != optimizer.backend:
         raise CheckpointError(f"{d} holds {entry.get('optimizer_backend')!r} optimizer state; this run uses "
                               f"{optimizer.backend!r} (CPU AdamW and Megatron's CUDA optimizer do not share a state)")
@@ -416,7 +425,7 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
     except layout.IO_ERRORS as e:  # noqa: BLE001 - any reader failure means a corrupt checkpoint
         raise CheckpointError(f"training checkpoint {d} could not be read (corrupt?): {layout.describe_error(e)}") from None
     layout.verify_digests({template["model"][n].key: loaded["model"][n] for n, _ in model.named_parameters()},
-                          entry.get("sha256"), str(d))  # before the optimizer state or the RNG is touched
+                          digests, str(d))  # before the optimizer state or the RNG is touched
     for name, p in model.named_parameters():
         t = loaded["model"][name]
         if t is not p:
