@@ -181,7 +181,7 @@ def test_saved_checkpoint_carries_the_runs_tokenizer(tiny_checkpoint, tmp_path):
     assert resumed.prompt_ids == with_tok.prompt_ids
     assert len(plain.prompt_ids) == 200 and all(p != q for p, q in zip(plain.prompt_ids, resumed.prompt_ids))
     # the checkpoint records the prompts' tokens; a resume without the saved run's --tokenizer is named
-    _, _, entry = _training_entry(ck, None, plain.spec)
+    _, _, entry, _ = _training_entry(ck, None, plain.spec)
     saved = entry["extra"]["rl"]
     assert saved["tokenizer"] == str(tok) and saved["prompt_ids_sha256"] == prompt_ids_sha256(with_tok.prompt_ids)
     assert "prompt tokens" not in resume_differences(saved, resumed)  # (its other flags differ from the saved run's)

@@ -89,7 +89,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "COMMON_KEY", "RECIPE_KEY", "ASSETS_DIR", "TOKENIZER_ASSET_PATTERNS",
     "MODEL_ASSET_PATTERNS", "HF_ASSET_PATTERNS", "METADATA_JSON", "Writer", "IO_ERRORS", "DistCheckpointInfo",
     "describe_error", "config_text", "spec_from_config_text", "atomic_output_dir", "asset_files", "copy_assets",
-    "tensor_digest", "verify_digests", "write_torch_dcp", "common_entry", "parse_common_entry", "check_layout_files",
+    "tensor_digest", "verify_digests", "stored_digests", "write_torch_dcp", "common_entry", "parse_common_entry", "check_layout_files",
     "common_state_error",
 ]
 
@@ -321,9 +321,20 @@ def parse_common_entry(common: Any, source: str) -> dict:
     if entry.get(RECIPE_KEY) is not None and not isinstance(entry[RECIPE_KEY], dict):
         raise CheckpointError(f"{source}: the stored quantization recipe is malformed "
                               f"({type(entry[RECIPE_KEY]).__name__}, not a dict)")
-    if not isinstance(entry.get("sha256") or {}, dict):
-        raise CheckpointError(f"{source}: the stored tensor digests are malformed")
+    stored_digests(entry, source)
     return entry
+
+
+def stored_digests(entry: Mapping[str, Any], source: str) -> dict[str, str]:
+    """The ``{name: SHA-256}`` table of a checkpoint's entry (empty when it stores none).
+
+    Raises:
+        CheckpointError: the table is not a dict of strings.
+    """
+    digests = entry.get("sha256") or {}
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise CheckpointError(f"{source}: the stored tensor digests are malformed")
+    return digests
 
 
 def common_state_error(ckpt_dir: str | os.PathLike, e: BaseException, what: str = "common state") -> CheckpointError:

@@ -96,6 +96,12 @@ def read_metrics(path: str | os.PathLike, *, require_step: bool = False) -> list
     return rows
 
 
+def _leads_up_to(steps: list[int], k: int) -> bool:
+    """True when ``steps`` are m..k-1 in order with m >= 1, or none at k = 1 (a run killed between its
+    first checkpoint and that step's line)."""
+    return steps == list(range(k - len(steps), k)) and (steps[0] >= 1 if steps else k == 1)
+
+
 class MetricsWriter:
     """Append one JSON line per step, flushed and fsynced (a killed run keeps every finished step).
 
@@ -123,12 +129,9 @@ class MetricsWriter:
         keep: list[dict] = []
         if resume_step is not None and self.path.is_file():
             keep = [r for r in read_metrics(self.path, require_step=True) if r["step"] <= resume_step]
-        steps = [r["step"] for r in keep]
-        # steps m..k-1 (m >= 1) in order, or none at k = 1 (killed between the first checkpoint and its line)
-        run_up_to_k = (steps == list(range(resume_step - len(steps), resume_step)) and (not steps or steps[0] >= 1)
-                       and (steps or resume_step == 1)) if resume_step is not None else False
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
-                and type(saved_row.get("step")) is int and saved_row["step"] == resume_step and run_up_to_k):
+                and type(saved_row.get("step")) is int and saved_row["step"] == resume_step
+                and _leads_up_to([r["step"] for r in keep], resume_step)):
             keep.append(json_safe(dict(saved_row, restored_from_checkpoint=True)))
             self.restored_step = resume_step
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -333,9 +333,9 @@ def _resolve(path: str | os.PathLike, iteration: int | None) -> Path:
     return p
 
 
-def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tuple[Path, dict, dict]:
-    """The checkpoint directory, its common state and its unified_models entry, from its metadata
-    files only (no tensor data).
+def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tuple[Path, dict, dict, dict]:
+    """The checkpoint directory, its common state, its unified_models entry and its tensors' metadata
+    (``{key: metadata}``), from its metadata files only (no tensor data).
 
     Raises:
         CheckpointError: missing / incomplete / corrupt metadata, a model checkpoint without training
@@ -358,7 +358,7 @@ def _training_entry(path: str | os.PathLike, iteration: int | None, spec) -> tup
     problems = tensor_table_problems(spec.parameter_shapes(), stored, verb="stored")
     if problems:
         raise CheckpointError(f"training checkpoint {d} holds another model; " + "; ".join(problems))
-    return d, common, entry
+    return d, common, entry, metadata
 
 
 def check_training_checkpoint(path: str | os.PathLike, spec, *, iteration: int | None = None) -> int:
@@ -378,7 +378,7 @@ def check_training_checkpoint(path: str | os.PathLike, spec, *, iteration: int |
         CheckpointError: as :func:`load_training_checkpoint` for a missing, corrupt or other model's
             checkpoint.
     """
-    d, common, _ = _training_entry(path, iteration, spec)
+    d, common, _, _ = _training_entry(path, iteration, spec)
     try:
         return int(common["iteration"])
     except (KeyError, TypeError, ValueError) as e:
@@ -406,11 +406,8 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
             a model checkpoint without training state, another model (tensors named), tensors stored
             in another dtype than the model's parameters (named), or optimizer groups that do not match.
     """
-    d, _, entry = _training_entry(path, iteration, model.spec)
-    digests = entry.get("sha256") or {}
-    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
-        raise CheckpointError(f"{d}: the stored tensor digests are malformed (corrupt checkpoint metadata)")
-    stored = compat.load_tensors_metadata(d)
+    d, _, entry, stored = _training_entry(path, iteration, model.spec)
+    digests = layout.stored_digests(entry, str(d))
     other = [f"{n} ({stored[n].dtype}; the model's {p.dtype})" for n, p in model.named_parameters()
              if n in stored and stored[n].dtype != p.dtype]
     if other:
