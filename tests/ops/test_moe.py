@@ -410,3 +410,28 @@ def test_one_expert_plan_equals_the_sorted_one(exact):
         for a, b in zip(fast[:2], general[:2]):
             assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (R, a, b)
         assert all(torch.equal(a, b) for a, b in zip(moe_plan(ids, 1, 32, exact)[:2], fast[:2]))
+
+
+def test_triton_plan_equals_the_sorted_one(device):
+    """The GPU's plan kernels (per-expert counts, then one program per expert writing its run) give the
+    sort's tensors (``exact=False``: the upper-bound tile count, every sentinel and past-the-end tile
+    included) for int32 and int64 ids, block_m 16/64/128, expert counts that are and are not powers of
+    two, empty experts, everything on one expert, and more assignments than one program step (1,024)."""
+    from unified_models.ops.moe.triton import _sorted_plan, _sorted_plan_triton
+
+    gen = torch.Generator().manual_seed(7)
+    cases = [(1, 3, 16, 128), (5, 6, 64, 3), (37, 6, 16, 8), (300, 6, 128, 5), (700, 2, 64, 8)]  # (T, K, block_m, E)
+    if device == "cuda":  # natively also the Nano widths' decode and prefill steps (128 experts, top-6)
+        cases += [(128, 6, 64, 128), (16384, 6, 128, 128)]
+    for i, (T, K, bm, E) in enumerate(cases):
+        ids = torch.randint(0, E, (T, K), generator=gen)
+        if i % 2:
+            ids = torch.where(ids < E // 2, ids, torch.zeros_like(ids))  # the upper half empty
+        if i == 3:
+            ids[:] = E - 1  # every assignment on the last expert
+        for dt in (torch.int32, torch.int64):
+            want = _sorted_plan(ids.to(dt), E, bm, exact=False)
+            got = _sorted_plan_triton(ids.to(device=device, dtype=dt), E, bm)
+            assert got[2] == want[2], (T, K, E, bm, got[2], want[2])
+            for a, b in zip(got[:2], want[:2]):
+                assert a.dtype == torch.int32 and torch.equal(a.cpu(), b), (T, K, E, bm, dt)
