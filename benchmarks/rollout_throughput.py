@@ -218,14 +218,21 @@ class StepTiming:
     ``execute_model`` / ``sample_tokens``, the wait for a step's output
     (``AsyncGPUModelRunnerOutput.get_output``, which blocks until its device-to-host
     copy is done) and the output processor. ``snapshot(wall_s)`` gives ms per engine
-    step (step = one ``schedule`` call); ``close()`` restores the original methods.
+    step (step = one ``schedule`` call), over all steps and per step kind (``by_kind``:
+    ``decode``, every scheduled request one token, or ``prefill`` (a step with any
+    prompt tokens: prefill or mixed), each phase's seconds going to the kind of the
+    step its ``schedule`` call returned); ``close()`` restores the original methods.
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm=None):
+        self.acc: dict[str, list[float]] = {}
+        self.by_kind: dict[str, dict[str, list[float]]] = {}
+        self.kind = "prefill"
+        self._restore: list[tuple[object, str, object]] = []
+        if llm is None:  # nothing wrapped yet (tests wrap their own objects)
+            return
         from unified_models.backends.vllm import compat
 
-        self.acc: dict[str, list[float]] = {}
-        self._restore: list[tuple[object, str, object]] = []
         core = llm.llm_engine.engine_core.engine_core
         runner = compat.model_runner(llm)
         self._wrap(core.scheduler, "schedule")
@@ -240,17 +247,33 @@ class StepTiming:
         except (ImportError, AttributeError):
             pass
 
+    @staticmethod
+    def step_kind(scheduler_output) -> str:
+        """``decode`` when every scheduled request runs one token, else ``prefill``."""
+        n = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        return "decode" if n and total == len(n) else "prefill"
+
     def _wrap(self, obj, attr: str, name: str | None = None) -> None:
         fn = getattr(obj, attr)
-        slot = self.acc.setdefault(name or attr, [0.0, 0])
+        key = name or attr
+        slot = self.acc.setdefault(key, [0.0, 0])
 
         def timed(*a, **k):
             t0 = time.perf_counter()
+            out = None
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
+                return out
             finally:
-                slot[0] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                slot[0] += dt
                 slot[1] += 1
+                if attr == "schedule" and out is not None:
+                    self.kind = self.step_kind(out)
+                kslot = self.by_kind.setdefault(self.kind, {}).setdefault(key, [0.0, 0])
+                kslot[0] += dt
+                kslot[1] += 1
 
         # restore: put back the object's own attribute, or delete the shadow of an inherited one
         self._restore.append((obj, attr, vars(obj).get(attr, _MISSING)))
@@ -267,12 +290,21 @@ class StepTiming:
     def reset(self) -> None:
         for v in self.acc.values():
             v[0], v[1] = 0.0, 0
+        self.by_kind.clear()
 
     def snapshot(self, wall_s: float) -> dict:
         steps = max(1, self.acc["schedule"][1])
         out = {"steps": steps, "wall_ms_per_step": round(1e3 * wall_s / steps, 3)}
         for k, (sec, calls) in self.acc.items():
             out[f"{k}_ms_per_step"] = round(1e3 * sec / steps, 3)
+        by_kind = {}
+        for kind, acc in sorted(self.by_kind.items()):
+            n = acc.get("schedule", [0.0, 0])[1]
+            if n:
+                by_kind[kind] = {"steps": n, **{f"{k}_ms_per_step": round(1e3 * sec / n, 3)
+                                                for k, (sec, _) in acc.items()}}
+        if by_kind:
+            out["by_kind"] = by_kind
         return out
 
 

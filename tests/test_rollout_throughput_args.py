@@ -89,3 +89,35 @@ def test_interleaved_runs_alternate_and_an_engine_slow_to_quit_is_killed(tmp_pat
     assert rec["seconds"] == [2.0, 4.0] and res["native"]["workloads"]["4x8/16"]["seconds"] == [1.0, 2.0]
     assert rec["paired_ratios"] == [0.5, 0.5] and rec["tok_s"] == 64 / 2.0
     assert "(best of 2; ours/native per repeat [0.5, 0.5])" in capsys.readouterr().out
+
+
+def test_step_timing_splits_decode_and_prefill_steps():
+    """``--step-timing``: each phase's time goes to the kind of the step its ``schedule`` returned
+    (``decode``: every request one token; else ``prefill``), and ``close()`` restores the methods."""
+    from types import SimpleNamespace
+
+    class Scheduler:
+        def __init__(self):
+            self.steps = iter([{"a": 8, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1}])
+
+        def schedule(self):
+            n = next(self.steps)
+            return SimpleNamespace(num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()))
+
+    class Runner:
+        def execute_model(self, out):
+            time.sleep(0.02 if out.total_num_scheduled_tokens > 2 else 0.001)
+
+    sched, runner = Scheduler(), Runner()
+    timing = rt.StepTiming()
+    timing._wrap(sched, "schedule")
+    timing._wrap(runner, "execute_model")
+    for _ in range(3):
+        runner.execute_model(sched.schedule())
+    snap = timing.snapshot(1.0)
+    assert snap["steps"] == 3 and set(snap["by_kind"]) == {"decode", "prefill"}
+    dec, pre = snap["by_kind"]["decode"], snap["by_kind"]["prefill"]
+    assert dec["steps"] == 2 and pre["steps"] == 1
+    assert pre["execute_model_ms_per_step"] >= 20 > dec["execute_model_ms_per_step"]
+    timing.close()
+    assert "schedule" not in vars(sched) and "execute_model" not in vars(runner)
