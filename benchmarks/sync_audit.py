@@ -31,6 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engines' step token budget (default: vLLM's)")
+    ap.add_argument("--ours-prefix-caching", choices=["check", "off"], default="check",
+                    help="ours: `check`'s setting (on for hybrids on a GPU) or off, as the rollout bench runs it")
     ap.add_argument("--frames", type=int, default=10, help="innermost stack frames shown per site")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)
@@ -54,11 +58,14 @@ def main(argv=None) -> int:
 
     common = dict(max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.requests, seed=0,
                   skip_tokenizer_init=True)
+    if args.max_num_batched_tokens:
+        common["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.engine == "ours":
         from unified_models.backends.vllm.engine import make_llm
         from unified_models.backends.vllm.sampling import sampling_params
 
-        llm = make_llm(path, gpu=True, gpu_memory_utilization=0.6, **common)
+        off = {"enable_prefix_caching": False} if args.ours_prefix_caching == "off" else {}
+        llm = make_llm(path, gpu=True, gpu_memory_utilization=0.6, **off, **common)
         params = lambda n, m: [sampling_params(temperature=1.0, seed=i, max_tokens=m, ignore_eos=True, logprobs=0,
                                                detokenize=False) for i in range(n)]
     else:

@@ -9,7 +9,8 @@
 #   benchmarks/rollout_throughput.py --profile on nemotron_3_nano_reduced 128x2048/128 (prefill-bound), both engines,
 #   top CUDA kernels of a 2-token run (UM_PROFILE_PRESET / UM_PROFILE_WORKLOAD / UM_PROFILE_MAX_TOKENS override; ours
 #   with prefix caching off like native, as the bar runs: UM_PROFILE_ARGS replaces that; ~6 min; the outputs are
-#   tarred into profile.tgz, as the device returns only a few files).
+#   tarred into profile.tgz, as the device returns only a few files). First (UM_PROFILE_SYNC=0 skips it) a sync audit
+#   of ours on 16 x 2048-token prompts, 4 tokens (benchmarks/sync_audit.py: every call that waits for the GPU).
 #   or: scripts/gpu-run.sh norm-kernels   (issue 18 item 3; not part of `all`)
 # norm-kernels: tests/ops/test_rmsnorm.py natively (the fused residual add + RMSNorm == the add then the norm, bit for
 #   bit, at D = 64/200/2688) + benchmarks/residual_norm.py (fused vs add + norm vs vLLM's fused_add_rms_norm at D =
@@ -243,6 +244,13 @@ if [ "$stage" = mamba-backward ]; then
 fi
 if [ "$stage" = hybrid-profile ]; then
   p=${UM_PROFILE_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
+  mkdir -p "$OUT/profile"
+  if [ "${UM_PROFILE_SYNC:-1}" = 1 ]; then  # every synchronizing call of ours in prefill-heavy steps
+    timeout 300 python3 benchmarks/sync_audit.py --engine ours --preset "$p" --requests 16 --input-len 2048 \
+      --output-len 4 --max-num-batched-tokens 16384 --ours-prefix-caching off --json "$OUT/profile/sync_ours.json" \
+      > "$OUT/profile/sync_ours.log" 2>&1; rc=$((rc | $?))
+    grep -vE "INFO|WARNING|DEBUG" "$OUT/profile/sync_ours.log" | head -40
+  fi
   # the bar's settings (nano-interleave): ours with prefix caching off like native; UM_PROFILE_ARGS replaces that
   python3 benchmarks/rollout_throughput.py --preset "$p" --workloads ${UM_PROFILE_WORKLOAD:-128x2048/128} --repeats 1 \
     --profile --profile-max-tokens ${UM_PROFILE_MAX_TOKENS:-2} ${UM_PROFILE_ARGS---ours-prefix-caching off} \
