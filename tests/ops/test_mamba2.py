@@ -27,6 +27,7 @@ inputs. Peer (transformers fp32): 2e-5/1e-4. Gradients: relative L2 error
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -948,7 +949,8 @@ def test_metadata_matches_its_definition_on_random_batches():
 
 
 def _assert_same_metadata(want, got, case) -> None:
-    """Every field of two :class:`Mamba2Metadata` equal (tensors in value and dtype), and the host lists."""
+    """Every field of two :class:`Mamba2Metadata` equal (tensors in value and dtype), and the host lists
+    (not the ops' caches of derived indices, ``layout_ops``, which fill as ops run)."""
     import dataclasses
 
     for f in dataclasses.fields(want):
@@ -957,7 +959,8 @@ def _assert_same_metadata(want, got, case) -> None:
             assert a.dtype == b.dtype and torch.equal(a, b), (f.name, case)
         elif f.name != "host":
             assert a == b, (f.name, case)
-    assert {k: v for k, v in want.host.items() if k != "cpu"} == {k: v for k, v in got.host.items() if k != "cpu"}
+    skip = ("cpu", "layout_ops")
+    assert {k: v for k, v in want.host.items() if k not in skip} == {k: v for k, v in got.host.items() if k not in skip}
 
 
 def test_metadata_from_host_layout_equals_the_read_one():
@@ -987,8 +990,12 @@ def test_layout_cache_shares_the_layout_across_slot_groups():
     """Slot-state groups of one step (same layout, own slots) share one layout build through
     ``layout_cache``: each group's metadata equals the one read from its own tensors, field for
     field and in the host lists; the slot-free tensors are the same objects (built and uploaded once);
-    the per-group ``host`` dicts (where ops cache slot-dependent indices) are separate; another
-    layout or chunk size is built anew."""
+    the per-group ``host`` dicts (where ops cache slot-dependent indices) are separate, while the
+    conv-state write's row indices are built once for both; each group's conv-state write through the
+    shared metadata equals the write through its own; another layout or chunk size is built anew."""
+    from unified_models.ops.mamba2.dispatch import write_conv_state
+
+    W, C = 4, 3
     for cu, p0, slot, Q, T in _random_batches(2, 120, slots_follow_rows=True):
         cache: dict = {}
         rng = np.random.default_rng(len(cu) * 1000 + Q)
@@ -1005,10 +1012,17 @@ def test_layout_cache_shares_the_layout_across_slot_groups():
                                      layout_cache=cache)
             _assert_same_metadata(read, shared, (cu, p0, sl, Q))
             assert torch.equal(read.host["cpu"]["slot"], shared.host["cpu"]["slot"])
+            x = torch.randn(T, C)
+            conv = torch.randn(max(sl, default=0) + 1, W - 1, C)
+            want, got = SimpleNamespace(conv=conv.clone()), SimpleNamespace(conv=conv.clone())  # only .conv is written
+            write_conv_state(x, read, want)
+            write_conv_state(x, shared, got)
+            assert torch.equal(want.conv, got.conv), (cu, p0, sl, Q)
             metas.append(shared)
         assert len(cache) == 1
         assert metas[0].token_seq is metas[1].token_seq and metas[0].item_chunk is metas[1].item_chunk
         assert metas[0].host is not metas[1].host
+        assert metas[0].host["layout_ops"] is metas[1].host["layout_ops"] and len(metas[0].host["layout_ops"]) == 1
         metas[0].host["probe"] = 1
         assert "probe" not in metas[1].host
         mamba2_metadata(torch.tensor(cu, dtype=torch.int32), torch.tensor(p0), 2 * Q, num_tokens=T,

@@ -245,7 +245,8 @@ def mamba2_metadata(cu_seqlens_B1: torch.Tensor, start_pos_B: torch.Tensor, chun
                 seq_item_ptr=item_ptr.tolist(), seq_entry_ptr=ent_ptr.tolist(), conv_seqs=conv_seqs.tolist(),
                 cpu=dict(cu=t(cu), p0=t(p0), L=t(L), slot=None if slot is None else t(slot), item_seq=t(item_seq),
                          item_chunk=t(item_chunk),
-                         token_seq=t(token_seq), token_pos=t(token_pos), live=t(live)))
+                         token_seq=t(token_seq), token_pos=t(token_pos), live=t(live)),
+                layout_ops={})  # what ops derive from the layout alone: one dict shared by the step's slot groups
     fields = dict(cu_seqlens=(cu, torch.int32), start_pos=(p0, torch.int64), seq_len=(L, torch.int32),
                   slot=(slot, torch.int64), seq_item_ptr=(item_ptr, torch.int32), seq_entry_ptr=(ent_ptr, torch.int32),
                   token_seq=(token_seq, torch.int32), token_pos=(token_pos, torch.int64),

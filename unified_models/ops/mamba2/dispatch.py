@@ -77,18 +77,13 @@ def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2Stat
     T = x_TC.shape[0]
     key = ("conv_write", Wm1, T, str(x_TC.device))
     if key not in meta.host:
-        c = meta.host["cpu"]
-        seqs = torch.tensor(meta.host["conv_seqs"], dtype=torch.int64)
-        nb = seqs.shape[0]
-        zero = T + nb * Wm1
-        L, p0, cu = c["L"][seqs].view(-1, 1), c["p0"][seqs].view(-1, 1), c["cu"][seqs].view(-1, 1)
-        j = torch.arange(Wm1).view(1, -1)
-        q = p0 + L - Wm1 + j  # [nb, W-1] positions kept
-        idx = torch.where(q >= p0, cu + q - p0, zero)
-        idx = torch.where((q < p0) & (q >= 0), T + torch.arange(nb).view(-1, 1) * Wm1 + j + L, idx)
+        # the row indices follow from the layout alone: built once per step (``layout_ops`` is shared by
+        # the step's slot groups, :func:`.common.mamba2_metadata`); the slots are the group's own
+        shared = meta.host.setdefault("layout_ops", {})
+        if key not in shared:
+            shared[key] = _conv_write_rows(meta.host, Wm1, T, x_TC.device)
         slots = meta.slot.to(x_TC.device)[meta.conv_seqs.to(x_TC.device)]  # on the device: no host slots needed
-        idx = host_to_device(idx, x_TC.device)  # [nb, W-1] rows of [x; the old state rows; a zero row]
-        meta.host[key] = (slots, nb, idx < T, idx.clamp(max=max(T - 1, 0)), (idx - T).clamp(min=0))
+        meta.host[key] = (slots, *shared[key])
     slots, nb, from_x, x_row, old_row = meta.host[key]
     if nb == 0 or Wm1 == 0:
         return
@@ -99,6 +94,23 @@ def write_conv_state(x_TC: torch.Tensor, meta: Mamba2Metadata, state: Mamba2Stat
     if T:
         rows = torch.where(from_x[..., None], x_TC[x_row].to(state.conv.dtype), rows)
     state.conv[slots] = rows
+
+
+def _conv_write_rows(host: dict, Wm1: int, T: int, device: torch.device) -> tuple:
+    """``(nb, from_x, x_row, old_row)`` of :func:`write_conv_state`: for each of the ``nb`` sequences
+    written and each kept position, whether the row comes from ``x`` (else the old state or a zero row),
+    its row in ``x`` and its row in ``[old state rows; a zero row]`` (``[nb, W-1]`` each, on ``device``)."""
+    c = host["cpu"]
+    seqs = torch.tensor(host["conv_seqs"], dtype=torch.int64)
+    nb = seqs.shape[0]
+    zero = T + nb * Wm1
+    L, p0, cu = c["L"][seqs].view(-1, 1), c["p0"][seqs].view(-1, 1), c["cu"][seqs].view(-1, 1)
+    j = torch.arange(Wm1).view(1, -1)
+    q = p0 + L - Wm1 + j  # [nb, W-1] positions kept
+    idx = torch.where(q >= p0, cu + q - p0, zero)
+    idx = torch.where((q < p0) & (q >= 0), T + torch.arange(nb).view(-1, 1) * Wm1 + j + L, idx)
+    idx = host_to_device(idx, device)  # [nb, W-1] rows of [x; the old state rows; a zero row]
+    return nb, idx < T, idx.clamp(max=max(T - 1, 0)), (idx - T).clamp(min=0)
 
 
 def mamba2_dt(dt_TH: torch.Tensor, dt_bias_H: torch.Tensor,
