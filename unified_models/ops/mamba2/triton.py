@@ -470,6 +470,20 @@ def _ssd_scan_kernel(x_ptr, px_ptr, dt_ptr, pdt_ptr, b_ptr, pb_ptr, c_ptr, acum_
                  round_to(y, out_ptr.dtype.element_ty), mask=new[:, None] & pm[None, :])
 
 
+def _scan_output(shape: tuple, dtype: torch.dtype, dev: torch.device, meta) -> torch.Tensor:
+    """The scan's output buffer: the scan writes every row of a live sequence, so when the host lists
+    say that every row before ``cu_seqlens[-1]`` is live, only the trailing padding rows are zeroed
+    (a zero fill of all ``[T, H, P]`` fp32 was ~90 us per layer at a 16k-token step); else (padding
+    sequences with rows, a decode step's metadata without host lists) all of it."""
+    cu, L = meta.host.get("cu"), meta.host.get("seq_len")
+    if not cu or L is None or sum(L) != cu[-1]:
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    out = torch.empty(shape, dtype=dtype, device=dev)
+    if cu[-1] < shape[0]:
+        out[cu[-1]:].zero_()
+    return out
+
+
 def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state, out_dtype):
     """Kernels of :func:`unified_models.ops.mamba2.ssd_chunk_scan` (without the cache commit).
 
@@ -496,7 +510,7 @@ def ssd_chunk_scan_triton(x_THP, dt_TH, A_log_H, B_TGN, C_TGN, D_H, meta, state,
     if state is not None:
         tensors += [state.ssm, state.x, state.dt, state.B]
     check_device("ssd_chunk_scan_triton", *tensors)
-    out = torch.zeros((T, H, P), dtype=out_dtype, device=dev)
+    out = _scan_output((T, H, P), out_dtype, dev, meta)
     E, U = (0 if meta.uniform_decode else meta.num_entries), meta.num_items
     entries = torch.empty((E, H, P, N), dtype=torch.float32, device=dev)
     if U == 0:
