@@ -399,3 +399,35 @@ def test_a_flipped_bit_in_a_model_tensor_is_refused_on_resume_and_convert(spec, 
         load_training_checkpoint(out, fresh, fresh_opt)
     for o in (opt, fresh_opt, wide_opt):
         o.close()
+
+
+@pytest.mark.parametrize("field", ["exp_avg_sq", "fp32_param"])
+def test_a_flipped_bit_in_the_optimizer_state_is_refused_on_resume(spec, tmp_path, field):
+    """The optimizer state (fp32 main weights, Adam's moments) has its own SHA-256 table: a bit flipped
+    in one stored moment or main weight is refused by the resume, naming the tensor, before the state is
+    applied (iteration, RNG); the intact checkpoint loads."""
+    model, opt = _fresh(spec, seed=5)
+    _seed_all(0)
+    _train_step(model, opt)
+    out = save_training_checkpoint(tmp_path / "c", model, opt)
+    name = max(model.named_parameters(), key=lambda kv: kv[1].numel())[0]
+    t = opt.main_params()[name] if field == "fp32_param" else opt.param_state()[name][field]
+    flat = t.detach().cpu().contiguous().view(-1)
+    payload = flat.view(torch.uint8).numpy().tobytes()
+    start = max(0, int(flat.abs().argmax()) * flat.element_size() - 2048)  # a window around the largest value:
+    window = payload[start:start + 4096]  # distinctive (rows of zero moments repeat in every moment tensor)
+    fresh, fresh_opt = _fresh(spec, seed=6)
+    load_training_checkpoint(out, fresh, fresh_opt)  # intact: loads
+    hits = [(f, f.read_bytes().find(window)) for f in sorted(out.glob("*.distcp"))]
+    hits = [(f, at + min(2048, len(window) - 1)) for f, at in hits if at >= 0]
+    assert len(hits) == 1, f"{name}'s {field} bytes not found once in the .distcp files ({len(hits)})"
+    f, at = hits[0]
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0x10
+    f.write_bytes(bytes(data))
+    fresh, fresh_opt = _fresh(spec, seed=6)
+    with pytest.raises(CheckpointError, match=rf"corrupt: 1 optimizer-state tensor\(s\).*{field}.*{re.escape(name)}"):
+        load_training_checkpoint(out, fresh, fresh_opt)
+    assert fresh_opt.iteration == 0  # the read state was not applied (the tensors may hold read values: rebuild)
+    for o in (opt, fresh_opt):
+        o.close()

@@ -325,15 +325,17 @@ def parse_common_entry(common: Any, source: str) -> dict:
     return entry
 
 
-def stored_digests(entry: Mapping[str, Any], source: str) -> dict[str, str]:
-    """The ``{name: SHA-256}`` table of a checkpoint's entry (empty when it stores none).
+def stored_digests(entry: Mapping[str, Any], source: str, field: str = "sha256") -> dict[str, str]:
+    """The ``{name: SHA-256}`` table of a checkpoint's entry (empty when it stores none): the model
+    tensors' (``sha256``) or, in a training checkpoint, the optimizer state's (``optimizer_sha256``).
 
     Raises:
         CheckpointError: the table is not a dict of strings.
     """
-    digests = entry.get("sha256") or {}
+    digests = entry.get(field) or {}
     if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
-        raise CheckpointError(f"{source}: the stored tensor digests are malformed")
+        what = "optimizer state" if field != "sha256" else "tensor"
+        raise CheckpointError(f"{source}: the stored {what} digests are malformed")
     return digests
 
 

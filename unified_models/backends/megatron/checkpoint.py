@@ -175,7 +175,7 @@ def _model_digests(model_ssd: Mapping[str, Any]) -> dict[str, str]:
     """SHA-256 of every model tensor under its checkpoint key (the HF name), over every rank: at EP > 1
     each rank holds its own experts, so the ranks' tables are gathered (collective). What
     :func:`load_training_checkpoint` and ``convert --from megatron`` check the stored tensors
-    against; the optimizer state is not covered. Costs one host copy and hash of the weights per save
+    against (the optimizer state has its own table, :func:`_optimizer_digests`). Costs one host copy and hash of the weights per save
     (seconds for billions of parameters)."""
     mine = {t.key: layout.tensor_digest(t.data) for t in model_ssd.values()}
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -183,6 +183,64 @@ def _model_digests(model_ssd: Mapping[str, Any]) -> dict[str, str]:
     tables: list = [None] * dist.get_world_size()
     dist.all_gather_object(tables, mine)
     return {k: v for table in tables for k, v in table.items()}
+
+
+def _sharded_tensors(tree: Any, path: tuple = ()):
+    """``(path, leaf)`` for every ``ShardedTensor`` leaf of a nested dict / list state dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(tree, ShardedTensor):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _sharded_tensors(v, (*path, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _sharded_tensors(v, (*path, i))
+
+
+def _fragment_id(t) -> str:
+    """A ``ShardedTensor``'s place in the checkpoint: key, global offset and flattened range (the
+    pieces one rank saves; another layout's ranks hold other pieces)."""
+    r = t.flattened_range
+    return f"{t.key}@{tuple(int(o) for o in t.global_offset)}" + ("" if r is None else f"[{r.start}:{r.stop}]")
+
+
+def _optimizer_digests(optimizer_ssd: Any) -> dict[str, str]:
+    """SHA-256 of every optimizer-state piece (fp32 main weights, ``exp_avg``, ``exp_avg_sq``) under its
+    :func:`_fragment_id`, over every rank (collective): what :func:`load_training_checkpoint` checks the
+    read optimizer state against before anything is applied."""
+    mine = {_fragment_id(t): layout.tensor_digest(t.data) for _, t in _sharded_tensors(optimizer_ssd)}
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    tables: list = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, mine)
+    return {k: v for table in tables for k, v in table.items()}
+
+
+def _verify_optimizer_state(template_ssd: Any, loaded: Any, digests: Mapping[str, str], source: str) -> None:
+    """Compare each optimizer-state piece read with the digest stored for its place (pieces this
+    layout reads in other cuts than the saving one, e.g. at another data-parallel size of Megatron's
+    distributed optimizer, have none and are not compared).
+
+    Raises:
+        CheckpointError: naming the pieces whose bytes changed since the save.
+    """
+    if not digests:
+        return
+    bad = []
+    for path, t in _sharded_tensors(template_ssd):
+        want = digests.get(_fragment_id(t))
+        if want is None:
+            continue
+        got = loaded
+        for k in path:
+            got = got[k]
+        if layout.tensor_digest(got) != want:
+            bad.append(t.key)
+    if bad:
+        raise CheckpointError(f"training checkpoint {source} is corrupt: {len(bad)} optimizer-state tensor(s) differ "
+                              f"from the digests stored at save time: {bad[:10]}")
 
 
 def _plain(extra: Mapping | None) -> dict:
@@ -267,7 +325,8 @@ def save_training_checkpoint(root: str | os.PathLike, model, optimizer: TrainOpt
     entry = layout.common_entry(spec, text, writer="megatron" if on_cuda else "megatron_cpu", training=True,
                                 extra_tensor_prefixes=[OPTIMIZER_PREFIX], optimizer_backend=optimizer.backend,
                                 optimizer_iteration=optimizer.iteration, extra=extra,
-                                digests=_model_digests(sd["model"]), **recipe_field)
+                                digests=_model_digests(sd["model"]),
+                                optimizer_sha256=_optimizer_digests(sd["optimizer"]), **recipe_field)
     sd.update({"iteration": iteration, layout.COMMON_KEY: entry})
     out = iteration_dir(root, iteration)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -400,14 +459,17 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
         :class:`TrainingCheckpoint`.
 
     Raises:
-        CheckpointError: missing / incomplete / corrupt checkpoint (also a model tensor that does not
-            match the SHA-256 digest stored at save time, named; checkpoints of earlier versions
-            store none; the parameters may then already hold the read values: rebuild the model),
+        CheckpointError: missing / incomplete / corrupt checkpoint (also a model tensor or an
+            optimizer-state tensor that does not match the SHA-256 digest stored at save time, named;
+            checkpoints of earlier versions store none; the parameters and the optimizer's tensors may
+            then already hold the read values, though the iteration and the RNG are not restored:
+            rebuild the model and the optimizer),
             a model checkpoint without training state, another model (tensors named), tensors stored
             in another dtype than the model's parameters (named), or optimizer groups that do not match.
     """
     d, _, entry, stored = _training_entry(path, iteration, model.spec)
     digests = layout.stored_digests(entry, str(d))
+    optimizer_digests = layout.stored_digests(entry, str(d), "optimizer_sha256")
     other = [f"{n} ({stored[n].dtype}; the model's {p.dtype})" for n, p in model.named_parameters()
              if n in stored and stored[n].dtype != p.dtype]
     if other:
@@ -423,6 +485,7 @@ def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOpt
         raise CheckpointError(f"training checkpoint {d} could not be read (corrupt?): {layout.describe_error(e)}") from None
     layout.verify_digests({template["model"][n].key: loaded["model"][n] for n, _ in model.named_parameters()},
                           digests, str(d))  # before the optimizer state or the RNG is touched
+    _verify_optimizer_state(template["optimizer"], loaded["optimizer"], optimizer_digests, str(d))
     for name, p in model.named_parameters():
         t = loaded["model"][name]
         if t is not p:
