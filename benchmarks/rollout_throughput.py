@@ -219,15 +219,21 @@ class StepTiming:
     (``AsyncGPUModelRunnerOutput.get_output``, which blocks until its device-to-host
     copy is done) and the output processor. ``snapshot(wall_s)`` gives ms per engine
     step (step = one ``schedule`` call), over all steps and per step kind (``by_kind``:
-    ``decode``, every scheduled request one token, or ``prefill`` (a step with any
-    prompt tokens: prefill or mixed), each phase's seconds going to the kind of the
-    step its ``schedule`` call returned); ``close()`` restores the original methods.
+    ``decode``, every scheduled request one already-running request's next token;
+    ``prefill``, a step with prompt tokens (prefill or mixed); ``empty``, nothing
+    scheduled). Each phase's seconds go to the step it serves: ``execute_model`` /
+    ``sample_tokens`` to the step just scheduled; the wait for an output,
+    ``update_from_output`` and ``process_outputs`` to the oldest step not yet updated
+    (with async scheduling vLLM schedules step N+1 before it waits for step N);
+    ``close()`` restores the original methods.
     """
 
     def __init__(self, llm=None):
         self.acc: dict[str, list[float]] = {}
         self.by_kind: dict[str, dict[str, list[float]]] = {}
-        self.kind = "prefill"
+        self.kind = "prefill"  # the step just scheduled
+        self.pending: list[str] = []  # kinds of the steps scheduled and not yet updated, oldest first
+        self.updated = "prefill"  # the kind of the step updated last (its outputs are processed next)
         self._restore: list[tuple[object, str, object]] = []
         if llm is None:  # nothing wrapped yet (tests wrap their own objects)
             return
@@ -249,10 +255,16 @@ class StepTiming:
 
     @staticmethod
     def step_kind(scheduler_output) -> str:
-        """``decode`` when every scheduled request runs one token, else ``prefill``."""
+        """``empty`` (no token scheduled), ``decode`` (no new request and every scheduled request one
+        token) or ``prefill``."""
         n = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
-        return "decode" if n and total == len(n) else "prefill"
+        if not n or not total:
+            return "empty"
+        new = getattr(scheduler_output, "scheduled_new_reqs", None) or []
+        return "decode" if total == len(n) and not new else "prefill"
+
+    _OLDEST = ("update_from_output", "wait_output")  # phases of the oldest step not yet updated
 
     def _wrap(self, obj, attr: str, name: str | None = None) -> None:
         fn = getattr(obj, attr)
@@ -269,9 +281,19 @@ class StepTiming:
                 dt = time.perf_counter() - t0
                 slot[0] += dt
                 slot[1] += 1
-                if attr == "schedule" and out is not None:
+                if key == "schedule" and out is not None:
                     self.kind = self.step_kind(out)
-                kslot = self.by_kind.setdefault(self.kind, {}).setdefault(key, [0.0, 0])
+                    self.pending.append(self.kind)
+                    kind = self.kind
+                elif key in self._OLDEST:
+                    kind = self.pending[0] if self.pending else self.kind
+                    if key == "update_from_output":
+                        self.updated = self.pending.pop(0) if self.pending else self.kind
+                elif key == "process_outputs":
+                    kind = self.updated
+                else:
+                    kind = self.kind
+                kslot = self.by_kind.setdefault(kind, {}).setdefault(key, [0.0, 0])
                 kslot[0] += dt
                 kslot[1] += 1
 
@@ -291,6 +313,7 @@ class StepTiming:
         for v in self.acc.values():
             v[0], v[1] = 0.0, 0
         self.by_kind.clear()
+        self.pending.clear()
 
     def snapshot(self, wall_s: float) -> dict:
         steps = max(1, self.acc["schedule"][1])

@@ -92,32 +92,53 @@ def test_interleaved_runs_alternate_and_an_engine_slow_to_quit_is_killed(tmp_pat
 
 
 def test_step_timing_splits_decode_and_prefill_steps():
-    """``--step-timing``: each phase's time goes to the kind of the step its ``schedule`` returned
-    (``decode``: every request one token; else ``prefill``), and ``close()`` restores the methods."""
+    """``--step-timing``: each phase's time goes to the step it serves, also in async scheduling's order
+    (vLLM schedules and launches step N+1 before it waits for and updates step N): the launch phases to
+    the step just scheduled, the wait and the update to the oldest step not yet updated, the output
+    processing to the step updated last. Step kinds: ``decode`` (running requests, one token each),
+    ``prefill`` (a new request, even of one token, or several tokens), ``empty``; ``close()`` restores
+    the methods."""
     from types import SimpleNamespace
+
+    def out(n, new=()):
+        return SimpleNamespace(num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
+                               scheduled_new_reqs=list(new))
+
+    steps = [out({"a": 8, "b": 1}, new=["a"]), out({"a": 1, "b": 1}), out({"c": 1}, new=["c"]), out({})]
 
     class Scheduler:
         def __init__(self):
-            self.steps = iter([{"a": 8, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1}])
+            self.steps = iter(steps)
 
         def schedule(self):
-            n = next(self.steps)
-            return SimpleNamespace(num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()))
+            return next(self.steps)
+
+        def update_from_output(self, o):
+            pass
 
     class Runner:
-        def execute_model(self, out):
-            time.sleep(0.02 if out.total_num_scheduled_tokens > 2 else 0.001)
+        def execute_model(self, o):
+            time.sleep(0.002)
+
+        def wait(self, o):  # the prefill's device time shows in the wait for its output
+            time.sleep(0.03 if o.total_num_scheduled_tokens > 2 else 0.001)
 
     sched, runner = Scheduler(), Runner()
     timing = rt.StepTiming()
-    timing._wrap(sched, "schedule")
-    timing._wrap(runner, "execute_model")
-    for _ in range(3):
-        runner.execute_model(sched.schedule())
+    for obj, attr, name in ((sched, "schedule", None), (sched, "update_from_output", None),
+                            (runner, "execute_model", None), (runner, "wait", "wait_output")):
+        timing._wrap(obj, attr, name)
+    a = sched.schedule(); runner.execute_model(a)  # noqa: E702 - async order: a, then b launched before a's wait
+    b = sched.schedule(); runner.execute_model(b)  # noqa: E702
+    runner.wait(a); sched.update_from_output(a)  # noqa: E702
+    runner.wait(b); sched.update_from_output(b)  # noqa: E702
+    c = sched.schedule(); runner.execute_model(c); runner.wait(c); sched.update_from_output(c)  # noqa: E702
+    sched.schedule()
     snap = timing.snapshot(1.0)
-    assert snap["steps"] == 3 and set(snap["by_kind"]) == {"decode", "prefill"}
-    dec, pre = snap["by_kind"]["decode"], snap["by_kind"]["prefill"]
-    assert dec["steps"] == 2 and pre["steps"] == 1
-    assert pre["execute_model_ms_per_step"] >= 20 > dec["execute_model_ms_per_step"]
+    kinds = snap["by_kind"]
+    assert snap["steps"] == 4 and set(kinds) == {"decode", "prefill", "empty"}
+    assert kinds["prefill"]["steps"] == 2 and kinds["decode"]["steps"] == 1 and kinds["empty"]["steps"] == 1
+    assert kinds["prefill"]["wait_output_ms_per_step"] >= 15 > kinds["decode"]["wait_output_ms_per_step"]
+    assert kinds["decode"]["update_from_output_ms_per_step"] >= 0 and kinds["decode"]["execute_model_ms_per_step"] > 0
     timing.close()
     assert "schedule" not in vars(sched) and "execute_model" not in vars(runner)

@@ -416,7 +416,8 @@ def test_triton_plan_equals_the_sorted_one(device):
     """The GPU's plan kernels (per-expert counts, then one program per expert writing its run) give the
     sort's tensors (``exact=False``: the upper-bound tile count, every sentinel and past-the-end tile
     included) for int32 and int64 ids, block_m 16/64/128, expert counts that are and are not powers of
-    two, empty experts, everything on one expert, and more assignments than one program step (1,024)."""
+    two, empty experts, everything on one expert, strided ids, and more assignments than one program step
+    (1,024)."""
     from unified_models.ops.moe.triton import _sorted_plan, _sorted_plan_triton
 
     gen = torch.Generator().manual_seed(7)
@@ -429,6 +430,8 @@ def test_triton_plan_equals_the_sorted_one(device):
             ids = torch.where(ids < E // 2, ids, torch.zeros_like(ids))  # the upper half empty
         if i == 3:
             ids[:] = E - 1  # every assignment on the last expert
+        if i == 4:
+            ids = torch.randint(0, E, (T, 2 * K), generator=gen)[:, ::2]  # a strided view
         for dt in (torch.int32, torch.int64):
             want = _sorted_plan(ids.to(dt), E, bm, exact=False)
             got = _sorted_plan_triton(ids.to(device=device, dtype=dt), E, bm)

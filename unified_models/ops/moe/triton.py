@@ -378,7 +378,7 @@ def moe_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: b
 def _sorted_plan(topk_ids_TK: torch.Tensor, num_experts: int, block_m: int, exact: bool):
     """:func:`moe_plan` for any expert count: a stable sort of the assignments by expert (on a GPU
     without the host sync, :func:`_sorted_plan_triton`: the same tensors in 2 launches)."""
-    if not exact and topk_ids_TK.is_cuda and topk_ids_TK.numel() > 0:
+    if not exact and topk_ids_TK.is_cuda and topk_ids_TK.numel() > 0 and block_m & (block_m - 1) == 0:
         return _sorted_plan_triton(topk_ids_TK, num_experts, block_m)
     dev = topk_ids_TK.device
     flat = topk_ids_TK.reshape(-1).long()
@@ -458,14 +458,16 @@ def _sorted_plan_triton(topk_ids_TK: torch.Tensor, num_experts: int, block_m: in
     on the GPU the sort was ~20 launches per MoE layer and step, a radix sort inside every decode graph.
 
     Args:
-        topk_ids_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)``, ``T * K > 0``.
+        topk_ids_TK: ``[T, K]`` integer expert ids in ``[0, num_experts)`` (any strides), ``T * K > 0``. An id
+            outside that range is not checked (that would wait for the device) and its assignment is dropped:
+            the router never produces one.
         num_experts: ``E``.
-        block_m: the GEMM's row tile.
+        block_m: the GEMM's row tile, a power of two (:func:`_sorted_plan` sorts otherwise).
 
     Returns:
         ``(sorted_ids [n_tiles * block_m] int32, tile_expert [n_tiles] int32, n_tiles)``.
     """
-    ids = topk_ids_TK.reshape(-1)
+    ids = topk_ids_TK.reshape(-1).contiguous()  # the kernels read it densely (a strided view reshapes to one)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     R, E = ids.shape[0], num_experts
