@@ -426,7 +426,8 @@ def run_check(opts: CheckOptions) -> int:
     if opts.seed + opts.num_prompts > 2**32:
         raise UnifiedModelsError(f"--seed {opts.seed}: request seeds seed..seed+{opts.num_prompts - 1} exceed 2**32 - 1")
     if opts.json_out:
-        check_output_path("--json", Path(opts.json_out))
+        check_output_path("--json", Path(opts.json_out), {"--model": opts.model, "--prompts": opts.prompts,
+                                                           "--tokenizer": opts.tokenizer})
     timings: dict[str, float] = {}
 
     def step(name):

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the bundled Phi-3 one)")
     c.add_argument("--num-prompts", type=_positive(int), default=16)
     c.add_argument("--max-new-tokens", type=_positive(int), default=128)
-    c.add_argument("--seed", type=_seed, default=0, help="request i samples with seed S+i (0 <= S < 2**32 - N)")
+    c.add_argument("--seed", type=_seed, default=0, help="request i samples with seed S+i (0 <= S, S + N <= 2**32 for N prompts)")
     c.add_argument("--temperature", type=_positive(float), default=1.0,
                    help="sampling temperature, applied by the logprob op on both sides (default 1.0)")
     c.add_argument("--stop-at-eos", action="store_true", help="stop sequences at EOS (default: generate exactly --max-new-tokens)")
@@ -172,14 +172,18 @@ def _add_rl_parser(sub) -> None:
     r.add_argument("--steps", type=_positive(int), default=30, help="optimizer updates in total (default 30)")
     r.add_argument("--group-size", type=_at_least(2), default=8, help="samples per prompt, G (default 8)")
     r.add_argument("--num-prompts-per-step", type=_positive(int), default=4, help="prompts per step, P (default 4)")
+    def per_reward(key: str) -> str:  # each reward's default, from its registration (rl.rewards)
+        vals = [f"{n} {reward_info(n).defaults[key]:g}" for n in reward_names() if key in reward_info(n).defaults]
+        return "default: " + ", ".join(vals)
+
     r.add_argument("--lr", type=_positive(float), default=None,
-                   help="Adam learning rate, constant (default: target-token 3e-5, gsm8k 1e-6)")
+                   help=f"Adam learning rate, constant ({per_reward('lr')})")
     r.add_argument("--max-new-tokens", type=_positive(int), default=None,
-                   help="tokens sampled per completion (default: target-token 16, gsm8k 64)")
+                   help=f"tokens sampled per completion ({per_reward('max_new_tokens')})")
     r.add_argument("--temperature", type=_positive(float), default=None,
-                   help="sampling temperature, applied by the logprob op on both sides (default: target-token 0.1, "
-                        "where a random model's near-uniform policy becomes peaked enough to hit the target; "
-                        "gsm8k 1.0)")
+                   help="sampling temperature, applied by the logprob op on both sides (low for the synthetic "
+                        "rewards, where a random model's near-uniform policy becomes peaked enough to score; "
+                        f"{per_reward('temperature')})")
     r.add_argument("--seed", type=_seed, default=0, help="prompt order and per-request sampling seeds")
     r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     r.add_argument("--kl-coef", type=_non_negative_float, default=0.0,

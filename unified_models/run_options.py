@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -23,15 +24,30 @@ def resolve_device(opt: str) -> str:
     return opt
 
 
-def check_output_path(flag: str, path: Path) -> None:
-    """Fail before any work if ``path`` (given by ``flag``) cannot be written.
+def check_output_path(flag: str, path: Path, inputs: Mapping[str, str | os.PathLike | None] | None = None) -> None:
+    """Fail before any work if ``path`` (given by ``flag``) cannot be written, or would overwrite an input.
+
+    Args:
+        flag: the CLI flag naming ``path``.
+        path: the output file.
+        inputs: the run's inputs by flag (files or directories; None: not given): the output may be none
+            of them and lie inside none of the directories (compared as real paths, symlinks followed).
 
     Raises:
-        UnifiedModelsError: ``path`` is a directory, a parent is a file, or the
-            nearest existing parent is not writable.
+        UnifiedModelsError: ``path`` is a directory, a parent is a file, the nearest existing parent is
+            not writable, or ``path`` is (or lies inside) one of ``inputs``.
     """
     if path.exists() and path.is_dir():
         raise UnifiedModelsError(f"{flag} {path} is a directory")
+    out = Path(os.path.realpath(path))
+    for name, src in (inputs or {}).items():
+        if src is None:
+            continue
+        s = Path(os.path.realpath(src))
+        if out == s or (s.is_dir() and out.is_relative_to(s)):
+            where = "is" if out == s else "lies inside"
+            raise UnifiedModelsError(f"{flag} {path} {where} {name} {src}, an input of this run: writing it would "
+                                     f"change the input; choose another {flag}")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():

@@ -392,3 +392,42 @@ def test_metrics_writer_restores_the_saved_line_after_any_contiguous_start(tmp_p
     for odd in (True, float(k)) if k == 1 else (float(k),):
         path.write_text("".join(json.dumps({"step": s}) + "\n" for s in lines))
         assert MetricsWriter(path, resume_step=k, saved_row={"step": odd}).restored_step is None
+
+
+def test_resume_record_refuses_another_kl_reference_and_another_runs_metrics(tmp_path, monkeypatch):
+    """``--resume`` checks the checkpoint's ``rl`` record before any engine: with ``--kl-coef > 0`` the
+    initial weights (the KL reference, built from ``--model`` again) must be the saved run's; an existing
+    ``--metrics`` file's line of the checkpoint's step must be the one the checkpoint recorded (its
+    ``seconds`` may differ: the file's include the save). Records without them are not compared."""
+    from types import SimpleNamespace
+
+    from unified_models.backends.megatron import checkpoint
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.rl import startup
+
+    row = {"step": 2, "reward_mean": 0.5, "rollout_sha256": "r2", "seconds": {"rollout": 1.0, "save": 0.0}}
+    record = {"rl": {"initial_weights_sha256": "a" * 64, "metrics_row": row}}
+    monkeypatch.setattr(checkpoint, "training_checkpoint_extra", lambda path, spec, **k: record)
+    spec = SimpleNamespace(stores_quantized_weights=False)
+    metrics = tmp_path / "m.jsonl"
+    opts = SimpleNamespace(resume=str(tmp_path), model="/models/step2", preset=None, metrics=str(metrics))
+    startup.check_resume_record(opts, spec, 2, "a" * 64)  # the same initial weights, no metrics file yet
+    startup.check_resume_record(opts, spec, 2, None)  # no KL term now: not compared
+    with pytest.raises(UnifiedModelsError, match=r"KL reference .*--model /models/step2 holds other weights"):
+        startup.check_resume_record(opts, spec, 2, "b" * 64)
+    line1 = {"step": 1, "reward_mean": 0.25, "rollout_sha256": "r1", "seconds": {}}
+    metrics.write_text(json.dumps(line1) + "\n" + json.dumps(dict(row, seconds={"rollout": 1.0, "save": 3.0})) + "\n")
+    startup.check_resume_record(opts, spec, 2, "a" * 64)  # the saved run's own file
+    metrics.write_text(json.dumps(line1) + "\n" + json.dumps(dict(row, rollout_sha256="other")) + "\n")
+    with pytest.raises(UnifiedModelsError, match=r"its line of step 2 is not the one the resumed checkpoint "
+                                                 r"recorded \(differing: rollout_sha256\)"):
+        startup.check_resume_record(opts, spec, 2, None)
+    record["rl"] = {}  # an older checkpoint: nothing to compare
+    startup.check_resume_record(opts, spec, 2, "b" * 64)
+    # the digest follows every tensor's bytes, name and dtype
+    sd = {"w": torch.zeros(3), "b": torch.ones(2)}
+    base = startup.weights_sha256(sd)
+    assert startup.weights_sha256(dict(sd, w=torch.tensor([0.0, 0.0, 1e-30]))) != base
+    assert startup.weights_sha256({"v": sd["w"], "b": sd["b"]}) != base
+    assert startup.weights_sha256(dict(sd, w=sd["w"].double())) != base
+    assert startup.weights_sha256(dict(reversed(list(sd.items())))) == base

@@ -458,7 +458,7 @@ def run(args) -> int:
     from ..run_options import check_output_path
 
     if args.json_out:
-        check_output_path("--json", Path(args.json_out))
+        check_output_path("--json", Path(args.json_out), {"--model": args.model})
     records = run_gates(args.model, args.preset, device=args.device, only=args.only, num_prompts=args.num_prompts,
                         max_new_tokens=args.max_new_tokens, rl_steps=args.rl_steps, json_out=args.json_out)
     print_gates(records, Console())

@@ -102,6 +102,32 @@ def _leads_up_to(steps: list[int], k: int) -> bool:
     return steps == list(range(k - len(steps), k)) and (steps[0] >= 1 if steps else k == 1)
 
 
+_RUN_SPECIFIC = ("seconds", "restored_from_checkpoint")
+"""Fields of a metrics line that differ between the file and the checkpoint's copy of it (the file's
+``seconds`` include the save; a restored line is marked)."""
+
+
+def check_same_run(path: Path, rows: list[dict], saved_row: dict | None, k: int) -> None:
+    """Refuse appending a resumed run to a file whose line of step ``k`` is not the one the checkpoint of
+    step ``k`` recorded (another run's metrics: another seed, model or prompts), comparing the fields both
+    hold except :data:`_RUN_SPECIFIC`. Checkpoints that record no line are not compared.
+
+    Raises:
+        ValueError: naming the file, the step and the first differing fields.
+    """
+    if not isinstance(saved_row, dict) or saved_row.get("step") != k:
+        return
+    line = next((r for r in rows if r["step"] == k), None)
+    if line is None:
+        return
+    saved = json_safe(saved_row)
+    differ = sorted(f for f in set(line) & set(saved) - set(_RUN_SPECIFIC) if line[f] != saved[f])
+    if differ:
+        raise ValueError(f"{path}: its line of step {k} is not the one the resumed checkpoint recorded (differing: "
+                         f"{', '.join(differ[:5])}): the file holds another run's metrics; pass another --metrics "
+                         "file (or the saved run's own)")
+
+
 class MetricsWriter:
     """Append one JSON line per step, flushed and fsynced (a killed run keeps every finished step).
 
@@ -119,7 +145,8 @@ class MetricsWriter:
 
     Raises:
         ValueError: on resume, a line of the existing file is not a JSON object or has no integer
-            ``step`` (the file is left as it was).
+            ``step``, or the file's line of step k is not the one the checkpoint recorded (another
+            run's file: :func:`check_same_run`); the file is left as it was.
     """
 
     def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None, saved_row: dict | None = None):
@@ -129,6 +156,7 @@ class MetricsWriter:
         keep: list[dict] = []
         if resume_step is not None and self.path.is_file():
             keep = [r for r in read_metrics(self.path, require_step=True) if r["step"] <= resume_step]
+            check_same_run(self.path, keep, saved_row, resume_step)
         if (resume_step is not None and self.path.is_file() and isinstance(saved_row, dict)
                 and type(saved_row.get("step")) is int and saved_row["step"] == resume_step
                 and _leads_up_to([r["step"] for r in keep], resume_step)):

@@ -104,7 +104,8 @@ def validate_options(opts: RLOptions) -> None:
         raise UnifiedModelsError(f"--save-every must be >= 0, got {opts.save_every}")
     if opts.target_token_id != AUTO and opts.reward != "target-token":
         raise UnifiedModelsError(f"--target-token-id applies to --reward target-token, not {opts.reward!r}")
-    check_output_path("--metrics", Path(opts.metrics))
+    check_output_path("--metrics", Path(opts.metrics), {"--model": opts.model, "--prompts": opts.prompts,
+                                                        "--tokenizer": opts.tokenizer})
     if opts.resume:
         from ..backends.megatron.checkpoint import latest_iteration
 

@@ -102,6 +102,9 @@ class RLRun:
     """On ``--resume``: the metrics line the checkpoint recorded for its step (or None)."""
     state_dict: dict | None = None
     """The checkpoint's validated tensors until both engines hold them (then None)."""
+    initial_weights_sha256: str | None = None
+    """With ``--kl-coef > 0``: the digest of the weights the KL reference is built from (``--model`` /
+    the preset; :func:`.startup.weights_sha256`), saved with each checkpoint and checked on ``--resume``."""
     contract: Any = None
     """The execution-contract :class:`~..consistency.fingerprint.Fingerprint` both engines agreed on
     (:meth:`verify_contract`)."""

@@ -48,8 +48,10 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
     if opts.max_new_tokens >= spec.max_position_embeddings:
         raise UnifiedModelsError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a prompt: the model's "
                                  f"max_position_embeddings is {spec.max_position_embeddings}")
+    initial = weights_sha256(state_dict) if opts.kl_coef > 0 else None  # what the KL reference is built from
     if opts.resume:  # a wrong model or nothing left to do: said now, from the checkpoint's metadata files
-        check_resume(opts, spec)
+        step = check_resume(opts, spec)
+        check_resume_record(opts, spec, step, initial)
     tid = opts.target_token_id
     if tid != AUTO:
         if not isinstance(tid, int) or not 0 <= tid < spec.vocab_size:
@@ -79,7 +81,56 @@ def load_run(opts: RLOptions, layout=None) -> RLRun:
         build_reward(opts.reward, target_token_id=tid if tid != AUTO else None)
     return RLRun(opts=opts, layout=layout, device=device, spec=spec, model_dir=model_dir, prompt_ids=prompt_ids,
                  rows=rows, tokenizer=tokenizer, tokenizer_dir=tok_dir, reward=reward, reward_name=opts.reward,
-                 target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict)
+                 target_token_id=None if tid == AUTO else int(tid), state_dict=state_dict,
+                 initial_weights_sha256=initial)
+
+
+def weights_sha256(state_dict: dict) -> str:
+    """SHA-256 (hex) over a checkpoint's tensors: each name, dtype, shape and the SHA-256 of its bytes, in
+    name order."""
+    from ..converters.megatron_dist_ckpt import tensor_digest
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{tensor_digest(t)}\n".encode())
+    return h.hexdigest()
+
+
+def check_resume_record(opts, spec, step: int, initial_weights: str | None) -> None:
+    """What the ``--resume`` checkpoint's ``rl`` record says must hold before any engine starts.
+
+    * With ``--kl-coef > 0`` the KL reference is the run's initial weights, built from ``--model`` (or the
+      preset) again on resume: refused when they are not the saved run's (e.g. ``--model`` a checkpoint
+      converted from a later step), which would change every later step's KL term.
+    * An existing ``--metrics`` file is appended to: refused when its line of the checkpoint's step is not
+      the one the checkpoint recorded (another run's file).
+
+    Raises:
+        UnifiedModelsError: naming the mismatch. Checkpoints that record neither are not compared.
+    """
+    from ..backends.megatron.checkpoint import training_checkpoint_extra
+
+    if spec.stores_quantized_weights:
+        from ..converters.modelopt import master_spec
+
+        spec = master_spec(spec)
+    saved = training_checkpoint_extra(opts.resume, spec).get("rl") or {}
+    was = saved.get("initial_weights_sha256")
+    if initial_weights is not None and isinstance(was, str) and was != initial_weights:
+        what = f"--model {opts.model}" if opts.model else f"the preset {opts.preset}'s checkpoint"
+        raise UnifiedModelsError(
+            f"--resume {opts.resume}: the saved run's KL reference (--kl-coef) is its initial weights, and {what} "
+            f"holds other weights (sha256 {initial_weights[:16]} vs {was[:16]}); resume with the saved run's own "
+            "--model / --preset (not a checkpoint converted from a later step)")
+    if Path(opts.metrics).is_file():
+        from .metrics import check_same_run, read_metrics
+
+        rows = [r for r in read_metrics(opts.metrics, require_step=True) if r["step"] <= step]
+        try:
+            check_same_run(Path(opts.metrics), rows, saved.get("metrics_row"), step)
+        except ValueError as e:
+            raise UnifiedModelsError(f"--metrics {e}") from None
 
 
 def check_resume(opts, spec) -> int:
@@ -245,7 +296,8 @@ def save_checkpoint(run: RLRun, step: int, metrics_row: dict | None = None) -> P
     extra = {"rl": {**run_identity(run.opts), "target_token_id": run.target_token_id, "step": step,
                     "tokenizer": str(run.tokenizer_dir), "prompts_file": prompts_file(run),
                     "prompt_ids_sha256": prompt_ids_sha256(run.prompt_ids), "model_config": json.loads(config),
-                    "metrics_row": json_safe(metrics_row) if metrics_row is not None else None}}
+                    "metrics_row": json_safe(metrics_row) if metrics_row is not None else None,
+                    "initial_weights_sha256": run.initial_weights_sha256}}
     quant = run.model_dir / "hf_quant_config.json"
     quant_text = quant.read_text() if run.trainer.trains_masters and quant.is_file() else None
     return run.trainer.save(run.opts.save, iteration=step, hf_config=config, hf_quant_config=quant_text,

@@ -444,6 +444,14 @@ def check_training_checkpoint(path: str | os.PathLike, spec, *, iteration: int |
         raise CheckpointError(f"{d}: checkpoint metadata records no iteration ({layout.describe_error(e)})") from None
 
 
+def training_checkpoint_extra(path: str | os.PathLike, spec, *, iteration: int | None = None) -> dict:
+    """The ``extra`` record :func:`save_training_checkpoint` stored (e.g. ``rl``'s run identity), read from
+    the metadata files alone; raises as :func:`check_training_checkpoint`."""
+    _, _, entry, _ = _training_entry(path, iteration, spec)
+    extra = entry.get("extra")
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
 @torch.no_grad()
 def load_training_checkpoint(path: str | os.PathLike, model, optimizer: TrainOptimizer, *,
                              iteration: int | None = None, restore_rng: bool = True) -> TrainingCheckpoint:
