@@ -99,6 +99,79 @@ def test_quantize_options_that_match_nothing(tiny_checkpoint, tmp_path, capsys):
     assert qc["kv_cache_quant_algo"] == "FP8" and qc["quantized_layers"] == {}
 
 
+@pytest.fixture(scope="module")
+def preset_dir(tmp_path_factory):
+    """``name -> directory`` of a built-in preset, each built once per module."""
+    from unified_models.presets import build_preset_checkpoint
+
+    root, built = tmp_path_factory.mktemp("presets"), {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_preset_checkpoint(name, out_dir=root / name)
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("preset, family, extra", [("qwen3_tiny", "qwen3", []),
+                                                   ("qwen3_moe_tiny", "qwen3_moe", []),
+                                                   ("qwen3_moe_tiny", "qwen3_moe", ["--experts", "nvfp4"])])
+def test_quantize_refuses_a_family_whose_quantized_checkpoints_do_not_load(preset_dir, preset, family, extra,
+                                                                           tmp_path, capsys):
+    """Qwen3 / Qwen3-MoE: the export used to be written (an FP8-KV ModelOpt config) that ``check`` and
+    ``convert`` then refused; the refusal is now the loaders' own, before anything is written, and
+    no note claims that the MoE layers have no routed experts."""
+    src = preset_dir(preset)
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q"), *extra]) == 2
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert line.startswith(f"error: quantize {src}: quantized {family} checkpoints cannot be run by check or rl")
+    assert "quantized Qwen3 checkpoints are not supported" in line  # the declaration's own reason
+    assert "supported by quantize: Nemotron-H in NVIDIA ModelOpt's format" in line and "DeepSeek-V4" in line
+    assert "note:" not in err and "has no routed experts" not in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_quantize_refuses_an_already_quantized_source(preset_dir, tiny_checkpoint, tmp_path, capsys):
+    """The NVFP4 hybrid used to be told it has no experts, Mamba or attention layers; an FP8-KV-only
+    export (no stored weight format) is refused by its quantization_config."""
+    src = preset_dir("nemotron_h_hybrid_tiny_nvfp4")
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert line.startswith(f"error: quantize: {src} is already quantized (weights stored as fp8, nvfp4; ")
+    assert "quant_method 'modelopt'" in line and "takes a model-dtype checkpoint" in line
+    assert "note:" not in err and "has no" not in err
+    kv = tmp_path / "kv"
+    assert main(["quantize", str(tiny_checkpoint), str(kv), "--num-calibration-prompts", "2"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", str(kv), str(tmp_path / "q"), "--experts", "none", "--mamba-proj", "none"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{kv} is already quantized (config.json quantization_config (quant_method 'modelopt'))" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
+
+
+def test_quantize_notes_name_layers_the_recipe_does_not_cover(preset_dir):
+    """A layer kind that is present but outside a recipe (Qwen3-MoE's SwiGLU experts vs the NVFP4
+    relu2-expert recipe) is named as such, never as absent."""
+    from unified_models.converters.hf_safetensors import load_hf_config
+    from unified_models.converters.quantize_support import layers_of_kind
+    from unified_models.models import spec_from_hf_config
+    from unified_models.quantize_options import _idle_reason
+
+    spec = spec_from_hf_config(load_hf_config(preset_dir("qwen3_moe_tiny")))
+    assert [i for i, _ in layers_of_kind(spec, "experts")] == [1, 2, 3]
+    assert layers_of_kind(spec, "mamba_proj") == [] and len(layers_of_kind(spec, "kv_cache")) == 4
+    why = _idle_reason("src", spec, "experts")
+    assert why.startswith("src (pattern 'AEEE'): its routed experts (layers 1, 2, 3: Qwen3MoESpec, silu activation) "
+                          "are not covered by the NVFP4 recipe, which quantizes only the non-gated relu2 experts")
+    assert "has no" not in why
+    assert _idle_reason("src", spec, "mamba_proj") == "src (pattern 'AEEE') has no Mamba-2 layers ('M')"
+
+
 def test_megatron_checkpoint_without_common_pt_is_named(tiny_checkpoint, tmp_path, capsys):
     """megatron-core 0.16 used to fail with ``AttributeError: 'str' object has no attribute 'iterdir'``."""
     mg = tmp_path / "mg"

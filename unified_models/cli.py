@@ -10,6 +10,7 @@ from . import interrupts
 from .arg_types import add_plugin_flag, at_least, positive, seed
 from .dsl import UnifiedModelsError
 from .paths import check_destination, destination_report
+from .quantize_options import QUANTIZE_WRITES, modelopt_options
 from .serving import serve
 from .report import command as report_command
 
@@ -97,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained under (the codes the rollout engine ran), not as its bf16 masters")
     _add_plugin_flag(v)
 
-    q = sub.add_parser("quantize", help="export a bf16 checkpoint quantized: Nemotron-H in NVIDIA ModelOpt's format "
-                                        "(NVFP4 experts, FP8 Mamba projections, FP8 KV cache); DeepSeek-V4 as "
-                                        "DeepSeek's block-FP8 checkpoint (W8A8, 128x128 ue8m0 blocks)")
+    q = sub.add_parser("quantize", help=f"export a bf16 checkpoint quantized: {QUANTIZE_WRITES}")
     q.add_argument("src", help="HF checkpoint with model-dtype weights")
     q.add_argument("dst", help="output directory (ModelOpt format: hf_quant_config.json, codes and scales; "
                                "DeepSeek-V4: config.json quantization_config, codes and scales)")
@@ -259,7 +258,7 @@ def _quantize(args) -> int:
         return 0
     if args.layout is not None or args.expert_dtype is not None:
         raise UnifiedModelsError("quantize: --layout and --expert-dtype apply to DeepSeek-V4 block-FP8 exports only")
-    spec = _nemotron_quantize_options(args)
+    spec = modelopt_options(args)
     args.num_calibration_prompts = args.num_calibration_prompts or 16
     none = lambda v: None if v == "none" else v  # noqa: E731
     ids = None
@@ -270,64 +269,6 @@ def _quantize(args) -> int:
                           kv_cache=none(args.kv_cache), calibration_token_ids=ids, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
-
-
-_NEMOTRON_QUANT_FLAGS = {"experts": ("--experts", "nvfp4", "routed experts (MoE layers, 'E')"),
-                         "mamba_proj": ("--mamba-proj", "fp8", "Mamba-2 layers ('M')"),
-                         "kv_cache": ("--kv-cache", "fp8", "attention layers ('*')")}
-"""``QuantizationOptions`` field -> (flag, default, what it needs in the model)."""
-
-
-def _nemotron_quantize_options(args):
-    """Fill the Nemotron-H ``quantize`` flags and refuse what cannot be written; returns the spec.
-
-    A flag given explicitly that matches nothing in the model is refused; a default that
-    matches nothing is dropped (set to ``"none"``) with a note. Exported models must run in
-    both engines, so an attention-free pattern is refused as ``check`` refuses it.
-
-    Raises:
-        UnifiedModelsError: the config does not build a spec (named with its file); no
-            attention layer; a given flag matches nothing (named, with what it needs);
-            nothing would be quantized.
-    """
-    from .backends.vllm.settings import check_spec_supported
-    from .converters.hf_safetensors import load_hf_config
-    from .converters.modelopt import options_without_effect
-    from .dsl import SpecError
-    from .layers.quantization import QuantizationOptions
-    from .models import spec_from_hf_config
-
-    try:
-        spec = spec_from_hf_config(load_hf_config(args.src))
-    except SpecError as e:
-        raise type(e)(f"{args.src}/config.json: {e}") from None
-    try:
-        check_spec_supported(spec)
-    except SpecError as e:
-        raise SpecError(f"quantize {args.src}: {e}; a quantized copy could not be run by check or rl") from None
-    given = {k for k in _NEMOTRON_QUANT_FLAGS if getattr(args, k) is not None}
-    for k, (_, default, _) in _NEMOTRON_QUANT_FLAGS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, default)
-    chosen = {k: getattr(args, k) for k in _NEMOTRON_QUANT_FLAGS if getattr(args, k) != "none"}
-    idle = options_without_effect(spec, QuantizationOptions(**chosen))
-    pattern = spec.extra.get("pattern", "?")
-    explicit = [k for k in idle if k in given]
-    if explicit:
-        k = explicit[0]
-        flag, _, needs = _NEMOTRON_QUANT_FLAGS[k]
-        raise UnifiedModelsError(f"quantize: {flag} {getattr(args, k)} matches nothing in {args.src} (pattern "
-                                 f"{pattern!r}): it applies to {needs}; pass {flag} none or leave it out")
-    for k in idle:
-        flag, default, needs = _NEMOTRON_QUANT_FLAGS[k]
-        print(f"note: {flag} {default} (default) not applied: {args.src} (pattern {pattern!r}) has no {needs}",
-              file=sys.stderr)
-        setattr(args, k, "none")
-    if all(getattr(args, k) == "none" for k in _NEMOTRON_QUANT_FLAGS):
-        raise UnifiedModelsError(f"quantize: nothing to quantize in {args.src} (pattern {pattern!r}) with "
-                                 + ", ".join(f"{f} {getattr(args, k)}" for k, (f, _, _) in _NEMOTRON_QUANT_FLAGS.items())
-                                 + "; the output would be a copy of the source")
-    return spec
 
 
 def _convert_from_megatron(args) -> int:

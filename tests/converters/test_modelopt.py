@@ -184,3 +184,28 @@ def test_trainer_holds_the_stored_codes_frozen_and_refuses_bad_scales(nvfp4_dir)
     bad["backbone.layers.6.mixer.experts.3.up_proj.weight_scale_2"] = torch.tensor(0.0)
     with pytest.raises(CheckpointError, match=r"layers\.6\.mixer\.experts\.3\.up_proj: weight_scale_2 is zero"):
         m.load_hf_state_dict(bad)
+
+
+def test_export_refuses_what_the_loaders_would_not_run(hybrid_bf16_dir, tmp_path, monkeypatch):
+    """Before any calibration or write, the export's config.json is read back through the family's
+    declaration (what check, rl and convert load): Qwen3 refuses quantized checkpoints, and a
+    declaration that reads the quantized config as another model (here: one that ignores it) is
+    refused by the first difference."""
+    from unified_models import models
+    from unified_models.dsl import SpecError
+    from unified_models.models import nemotron_h
+    from unified_models.presets import build_preset_checkpoint
+
+    qwen3 = build_preset_checkpoint("qwen3_tiny", out_dir=tmp_path / "src" / "qwen3")
+    with pytest.raises(SpecError, match=r"quantized qwen3 checkpoints cannot be run by check or rl \(the qwen3 "
+                                        r"declaration refuses the quantized config.json: Qwen3 config: "
+                                        r"quantization_config is set; quantized Qwen3 checkpoints are not supported"):
+        export_modelopt(qwen3, tmp_path / "q", experts=None, mamba_proj=None, kv_cache="fp8",
+                        calibration_token_ids=[[1, 2, 3]])
+    monkeypatch.setitem(models._FAMILIES, "nemotron_h",
+                        lambda config, dtype=None, **kw: nemotron_h.spec_from_hf_config(config, dtype=dtype,
+                                                                                         quant_config={}))
+    with pytest.raises(SpecError, match=r"reads a quantized config.json back as another model \(backbone\.layers"
+                                        r"\.3\.mixer\.experts\.0\.down_proj: weight format None read, "):
+        export_modelopt(hybrid_bf16_dir, tmp_path / "h", experts="nvfp4", mamba_proj=None, kv_cache=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -43,6 +43,7 @@ from ..layers.weight_formats import format_rules, linear_fields
 from ..paths import check_destination
 from .hf_safetensors import save_state_dict, spec_and_state_dict
 from .megatron_dist_ckpt import atomic_output_dir
+from .quantize_support import check_export_reads_back, check_model_dtype_source
 from .quantized import validate_quantized
 
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}
@@ -168,6 +169,16 @@ def quant_config_dict(spec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
             "quantized_layers": layers}
 
 
+def export_config_json(src_config: Mapping, qspec: ModelSpec, *, kv_cache_fp8: bool) -> dict:
+    """The ``config.json`` an export of ``qspec`` writes: the source's with ModelOpt's
+    ``quantization_config`` (``quant_method: modelopt`` and :func:`quant_config_dict`).
+
+    Raises:
+        SpecError: as :func:`quant_config_dict`."""
+    return {**src_config, "quantization_config": {"quant_method": "modelopt",
+                                                  **quant_config_dict(qspec, kv_cache_fp8=kv_cache_fp8)}}
+
+
 def quantized_spec(spec: ModelSpec, options: QuantizationOptions) -> ModelSpec:
     """The stored-format spec an export with ``options`` writes: each quantizable linear whose
     export role (:func:`~unified_models.layers.quantization.quantizable_linears`) is set in
@@ -269,7 +280,10 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     Raises:
         CheckpointError: source already quantized, bad source, ``out_dir``
             exists without ``overwrite``, calibration missing or degenerate.
-        SpecError: widths not divisible by the NVFP4 block (16).
+        SpecError: widths not divisible by the NVFP4 block (16); a family whose declaration
+            refuses (or misreads) the quantized ``config.json`` (e.g. Qwen3: the project could
+            not run the export; :func:`~.quantize_support.check_export_reads_back`), before
+            calibration.
         UnifiedModelsError: ``out_dir`` is ``src_dir``, holds it or lies inside it.
     """
     check_destination(src_dir, out_dir, src_name="the source checkpoint", dst_name="the output")
@@ -281,13 +295,14 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass overwrite=True (CLI --overwrite) to replace it")
     config, spec, masters = spec_and_state_dict(src)
-    if spec.stores_quantized_weights or getattr(config, "quantization_config", None):
-        raise CheckpointError(f"{src} is already quantized; export_modelopt takes a model-dtype checkpoint")
+    check_model_dtype_source(config, spec, source=str(src))
     if (mamba_proj or kv_cache) and not calibration_token_ids:
         raise CheckpointError("export_modelopt: FP8 input/KV scales need calibration_token_ids (static scales, "
                               "ModelOpt 'max' calibration)")
     options = QuantizationOptions(experts=experts, mamba_proj=mamba_proj, kv_cache=kv_cache)
     qspec = quantized_spec(spec, options)
+    cfg = export_config_json(json.loads((src / "config.json").read_text()), qspec, kv_cache_fp8=bool(kv_cache))
+    check_export_reads_back(cfg, qspec, source=str(src))
     scales = _calibrate(src, qspec, calibration_token_ids or [], options) if (mamba_proj or kv_cache) else {}
     stored = quantize_state_dict({**masters, **scales}, qspec)
     missing = [n for n in qspec.parameter_shapes() if n not in stored]
@@ -297,8 +312,6 @@ def export_modelopt(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, e
     stored = {n: stored[n] for n in qspec.parameter_shapes()}
     validate_quantized(stored, qspec, source=str(dst))
     qc = quant_config_dict(qspec, kv_cache_fp8=bool(kv_cache))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "modelopt", **qc}
     with atomic_output_dir(dst, overwrite) as tmp:
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
