@@ -348,3 +348,93 @@ def test_a_flag_vllm_refuses_is_named_in_one_line(tiny_checkpoint, capsys):
             server_namespace(tiny_checkpoint, flags, gpu=False)
         assert "usage:" not in capsys.readouterr().err
     assert server_namespace(tiny_checkpoint, ["--max-num-seqs=8"], gpu=False).max_num_seqs == 8
+
+
+PINNED_AT_VLLM_DEFAULT = (
+    (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode"), (["--logprobs-mode=raw_logprobs"], "--logprobs-mode"),
+    (["--logprobs_mode", "raw_logprobs"], "--logprobs-mode"), (["--logprobs-m", "raw_logprobs"], "--logprobs-mode"),
+    (["--hf-overrides", "{}"], "--hf-overrides"), (["--hf-overrides={}"], "--hf-overrides"),
+    (["--hf-overrides.architectures", '["NemotronHForCausalLM"]'], "--hf-overrides"),
+    (["--model-impl", "auto"], "--model-impl"), (["--model-impl=auto"], "--model-impl"),
+    (["--dtype", "auto"], "--dtype"), (["--dtype=auto"], "--dtype"),
+    (["--worker-extension-cls", ""], "--worker-extension-cls"), (["--worker-extension-cls="], "--worker-extension-cls"),
+    (["--no-enforce-eager"], "--no-enforce-eager"),  # the CPU pins --enforce-eager
+    (["--model", "Qwen/Qwen3-0.6B"], "--model"), (["--model=/elsewhere"], "--model"),
+    (["--compilation-config", '{"mode": 3}'], "--compilation-config"), (["-cc.mode", "3"], "--compilation-config"),
+    (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+    (["--spec-method=ngram"], "--spec-method"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"), (["-tp", "2"], "--tensor-parallel-size"),
+    (["-pp=2"], "--pipeline-parallel-size"),
+)
+"""(vLLM server flags, the flag named in the refusal): every pinned flag, most at vLLM's own default, in
+the spellings vLLM's parser accepts (``--flag=value``, ``--flag_name``, abbreviation, dotted key, alias)."""
+
+
+@pytest.mark.parametrize("flags,named", PINNED_AT_VLLM_DEFAULT, ids=[" ".join(f) for f, _ in PINNED_AT_VLLM_DEFAULT])
+def test_a_pinned_flag_is_refused_at_any_other_value_however_spelled(tiny_checkpoint, flags, named):
+    """A pinned flag given at a value other than its pin is refused in one line naming it, even at vLLM's
+    default (the user's flags are parsed after ours, so it would silently undo the pin)."""
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.serve import server_namespace
+
+    with pytest.raises(UnifiedModelsError, match=rf"would undo serve's pins: {re.escape(named)}\b.* given") as e:
+        server_namespace(tiny_checkpoint, flags, gpu=False)
+    assert "\n" not in str(e.value)
+
+
+def test_a_pinned_flag_at_its_pin_is_accepted_and_pins_always_win(tiny_checkpoint, tmp_path):
+    """A pinned flag given at exactly the pinned value is accepted; a ``--config FILE`` entry is checked like a
+    flag; on a GPU engine the pins are the graph settings (``--no-enforce-eager``, our compilation config)."""
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.pins import PINNED_FLAGS
+    from unified_models.serving.serve import server_namespace
+
+    base = server_namespace(tiny_checkpoint, [], gpu=False)
+    assert (base.logprobs_mode, base.model_impl, base.enforce_eager, base.tensor_parallel_size) == (
+        "raw_logits", "vllm", True, 1)
+    same = ["--logprobs-mode", "raw_logits", "--model-impl=vllm", "--dtype", "bfloat16", "--enforce-eager", "-tp", "1",
+            "--pipeline-parallel-size=1", "--hf-overrides", json.dumps(base.hf_overrides), "--worker-extension-cls",
+            base.worker_extension_cls, "--speculative-config", "null", "--model", base.model]
+    ns = server_namespace(tiny_checkpoint, same, gpu=False)
+    assert all(getattr(ns, k) == getattr(base, k) for k in PINNED_FLAGS)
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 8\nlogprobs-mode: raw_logprobs\n")
+    with pytest.raises(UnifiedModelsError, match="--logprobs-mode 'raw_logprobs' given, serve pins --logprobs-mode "
+                                                 "'raw_logits' "):
+        server_namespace(tiny_checkpoint, ["--config", str(config)], gpu=False)
+    config.write_text("max-num-seqs: 8\nlogprobs-mode: raw_logits\n")
+    assert server_namespace(tiny_checkpoint, ["--config", str(config)], gpu=False).max_num_seqs == 8
+    gpu = server_namespace(tiny_checkpoint, ["--no-enforce-eager"], gpu=True)
+    assert not gpu.enforce_eager and gpu.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
+    for flags, named in ((["--enforce-eager"], "--enforce-eager"), (["-cc", "{}"], "--compilation-config")):
+        with pytest.raises(UnifiedModelsError, match=rf"{re.escape(named)}\b.* given, serve pins"):
+            server_namespace(tiny_checkpoint, flags, gpu=True)
+
+
+def test_max_num_batched_tokens_below_the_model_length_is_named_in_one_line(tiny_checkpoint):
+    """With chunked prefill off (always on the CPU) a step must hold a whole prompt: ``--max-num-batched-tokens``
+    below the max model length is refused naming it, not left to vLLM's ``SchedulerConfig`` (a pydantic
+    traceback at startup); ``unified-models serve`` exits 2 with that one line, as it does for a flag combination
+    only vLLM's own config classes refuse."""
+    from unified_models.dsl import UnifiedModelsError
+    from unified_models.serving.serve import server_namespace
+
+    with pytest.raises(UnifiedModelsError, match=r"--max-num-batched-tokens 10: must be >= the max model length 4096"):
+        server_namespace(tiny_checkpoint, ["--max-num-batched-tokens", "10"], gpu=False)
+    with pytest.raises(UnifiedModelsError, match=r"--max-num-batched-tokens 100: must be >= the max model length 512 "
+                                                 r"\(--max-model-len\)"):
+        server_namespace(tiny_checkpoint, ["--max-model-len", "512", "--max-num-batched-tokens=100"], gpu=False)
+    with pytest.raises(UnifiedModelsError, match=r"--max-num-batched-tokens 100: must be >= --max-num-seqs 128"):
+        server_namespace(tiny_checkpoint, ["--max-model-len", "64", "--max-num-batched-tokens", "100",
+                                           "--max-num-seqs", "128"], gpu=False)
+    ns = server_namespace(tiny_checkpoint, ["--max-model-len", "512", "--max-num-batched-tokens", "512"], gpu=False)
+    assert (ns.max_num_batched_tokens, ns.enable_chunked_prefill) == (512, False)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    for flags, named in ((["--max-num-batched-tokens", "10"], "--max-num-batched-tokens 10: must be >="),
+                         (["--logprobs-mode", "raw_logprobs"], "--logprobs-mode 'raw_logprobs' given"),
+                         (["--long-prefill-token-threshold", "100000"], "at startup (SchedulerConfig): Value error, "
+                                                                        "long_prefill_token_threshold (100000)")):
+        r = subprocess.run([sys.executable, "-m", "unified_models.cli", "serve", "--model", str(tiny_checkpoint),
+                            "--port", str(_free_port()), *flags], capture_output=True, text=True, env=env, timeout=300)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(errors) == 1 and named in errors[0], r.stderr

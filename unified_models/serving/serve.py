@@ -25,8 +25,10 @@ core runs in vLLM's own child process) on the checkpoint, with what
   before it trusts the server's logprobs.
 
 Every other vLLM server flag (``--host``, ``--port``, ``--max-model-len``, ``--max-num-seqs``,
-``--served-model-name``, ...) is passed through; a flag that would undo a pin is refused (exit 2)
-naming it.
+``--served-model-name``, ...) is passed through; a pinned flag is accepted only at its pinned value,
+any other value is refused (exit 2) naming it, however it is spelled (``--flag=value``,
+``--no-flag``, ``-tp``, ``--flag_name``, an abbreviation, ``--config FILE``:
+:mod:`unified_models.serving.pins`), and the pins win over anything the user's flags parse to.
 """
 
 from __future__ import annotations
@@ -39,15 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dsl import UnifiedModelsError
-
-PINNED_FLAGS = {
-    "logprobs_mode": "--logprobs-mode", "hf_overrides": "--hf-overrides", "model_impl": "--model-impl",
-    "dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
-    "pipeline_parallel_size": "--pipeline-parallel-size", "enforce_eager": "--enforce-eager",
-    "compilation_config": "--compilation-config", "speculative_config": "--speculative-config",
-    "model": "--model", "worker_extension_cls": "--worker-extension-cls",
-}
-"""vLLM server options (Namespace field -> flag) that ``serve`` sets itself and refuses from the user."""
+from .pins import PINNED_FLAGS, apply_pins, user_flags  # noqa: F401 - PINNED_FLAGS: serve's pins, named here
 
 
 class _ServeParser(argparse.ArgumentParser):
@@ -90,13 +84,6 @@ def _vllm_parser():
     return make_arg_parser(FlexibleArgumentParser(prog="unified-models serve"))
 
 
-def _user_set(parser, user_args: list[str]) -> set[str]:
-    """Namespace fields the user's vLLM flags change from vLLM's defaults."""
-    base = vars(parser.parse_args(["--model", "_"]))
-    given = vars(parser.parse_args(["--model", "_", *user_args]))
-    return {k for k, v in given.items() if base.get(k) != v}
-
-
 def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=None) -> argparse.Namespace:
     """The parsed vLLM server arguments ``serve`` runs with: our pins, then ``user_args``.
 
@@ -107,9 +94,11 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
         spec: the checkpoint's spec (default: built from its config).
 
     Raises:
-        UnifiedModelsError: a flag that would undo a pin (:data:`PINNED_FLAGS`), chunked prefill on
-            the CPU, a KV-cache dtype or Mamba setting the checkpoint does not allow, a tokenizer
-            that cannot be padded; ``SpecError`` / ``CheckpointError`` for a bad checkpoint.
+        UnifiedModelsError: a pinned flag (:data:`PINNED_FLAGS`) given at another value than its pin,
+            chunked prefill on the CPU, ``--max-num-batched-tokens`` below the max model length with
+            chunked prefill off (or below ``--max-num-seqs``), a KV-cache dtype or Mamba setting the
+            checkpoint does not allow, a tokenizer that cannot be padded; ``SpecError`` /
+            ``CheckpointError`` for a bad checkpoint.
     """
     from ..backends.vllm import plugin
     from ..backends.vllm.engine import _spec, default_block_size, quantization_overrides, validate_checkpoint
@@ -130,7 +119,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
 
     parser.error = refuse
     try:
-        user_set = _user_set(parser, user_args)
+        user_set, user_ns = user_flags(parser, user_args)
     except SystemExit as e:  # argparse already printed what is wrong (e.g. --help)
         raise UnifiedModelsError(f"vLLM server flags {' '.join(user_args)!r} were refused by vLLM's parser "
                                  f"(exit {e.code})") from None
@@ -138,12 +127,8 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
         refuse(f"{type(e).__name__}: {e}")
     if "model_tag" in user_set:  # vLLM's positional model, which serve would ignore
         raise UnifiedModelsError(f"serve takes the checkpoint as --model DIR or --preset NAME, not as a "
-                                 f"positional argument ({parser.parse_args(['--model', '_', *user_args]).model_tag!r} "
+                                 f"positional argument ({user_ns.model_tag!r} "
                                  "would be ignored and another model served)")
-    clash = sorted(PINNED_FLAGS[k] for k in user_set & set(PINNED_FLAGS))
-    if clash:
-        raise UnifiedModelsError(f"serve sets {', '.join(clash)} itself (our model class, raw_logits logprobs, "
-                                 "the spec's dtype, TP = PP = 1, the engine's graph settings); do not pass them")
     overrides = {"architectures": [plugin.model_architecture(spec)], **quantization_overrides(model_dir)}
     graphs = cuda_graph_settings(spec, gpu=gpu, cuda_graphs=None)
     ours = ["--model", str(model_dir), "--hf-overrides", json.dumps(overrides), "--model-impl", "vllm",
@@ -155,6 +140,7 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     else:
         ours += ["--compilation-config", json.dumps(graphs["compilation_config"])]
     ns = parser.parse_args([*ours, *user_args])
+    apply_pins(parser, ns, parser.parse_args(ours), user_set, user_ns)
     try:
         ns.kv_cache_dtype = kv_cache_dtype_setting(spec, ns.kv_cache_dtype if "kv_cache_dtype" in user_set else None)
         engine_kwargs = {k: getattr(ns, k) for k in ("mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_cache_mode")
@@ -178,10 +164,11 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
     if ns.block_size % default_block_size(spec):
         raise UnifiedModelsError(f"--block-size {ns.block_size}: must be a multiple of {default_block_size(spec)} "
                                  "(a page holds whole compressed-KV entries of every compression ratio)")
+    max_len = ns.max_model_len if ns.max_model_len and ns.max_model_len > 0 else spec.max_position_embeddings
     if ns.max_num_batched_tokens is None:
-        max_len = ns.max_model_len or spec.max_position_embeddings
-        seqs = ns.max_num_seqs or 256
-        ns.max_num_batched_tokens = max(int(max_len), min(int(seqs) * 128, 8192), 8192 if gpu else 0)
+        seqs = int(ns.max_num_seqs or 256)
+        ns.max_num_batched_tokens = max(int(max_len), min(seqs * 128, 8192), seqs, 8192 if gpu else 0)
+    _check_batched_tokens(ns, int(max_len), gpu=gpu)
     if not ns.skip_tokenizer_init:
         tok = Path(ns.tokenizer or model_dir)
         padded = padded_tokenizer_dir(tok, spec.vocab_size, cache_root() / "tokenizers")
@@ -190,6 +177,27 @@ def server_namespace(model_dir: Path, user_args: list[str], *, gpu: bool, spec=N
                   f"with placeholder tokens for the rest ({padded})", file=sys.stderr)
         ns.tokenizer = str(padded)
     return ns
+
+
+def _check_batched_tokens(ns: argparse.Namespace, max_len: int, *, gpu: bool) -> None:
+    """vLLM's ``SchedulerConfig`` rules for ``--max-num-batched-tokens``, checked before vLLM raises them at
+    startup (a pydantic traceback): at least the max model length with chunked prefill off (always on the
+    CPU), and at least ``--max-num-seqs`` when both are given.
+
+    Raises:
+        UnifiedModelsError: naming the flag, its value and the bound.
+    """
+    tokens = ns.max_num_batched_tokens
+    if ns.enable_chunked_prefill is False and tokens < max_len:
+        given = ns.max_model_len and ns.max_model_len > 0
+        src = "--max-model-len" if given else "the checkpoint's max_position_embeddings"
+        off = "--no-enable-chunked-prefill" if gpu else "serve runs the CPU engine without it"
+        raise UnifiedModelsError(f"--max-num-batched-tokens {tokens}: must be >= the max model length {max_len} "
+                                 f"({src}) with chunked prefill off ({off}): a prompt must fit one step; raise it or "
+                                 "lower --max-model-len")
+    if ns.max_num_seqs is not None and tokens < ns.max_num_seqs:
+        raise UnifiedModelsError(f"--max-num-batched-tokens {tokens}: must be >= --max-num-seqs {ns.max_num_seqs} "
+                                 "(vLLM schedules at least one token per sequence per step)")
 
 
 def pin_environment(gpu: bool) -> None:
@@ -240,10 +248,12 @@ def run(args: Any) -> int:
     """Run the server until it is stopped (SIGINT / SIGTERM); returns its exit status.
 
     Raises:
-        UnifiedModelsError: ``--model`` and ``--preset`` both given, or the errors of
-            :func:`server_namespace`.
+        UnifiedModelsError: ``--model`` and ``--preset`` both given, the errors of
+            :func:`server_namespace`, or a flag combination one of vLLM's config classes refuses at
+            startup (its pydantic ``ValidationError``, in one line).
     """
     import torch
+    from pydantic import ValidationError
 
     from ..presets import DEFAULT_PRESET, build_preset_checkpoint
 
@@ -272,4 +282,8 @@ def run(args: Any) -> int:
         uvloop.run(run_server(ns))
     except KeyboardInterrupt:
         print("serve: stopped", file=sys.stderr)
+    except ValidationError as e:  # vLLM's engine config, built before the server listens: no request is lost
+        why = " ".join("; ".join(err["msg"] for err in e.errors()).split())
+        raise UnifiedModelsError(f"vLLM refused the server flags {' '.join(args.vllm_args)!r} at startup "
+                                 f"({e.title}): {why}") from None
     return 0
