@@ -11,6 +11,9 @@
 #   with prefix caching off like native, as the bar runs: UM_PROFILE_ARGS replaces that; ~6 min; the outputs are
 #   tarred into profile.tgz, as the device returns only a few files). First (UM_PROFILE_SYNC=0 skips it) a sync audit
 #   of ours on 16 x 2048-token prompts, 4 tokens (benchmarks/sync_audit.py: every call that waits for the GPU).
+#   or: scripts/gpu-run.sh hybrid-smoke   (issue 18; not part of `all`)
+# hybrid-smoke: the MoE and Mamba-2 op tests natively, `check` on nemotron_h_hybrid_tiny with CUDA graphs, and a sync
+#   audit of ours on 16 x 2048-token prompts of it (every call that waits for the GPU in prefill steps; ~4 min).
 #   or: scripts/gpu-run.sh norm-kernels   (issue 18 item 3; not part of `all`)
 # norm-kernels: tests/ops/test_rmsnorm.py natively (the fused residual add + RMSNorm == the add then the norm, bit for
 #   bit, at D = 64/200/2688) + benchmarks/residual_norm.py (fused vs add + norm vs vLLM's fused_add_rms_norm at D =
@@ -241,6 +244,17 @@ if [ "$stage" = mamba-backward ]; then
   timeout 200 python3 benchmarks/mamba_backward.py --device cuda --json "$OUT/mamba_backward.json" 2>&1 \
     | tee "$OUT/mamba_backward.log" | tail -8
   rc=$((rc | ${PIPESTATUS[0]}))
+fi
+if [ "$stage" = hybrid-smoke ]; then  # the GPU-only paths of the hybrid (MoE plan kernels, Mamba-2) on a tiny model
+  python3 -m pytest -q tests/ops/test_moe.py tests/ops/test_mamba2.py -p no:cacheprovider 2>&1 \
+    | tee "$OUT/hybrid_smoke_ops.log" | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 240 unified-models check --preset nemotron_h_hybrid_tiny --device cuda --json "$OUT/hybrid_tiny_cuda.json" \
+    > "$OUT/hybrid_tiny_cuda.log" 2>&1; rc=$((rc | $?))
+  grep -E "rollout_sha256|result" "$OUT/hybrid_tiny_cuda.log" | tail -3
+  timeout 240 python3 benchmarks/sync_audit.py --engine ours --preset nemotron_h_hybrid_tiny --requests 16 \
+    --input-len 2048 --output-len 4 --max-num-batched-tokens 16384 --ours-prefix-caching off \
+    --json "$OUT/sync_hybrid_tiny.json" > "$OUT/sync_hybrid_tiny.log" 2>&1; rc=$((rc | $?))
+  grep -vE "INFO|WARNING|DEBUG" "$OUT/sync_hybrid_tiny.log" | head -40
 fi
 if [ "$stage" = hybrid-profile ]; then
   p=${UM_PROFILE_PRESET:-nemotron_3_nano_reduced}; nano_checkpoint "$p"
