@@ -111,10 +111,7 @@ def check_resume_record(opts, spec, step: int, initial_weights: str | None) -> N
     """
     from ..backends.megatron.checkpoint import training_checkpoint_extra
 
-    if spec.stores_quantized_weights:
-        from ..converters.modelopt import master_spec
-
-        spec = master_spec(spec)
+    spec = trained_spec(spec)
     saved = training_checkpoint_extra(opts.resume, spec).get("rl") or {}
     was = saved.get("initial_weights_sha256")
     if initial_weights is not None and isinstance(was, str) and was != initial_weights:
@@ -133,6 +130,16 @@ def check_resume_record(opts, spec, step: int, initial_weights: str | None) -> N
             raise UnifiedModelsError(f"--metrics {e}") from None
 
 
+def trained_spec(spec):
+    """The spec of the parameters the trainer trains and checkpoints: the masters' of a quantized
+    checkpoint (:func:`unified_models.converters.modelopt.master_spec`), else ``spec`` itself."""
+    if not spec.stores_quantized_weights:
+        return spec
+    from ..converters.modelopt import master_spec
+
+    return master_spec(spec)
+
+
 def check_resume(opts, spec) -> int:
     """The ``--resume`` checkpoint's step, checked before any engine starts: it must hold the
     parameters the trainer trains (the masters' spec of a quantized checkpoint) and leave steps to do.
@@ -143,10 +150,7 @@ def check_resume(opts, spec) -> int:
     """
     from ..backends.megatron.checkpoint import check_training_checkpoint
 
-    if spec.stores_quantized_weights:
-        from ..converters.modelopt import master_spec
-
-        spec = master_spec(spec)
+    spec = trained_spec(spec)
     step = check_training_checkpoint(opts.resume, spec)
     if step >= opts.steps:
         raise UnifiedModelsError(f"--resume {opts.resume} is at step {step}; --steps {opts.steps} leaves nothing to do")

@@ -177,7 +177,11 @@ def _model_digests(model_ssd: Mapping[str, Any]) -> dict[str, str]:
     :func:`load_training_checkpoint` and ``convert --from megatron`` check the stored tensors
     against (the optimizer state has its own table, :func:`_optimizer_digests`). Costs one host copy and hash of the weights per save
     (seconds for billions of parameters)."""
-    mine = {t.key: layout.tensor_digest(t.data) for t in model_ssd.values()}
+    return _gathered({t.key: layout.tensor_digest(t.data) for t in model_ssd.values()})
+
+
+def _gathered(mine: dict[str, str]) -> dict[str, str]:
+    """This rank's digest table merged with every other rank's (collective; itself in one process)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return mine
     tables: list = [None] * dist.get_world_size()
@@ -210,12 +214,7 @@ def _optimizer_digests(optimizer_ssd: Any) -> dict[str, str]:
     """SHA-256 of every optimizer-state piece (fp32 main weights, ``exp_avg``, ``exp_avg_sq``) under its
     :func:`_fragment_id`, over every rank (collective): what :func:`load_training_checkpoint` checks the
     read optimizer state against before anything is applied."""
-    mine = {_fragment_id(t): layout.tensor_digest(t.data) for _, t in _sharded_tensors(optimizer_ssd)}
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return mine
-    tables: list = [None] * dist.get_world_size()
-    dist.all_gather_object(tables, mine)
-    return {k: v for table in tables for k, v in table.items()}
+    return _gathered({_fragment_id(t): layout.tensor_digest(t.data) for _, t in _sharded_tensors(optimizer_ssd)})
 
 
 def _verify_optimizer_state(template_ssd: Any, loaded: Any, digests: Mapping[str, str], source: str) -> None:
