@@ -139,6 +139,6 @@ def test_step_timing_splits_decode_and_prefill_steps():
     assert snap["steps"] == 4 and set(kinds) == {"decode", "prefill", "empty"}
     assert kinds["prefill"]["steps"] == 2 and kinds["decode"]["steps"] == 1 and kinds["empty"]["steps"] == 1
     assert kinds["prefill"]["wait_output_ms_per_step"] >= 15 > kinds["decode"]["wait_output_ms_per_step"]
-    assert kinds["decode"]["update_from_output_ms_per_step"] >= 0 and kinds["decode"]["execute_model_ms_per_step"] > 0
+    assert kinds["decode"]["execute_model_ms_per_step"] >= 1  # its launch (2 ms) went to the step it launched
     timing.close()
     assert "schedule" not in vars(sched) and "execute_model" not in vars(runner)
