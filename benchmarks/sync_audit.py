@@ -23,6 +23,11 @@ import warnings
 from pathlib import Path
 
 
+SYNC_MODE_NOTICE = "Synchronization debug mode is a prototype feature"
+"""The warning ``torch.cuda.set_sync_debug_mode`` itself raises once; every other warning it raises names a
+synchronizing call."""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["ours", "native"], default="ours")
@@ -80,6 +85,8 @@ def main(argv=None) -> int:
     sites: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(SYNC_MODE_NOTICE):  # torch's notice on entering the mode, not a sync
+            return
         stack = traceback.extract_stack()[:-1]
         frames = tuple(f"{f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno} {f.name}"
                        for f in stack[-args.frames:])

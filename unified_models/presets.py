@@ -26,6 +26,11 @@ TOKENIZER_LAYOUT = "padded-to-vocab-1"
 """Part of every preset's cache digest: checkpoints built before their tokenizers were padded to the
 model's vocabulary (:func:`unified_models.serving.vocabulary.pad_tokenizer_dir`) are not reused."""
 
+TENSOR_LAYOUT = "spec-stored-dtypes-1"
+"""Part of every preset's cache digest: checkpoints built before each tensor was stored in its spec's
+stored dtype (:func:`_store_spec_dtypes`: fp32 router bias, mHC weights, attention sinks; bf16 before,
+the same values) are not reused."""
+
 
 def data_path(name: str) -> Path:
     """Path of a bundled data file (prompts, tokenizer) inside the package."""
@@ -107,9 +112,10 @@ def _preset_target(name: str, preset: dict, out_dir) -> Path:
 
 
 def _digest(preset: dict) -> str:
-    """12 hex digits naming a preset's cache directory (its content and :data:`TOKENIZER_LAYOUT`)."""
-    return hashlib.sha256(json.dumps({**preset, "_tokenizer": TOKENIZER_LAYOUT}, sort_keys=True).encode()
-                          ).hexdigest()[:12]
+    """12 hex digits naming a preset's cache directory (its content, :data:`TOKENIZER_LAYOUT` and
+    :data:`TENSOR_LAYOUT`)."""
+    return hashlib.sha256(json.dumps({**preset, "_tokenizer": TOKENIZER_LAYOUT, "_tensors": TENSOR_LAYOUT},
+                                     sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _build_block_fp8(name: str, preset: dict, out_dir) -> Path:
@@ -155,6 +161,7 @@ def _build_plain(name: str, preset: dict, out_dir) -> Path:
             preset_weights(model, int(preset.get("seed", 0)))
         model = model.to(dtype)
         model.save_pretrained(str(tmp), safe_serialization=True)
+        _store_spec_dtypes(tmp)
         if preset.get("tokenizer") == "bundled":
             from .serving.vocabulary import pad_tokenizer_dir
 
@@ -168,6 +175,35 @@ def _build_plain(name: str, preset: dict, out_dir) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _store_spec_dtypes(model_dir: Path) -> None:
+    """Rewrite ``model_dir/model.safetensors`` (one file, as transformers writes a preset) with every
+    tensor in its spec's stored dtype (:meth:`unified_models.dsl.ModelSpec.parameter_dtypes`), as the
+    published checkpoints store them: ``model.to(bf16)`` above also rounds the tensors transformers
+    keeps in fp32 (``_keep_in_fp32_modules_strict``: the router's correction bias, DeepSeek-V4's mHC
+    weights, attention sinks and compressor ``ape``), and they are written back in fp32 holding those
+    rounded values, so every number the engines compute is unchanged. Names and the other tensors'
+    bytes are kept.
+
+    Raises:
+        CheckpointError / SpecError: the checkpoint transformers wrote does not read back into a spec.
+    """
+    from .converters.hf_safetensors import (cast_to_stored_dtypes, canonical_tensors, load_hf_config,
+                                            read_tensors, save_state_dict, stored_tensors)
+    from .models import spec_from_hf_config
+
+    if not (model_dir / "model.safetensors").is_file():
+        raise SpecError(f"{model_dir}: transformers wrote the preset in shards; expected one model.safetensors")
+    written = read_tensors(model_dir)
+    spec = spec_from_hf_config(load_hf_config(model_dir))
+    canonical = cast_to_stored_dtypes(canonical_tensors(model_dir, written), spec, source=str(model_dir))
+    stored = stored_tensors((model_dir / "config.json").read_text(), canonical, source=str(model_dir))
+    if set(stored) != set(written):
+        raise SpecError(f"{model_dir}: the preset's tensor names do not survive its layout's round trip: "
+                        f"{sorted(set(stored) ^ set(written))[:5]}")
+    if any(stored[n].dtype != t.dtype for n, t in written.items()):
+        save_state_dict(stored, model_dir)
 
 
 def _build_quantized(name: str, preset: dict, out_dir) -> Path:
