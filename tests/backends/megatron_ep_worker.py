@@ -53,6 +53,18 @@ def nvfp4_experts(spec):
                                      for e in range(m.n_routed_experts) for p in ("up_proj", "down_proj")})
 
 
+def pieces_with_digest(ckpt_dir, model, opt) -> list[int]:
+    """``[pieces with a stored digest, pieces]`` of the optimizer state this layout reads from ``ckpt_dir``
+    (saved at another EP size): the resume compares only pieces whose place the save recorded."""
+    from unified_models.backends.megatron.checkpoint import _fragment_id, _sharded_tensors
+    from unified_models.converters.megatron_dist_ckpt import COMMON_KEY
+
+    stored = torch.load(Path(ckpt_dir) / "common.pt", weights_only=False)[COMMON_KEY]["optimizer_sha256"]
+    ids = [_fragment_id(t) for _, t in _sharded_tensors(opt.sharded_state_dict(model.sharded_state_dict(),
+                                                                                is_loading=True))]
+    return [sum(i in stored for i in ids), len(ids)]
+
+
 def build(ckpt, dtype, ep, nvfp4=False):
     from unified_models.backends.megatron import UnifiedMegatronModel
     from unified_models.backends.megatron.module import transformer_config_from_spec
@@ -282,6 +294,7 @@ def hybrid(ckpt: str, out: Path, report: dict) -> None:
     model1 = build(ckpt, torch.bfloat16, 1)
     opt1 = build_optimizer(model1, cfg)
     load_training_checkpoint(ep2_dir, model1, opt1)
+    report[f"ep1_optimizer_pieces_with_digest_rank{rank}"] = pieces_with_digest(ep2_dir, model1, opt1)
     parts = [torch.load(out / f"state_ep2_rank{r}.pt") for r in range(world)]
     params2 = {n: t for p in parts for n, t in p["params"].items()}
     state2 = {n: s for p in parts for n, s in p["state"].items()}
@@ -303,6 +316,7 @@ def hybrid(ckpt: str, out: Path, report: dict) -> None:
     model2 = build(ckpt, torch.bfloat16, 2)
     opt2 = build_optimizer(model2, cfg)
     load_training_checkpoint(ep1_dir, model2, opt2)
+    report[f"ep2_optimizer_pieces_with_digest_rank{rank}"] = pieces_with_digest(ep1_dir, model2, opt2)
     st = opt_state(opt2)
     ok_p = all(same(p, ep1_params[n]) for n, p in model2.named_parameters())
     ok_s = all(same(v, ep1_state[n][k]) for n, s in st.items() for k, v in s.items())

@@ -144,6 +144,10 @@ def test_checkpoint_saved_at_ep2_reloads_at_ep1_and_back_bitwise(report):
         assert report[f"ep2_digests_cover_every_tensor_rank{r}"] and report[f"ep2_digests_match_local_rank{r}"]
         there = report[f"reload_ep2_to_ep1_rank{r}"]
         assert there["params_bitwise"] and there["optimizer_bitwise"] and there["iteration"] == 1, there
+        # every optimizer-state piece the other EP size reads has its stored digest (compared on resume)
+        for tag in ("ep1", "ep2"):
+            covered, pieces = report[f"{tag}_optimizer_pieces_with_digest_rank{r}"]
+            assert covered == pieces > 0, (tag, r, covered, pieces)
         back = report[f"reload_ep1_to_ep2_rank{r}"]
         assert back["params_bitwise"] and back["optimizer_bitwise"] and back["logprobs_after_reload_bitwise"], back
 

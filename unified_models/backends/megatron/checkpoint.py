@@ -218,25 +218,33 @@ def _optimizer_digests(optimizer_ssd: Any) -> dict[str, str]:
 
 
 def _verify_optimizer_state(template_ssd: Any, loaded: Any, digests: Mapping[str, str], source: str) -> None:
-    """Compare each optimizer-state piece read with the digest stored for its place (pieces this
-    layout reads in other cuts than the saving one, e.g. at another data-parallel size of Megatron's
-    distributed optimizer, have none and are not compared).
+    """Compare each optimizer-state piece read with the digest stored for its place. The optimizer is
+    not distributed (``use_distributed_optimizer=False``), so every piece is one parameter's state under
+    the parameter's key and global offset, whatever the EP or DP size of the save and of the resume
+    (``tests/backends/test_megatron_expert_parallel.py``: EP = 2 -> 1 -> 2, every piece compared). A
+    checkpoint written before the table existed has none and is not compared.
 
     Raises:
-        CheckpointError: naming the pieces whose bytes changed since the save.
+        CheckpointError: naming the pieces whose bytes changed since the save, or the pieces the
+            stored table has no digest for (a table that does not describe this checkpoint).
     """
     if not digests:
         return
-    bad = []
+    bad, missing = [], []
     for path, t in _sharded_tensors(template_ssd):
         want = digests.get(_fragment_id(t))
         if want is None:
+            missing.append(_fragment_id(t))
             continue
         got = loaded
         for k in path:
             got = got[k]
         if layout.tensor_digest(got) != want:
             bad.append(t.key)
+    if missing:
+        raise CheckpointError(f"training checkpoint {source}: its optimizer-state digest table has no entry for "
+                              f"{len(missing)} piece(s) this model reads, e.g. {missing[:3]}: the table does not "
+                              "describe this checkpoint (edited metadata?)")
     if bad:
         raise CheckpointError(f"training checkpoint {source} is corrupt: {len(bad)} optimizer-state tensor(s) differ "
                               f"from the digests stored at save time: {bad[:10]}")
