@@ -174,3 +174,25 @@ def test_bad_flags_fail_cleanly(tiny_checkpoint, capsys, monkeypatch):
     monkeypatch.setenv(PERTURB_ENV, "nonsense")
     assert main(["bisect", "--model", str(tiny_checkpoint)]) == 2
     assert PERTURB_ENV in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", ["layers.1.mlp.down_proj", "layers.1.self_attn.attn"])
+def test_repro_of_an_op_in_a_blocks_second_sublayer_recomputes_that_sublayer(op, tmp_path):
+    """Qwen3 blocks hold two sublayers (attention, then the MLP) under one layer index: the written
+    reproduction of an op in the block's second sublayer recomputes that sublayer, not the first."""
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.presets import build_preset_checkpoint
+
+    d = build_preset_checkpoint("qwen3_tiny")
+    _, spec, sd = spec_and_state_dict(d)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in (11, 17)]
+    clean, bad = taps.TapRecorder(), taps.TapRecorder(perturb=taps.Perturbation(op, 1, 9, 2))
+    trainer_side(spec, sd, seqs, device="cpu", recorder=clean)
+    trainer_side(spec, sd, seqs, device="cpu", recorder=bad)
+    div = first_divergence(bad.records, clean.records, sides=("trainer", "rollout"),
+                           tokens=dict(enumerate(seqs))).divergence
+    assert div is not None and div.name == op
+    path = write_repro(tmp_path / "repro", spec, d, sd, div, bad.records, clean.records, seqs, mode="trainer")
+    got = recompute(path.parent)
+    assert torch.equal(bits(got), bits(clean.records.rows(op)[(1, 9)]))

@@ -126,7 +126,7 @@ def write_repro(out_dir: Path, spec, model_dir: Path, state_dict: Mapping[str, t
     save_safetensors(tensors, out_dir / "inputs.safetensors")
     meta = {"name": div.name, "kind": kind, "mode": mode, "sides": list(div.sides), "sequence": s, "position": p,
             "element": list(div.element), "tolerance": div.tolerance if mode == "reference" else None,
-            "sublayer": None if sub is None else sub.index}
+            "sublayer": None if sub is None else sub.index, "mixer": None if sub is None else sub.mixer.name}
     if mode == "peer":  # a tolerance against transformers: the script checks our op against the saved peer row
         meta["tolerance"] = None
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -136,6 +136,14 @@ def write_repro(out_dir: Path, spec, model_dir: Path, state_dict: Mapping[str, t
     path = out_dir / "repro.py"
     path.write_text(script)
     return path
+
+
+def _saved_sublayer(spec, meta: dict):
+    """The sublayer a ``mixer`` reproduction recomputes: by its mixer's name (a block's sublayers share
+    its layer ``index``: Qwen3's attention and MLP), else (an older ``meta.json``) by index."""
+    if meta.get("mixer") is not None:
+        return next(s for s in spec.sublayers if s.mixer.name == meta["mixer"])
+    return next(s for s in spec.sublayers if s.index == meta["sublayer"])
 
 
 def _load(here: Path):
@@ -162,7 +170,7 @@ def recompute(here: Path) -> torch.Tensor:
     rec = TapRecorder(names={name})
     n = p + 1
     if meta["kind"] == "mixer":
-        sub = next(s for s in spec.sublayers if s.index == meta["sublayer"])
+        sub = _saved_sublayer(spec, meta)
         x = t["x"]
         batch = FlatBatch.from_cu_seqlens(torch.zeros(n, dtype=torch.long), torch.tensor([0, n]))
         store = PrivateStateStore(spec, [n], block_size=16)
@@ -193,7 +201,7 @@ def recompute_oracle(here: Path) -> torch.Tensor:
     meta, spec, t, params = _load(Path(here))
     if meta["kind"] != "mixer":
         raise RuntimeError("repro: the oracle recomputation covers mixers; this op is model-level")
-    sub = next(s for s in spec.sublayers if s.index == meta["sublayer"])
+    sub = _saved_sublayer(spec, meta)
     p64 = {k: v.double() if v.is_floating_point() else v for k, v in params.items()}
     with torch.no_grad():
         y = family_of(sub.mixer, sub.index).oracle(sub.mixer, p64, t["x"].double())
