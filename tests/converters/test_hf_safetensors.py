@@ -156,3 +156,27 @@ def test_another_models_table_is_counted_not_dumped():
     assert missing.endswith(f"and {39 - LISTED_TENSORS} more (39 in all)")
     assert extra.endswith(f"and {300 - LISTED_TENSORS} more (300 in all)") and len(extra) < 400
     assert shaped == "mis-shaped tensors: ['a.0: expected (2,), got (3,)']"
+
+
+@pytest.mark.parametrize("value", [8, -1, 99])
+def test_a_hash_table_entry_past_the_experts_is_refused_at_load(tmp_path, value):
+    """DeepSeek-V4's hash layer routes token t to experts tid2eid[t]: an entry outside [0, E) is a
+    corrupt checkpoint, refused when it is read (check, convert) naming the tensor, not an IndexError
+    in transformers' forward or a dead vLLM engine at the first request."""
+    from unified_models.backends.megatron.dist_ckpt import hf_to_megatron
+    from unified_models.presets import build_preset_checkpoint
+
+    d = tmp_path / "dsv4"
+    shutil.copytree(build_preset_checkpoint("deepseek_v4_tiny"), d)
+    name = "model.layers.0.ffn.gate.tid2eid"
+
+    def corrupt(sd):
+        sd[name] = sd[name].clone()
+        sd[name][5, 1] = value
+    _rewrite(d, corrupt)
+    want = rf"{name.replace('.', '[.]')} holds expert ids in \[{min(value, 0)}, {max(value, 7)}\]; its layer has 8"
+    with pytest.raises(CheckpointError, match=want):
+        spec_and_state_dict(d)
+    with pytest.raises(CheckpointError, match=want):
+        hf_to_megatron(d, tmp_path / "mg")
+    assert not (tmp_path / "mg").exists()

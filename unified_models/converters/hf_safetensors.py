@@ -293,6 +293,31 @@ def validate_state_dict(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, so
                 continue
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"checkpoint {source}: tensor {n} holds NaN or Inf")
+        for n, experts in expert_id_tables(spec).items():
+            problem = expert_id_problem(n, tensors[n], experts)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {source}: {problem}")
+
+
+def expert_id_tables(spec: ModelSpec) -> dict[str, int]:
+    """``{name: E}`` of every tensor whose entries are routed-expert ids (DeepSeek-V4's hash layers'
+    ``gate.tid2eid``), each entry to be in ``[0, E)``."""
+    return {sub.mixer.selection_name: sub.mixer.n_routed_experts for sub in spec.sublayers
+            if getattr(sub.mixer, "hash_routing", False)}
+
+
+def expert_id_problem(name: str, t: torch.Tensor, experts: int) -> str | None:
+    """What is wrong with ``t`` as a table of expert ids in ``[0, experts)`` (a non-integer entry, or
+    one out of range: the hash router would index past its experts), or None."""
+    if t.numel() == 0:
+        return None
+    if t.is_floating_point() and not bool((torch.isfinite(t) & (t == t.round())).all()):
+        return f"tensor {name} holds expert ids that are not integers"
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= experts:
+        return (f"tensor {name} holds expert ids in [{lo}, {hi}]; its layer has {experts} routed experts "
+                f"(ids 0..{experts - 1})")
+    return None
 
 
 def save_state_dict(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,

@@ -106,6 +106,9 @@ class WeightLoading:
         if layout is not None:  # e.g. DeepSeek's published layout: canonical names, tensor by tensor
             weights = layout.official_stream_to_canonical(
                 weights, lambda lin: f"{lin}{layout.MXFP4_SCALE}" in self._shapes)
+        from ...converters.hf_safetensors import expert_id_problem, expert_id_tables
+
+        id_tables = expert_id_tables(self.spec)
         try:
             foreign = self.foreign_experts
             for name, tensor in weights:
@@ -120,6 +123,10 @@ class WeightLoading:
                 if (tensor.dtype not in _CODE_DTYPES and tensor.is_floating_point()
                         and not bool(torch.isfinite(tensor).all())):
                     raise CheckpointError(f"checkpoint {self._source}: tensor {name} holds NaN or Inf")
+                if name in id_tables:  # routed-expert ids (hash routing): an id past the experts is corrupt
+                    problem = expert_id_problem(name, tensor, id_tables[name])
+                    if problem is not None:
+                        raise CheckpointError(f"checkpoint {self._source}: {problem}")
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
