@@ -307,3 +307,33 @@ def test_quantize_cli_refuses_nemotron_options_on_a_deepseek_source(cache, tmp_p
     assert "--experts apply to Nemotron-H" in capsys.readouterr().err and not (tmp_path / "o").exists()
     with pytest.raises(SystemExit):  # argparse: --layout is official or hf
         main(["quantize", str(base), str(tmp_path / "o"), "--layout", "fortran"])
+
+
+@pytest.mark.parametrize("bad", ["nan_scale", "bf16_codes"])
+def test_convert_to_megatron_refuses_what_check_refuses(tmp_path, bad):
+    """`convert --from hf --to megatron` checks the quantized tensors as every load does: a NaN
+    block scale or bf16 values where e4m3 codes belong are refused naming the tensor, not written
+    into a Megatron checkpoint that no engine can load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from unified_models.cli import main
+    from unified_models.presets import build_preset_checkpoint
+
+    d = tmp_path / "fp8"
+    shutil.copytree(build_preset_checkpoint(PRESET), d)
+    sd = load_file(str(d / "model.safetensors"))
+    lin = "model.layers.0.attn.wkv"
+    if bad == "nan_scale":
+        sd[f"{lin}.weight_scale_inv"] = torch.full_like(sd[f"{lin}.weight_scale_inv"].float(), math.nan).to(
+            torch.float8_e8m0fnu)
+        want = f"{lin}: weight_scale_inv has 1 NaN scale"
+    else:
+        sd[f"{lin}.weight"] = sd[f"{lin}.weight"].to(torch.bfloat16)
+        want = f"{lin}.weight: stored torch.bfloat16, expected torch.float8_e4m3fn"
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(Exception, match=want.replace(".", "[.]")):
+        spec_and_state_dict(d)  # what check refuses
+    assert main(["convert", "--from", "hf", "--to", "megatron", str(d), str(tmp_path / "mg")]) == 2
+    assert not (tmp_path / "mg").exists() or not any((tmp_path / "mg").iterdir())

@@ -38,6 +38,7 @@ from ...converters import megatron_dist_ckpt as layout
 from ...converters import trained_masters
 from ...converters.hf_safetensors import (
     canonical_tensors,
+    cast_to_stored_dtypes,
     load_hf_config,
     read_tensors,
     stored_tensors,
@@ -298,6 +299,9 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, wri
     text = (src / "config.json").read_bytes().decode("utf-8")
     tensors = canonical_tensors(src, read_tensors(src))
     validate_state_dict(tensors, spec, source=str(src))
+    # what every load checks beyond names, shapes and finite weights: code dtypes and the quantized
+    # tensors' values (NaN / zero scales); the tensors are stored as they are, not cast
+    cast_to_stored_dtypes(tensors, spec, source=str(src))
     return save_dist_checkpoint(tensors, text, out_dir, spec=spec, assets_from=src, writer=writer,
                                 overwrite=overwrite)
 
