@@ -337,3 +337,29 @@ def test_convert_to_megatron_refuses_what_check_refuses(tmp_path, bad):
         spec_and_state_dict(d)  # what check refuses
     assert main(["convert", "--from", "hf", "--to", "megatron", str(d), str(tmp_path / "mg")]) == 2
     assert not (tmp_path / "mg").exists() or not any((tmp_path / "mg").iterdir())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scale_that_is_not_a_power_of_two_is_refused_in_transformers_layout_too(tmp_path, dtype):
+    """The published layout refuses a float32 `.scale` that is not a power of two; a transformers-layout
+    `weight_scale_inv` stored in a wider float dtype must not be rounded to one silently either (the
+    loaded weights would not be the checkpoint's: 0.000366 became 0.000488)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from unified_models.dsl import CheckpointError
+    from unified_models.presets import build_preset_checkpoint
+
+    d = tmp_path / "fp8"
+    shutil.copytree(build_preset_checkpoint(PRESET), d)
+    sd = load_file(str(d / "model.safetensors"))
+    k = "model.layers.0.attn.wkv.weight_scale_inv"
+    exact = sd[k].float().to(dtype)
+    sd[k] = exact
+    save_file(sd, str(d / "model.safetensors"))
+    assert spec_and_state_dict(d)[2][k].dtype == torch.float8_e8m0fnu  # a power of two: cast exactly
+    sd[k] = (exact.float() * 1.5).to(dtype)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{k.replace('.', '[.]')}: stored {dtype}.*not a power of two"):
+        spec_and_state_dict(d)

@@ -229,12 +229,31 @@ def cast_to_stored_dtypes(tensors: dict[str, torch.Tensor], spec: ModelSpec, *, 
         if (want in _CODE_DTYPES or t.dtype in _CODE_DTYPES) and t.dtype != want:
             bad.append(f"{name}: stored {t.dtype}, expected {want}")
             continue
+        problem = e8m0_cast_problem(name, t) if want == torch.float8_e8m0fnu else None
+        if problem is not None:
+            bad.append(problem)
+            continue
         out[name] = t if t.dtype == want else t.to(want)
     if bad:
         raise CheckpointError(f"checkpoint {source}: tensors of the wrong dtype: {bad}")
     if spec.stores_quantized_weights or any(d != spec.dtype for d in dtypes.values()):
         validate_quantized(out, spec, source=source)
     return out
+
+
+def e8m0_cast_problem(name: str, t: torch.Tensor) -> str | None:
+    """What is wrong with ``t`` stored in another float dtype for a float8_e8m0fnu parameter (a
+    block-FP8 / MXFP4 scale): a value the cast would change (not a power of two in e8m0's range,
+    which the cast would round to one); None when the cast is exact (or ``t`` is e8m0 already)."""
+    if t.dtype == torch.float8_e8m0fnu or t.numel() == 0:
+        return None
+    back = t.to(torch.float8_e8m0fnu).to(t.dtype)
+    exact = (back == t) | (torch.isnan(t) & torch.isnan(back))  # NaN: named by the quantized-tensor checks
+    if bool(exact.all()):
+        return None
+    v = float(t[~exact].flatten()[0])
+    return (f"{name}: stored {t.dtype} holding {v!r}, not a power of two in 2^-127..2^127; a ue8m0 scale "
+            f"(float8_e8m0fnu) is one (the cast would round it to {float(back[~exact].flatten()[0])!r})")
 
 
 def tensor_table_problems(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], *,
