@@ -438,3 +438,20 @@ def test_max_num_batched_tokens_below_the_model_length_is_named_in_one_line(tiny
                             "--port", str(_free_port()), *flags], capture_output=True, text=True, env=env, timeout=300)
         errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(errors) == 1 and named in errors[0], r.stderr
+
+
+def test_vocabulary_cli_names_a_bad_tokenizer_and_reports_the_ids_written(tmp_path, capsys):
+    """`python -m unified_models.serving.vocabulary SRC DST V`: an unreadable tokenizer.json is a one-line
+    error naming it, with no DST left behind; the ids reported are the copy's (not V when SRC has more)."""
+    from unified_models.presets import tokenizer_dir
+    from unified_models.serving.vocabulary import main, tokenizer_length
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text('{"bad": 1}')
+    assert main([str(bad), str(tmp_path / "out"), "40000"]) == 2
+    assert "tokenizer.json: not a readable tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    n = tokenizer_length(tokenizer_dir())
+    assert main([str(tokenizer_dir()), str(tmp_path / "small"), "100"]) == 0
+    assert f": {n} ids (0 placeholder tokens added)" in capsys.readouterr().out

@@ -63,7 +63,10 @@ def _padded_json(text: str, vocab_size: int, source: Path) -> tuple[str, int]:
     """``tokenizer.json`` text with placeholders up to ``vocab_size``; returns (text, old length)."""
     from tokenizers import Tokenizer
 
-    n = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+    try:
+        n = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise UnifiedModelsError(f"{source}: not a readable tokenizer ({e})") from None
     if n >= vocab_size:
         return text, n
     data = json.loads(text)
@@ -202,20 +205,25 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m unified_models.serving.vocabulary SRC DST VOCAB_SIZE", file=sys.stderr)
         return 2
     src, dst, v = Path(argv[0]), Path(argv[1]), int(argv[2])
+    made = False
     try:
         if dst.exists():
             raise UnifiedModelsError(f"{dst} exists; give a new directory")
         if not (src / TOKENIZER_JSON).is_file():
             raise UnifiedModelsError(f"{src} holds no {TOKENIZER_JSON}")
         dst.mkdir(parents=True)
+        made = True
         for f in sorted(src.iterdir()):
             if f.is_file() and f.name.startswith(_COPIED):
                 shutil.copy2(f, dst / f.name)
         added = pad_tokenizer_dir(dst, v)
+        ids = tokenizer_length(dst)  # VOCAB_SIZE, or more when the tokenizer already had more
     except UnifiedModelsError as e:
+        if made:  # nothing half-written is left behind
+            shutil.rmtree(dst, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {dst}: {v} ids ({added} placeholder tokens added)")
+    print(f"wrote {dst}: {ids} ids ({added} placeholder tokens added)")
     return 0
 
 
