@@ -36,3 +36,25 @@ def test_gates_records(tiny_checkpoint, tmp_path, capsys):
     assert recs["C7"]["values"]["parameters_checked"] > 0 and recs["C7"]["values"]["worst_relative_error"] < 1e-4
     for g in ("C5", "C8", "C9"):
         assert recs[g]["status"] == "not-run" and "not selected" in recs[g]["reason"]
+
+
+def test_cut_model_of_deepseek_v4_keeps_every_attention_type_and_its_mhc_sites(tmp_path, capsys):
+    """DeepSeek-V4 runs three attention operators (sliding, CSA, HCA) and two routers (hash, top-k) under
+    one spec type each, inside the mHC residual whose sites name every sublayer: the cut keeps each
+    variant and only its own sites, and the cut-model gates run on it (they died with "SpecError:
+    HyperConnectionSpec sites do not match the sublayers")."""
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.presets import build_preset_checkpoint
+
+    d = build_preset_checkpoint("deepseek_v4_tiny")  # layers S#CHC
+    _, spec, sd = spec_and_state_dict(d)
+    cut, params, k = cut_model(spec, sd)
+    assert k == 3 and [s.mixer.layer_type for s in cut.sublayers[::2]] == [
+        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    assert {s.mixer.hash_routing for s in cut.sublayers[1::2]} == {True, False}
+    assert [site[0] for site in cut.residual.sites] == [s.norm.name for s in cut.sublayers]
+    assert set(params) == set(cut.parameter_shapes())
+    out = tmp_path / "gates.json"
+    assert main(["gates", "--model", str(d), "--only", "C2", "--only", "C6", "--json", str(out)]) == 0
+    got = {r["gate"]: r["status"] for r in json.loads(out.read_text())["gates"]}
+    assert (got["C2"], got["C6"]) == ("pass", "pass")

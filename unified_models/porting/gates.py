@@ -81,20 +81,34 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"elements": int(a.numel()), "differing_elements": n, "max_abs_diff": d}
 
 
+def operator_class(mixer) -> tuple:
+    """A mixer's operator class: its spec type, and where one spec type runs different operators,
+    the variant (DeepSeek-V4's attention ``layer_type``: sliding, CSA, HCA; its MoE's hash routing)."""
+    return type(mixer), getattr(mixer, "layer_type", None), getattr(mixer, "hash_routing", None)
+
+
 def cut_model(spec, state_dict):
-    """The shortest prefix of blocks that holds every mixer type of ``spec`` (and its weights).
+    """The shortest prefix of blocks that holds every operator class of ``spec`` (:func:`operator_class`;
+    and its weights). A residual policy with one site per sublayer (mHC) keeps the cut sublayers' sites.
 
     Returns:
         ``(cut spec, its state dict, number of blocks)``.
     """
-    kinds = {type(sub.mixer) for sub in spec.sublayers}
+    import dataclasses
+
+    kinds = {operator_class(sub.mixer) for sub in spec.sublayers}
     seen: set = set()
     k = 0
     for k, block in enumerate(spec.blocks, start=1):
-        seen |= {type(sub.mixer) for sub in block.sublayers}
+        seen |= {operator_class(sub.mixer) for sub in block.sublayers}
         if seen == kinds:
             break
-    cut = spec.replace(blocks=spec.blocks[:k])
+    blocks = spec.blocks[:k]
+    residual = spec.residual
+    if getattr(residual, "sites", None) is not None:
+        kept = {sub.norm.name for blk in blocks for sub in blk.sublayers}
+        residual = dataclasses.replace(residual, sites=tuple(s for s in residual.sites if s[0] in kept))
+    cut = spec.replace(blocks=blocks, residual=residual)
     names = set(cut.parameter_shapes())
     return cut, {n: t for n, t in state_dict.items() if n in names}, k
 
@@ -248,6 +262,12 @@ def _fp32_models(ctx: GateContext):
     return spec32, model, ref, k
 
 
+def _float_requires_grad(module) -> None:
+    for p in module.parameters():
+        if p.is_floating_point():
+            p.requires_grad_(True)
+
+
 def gate_c6_c7(ctx: GateContext, c6: GateRecord, c7: GateRecord) -> None:
     import inspect
 
@@ -261,12 +281,12 @@ def gate_c6_c7(ctx: GateContext, c6: GateRecord, c7: GateRecord) -> None:
     seqs = _seqs([21, 34], spec.vocab_size, seed=5)
     cu = torch.tensor([0, 21, 55])
     temperature = 0.9
-    model.requires_grad_(True)
+    _float_requires_grad(model)  # integer tables (DeepSeek-V4's tid2eid) take no gradient
     model.zero_grad(set_to_none=True)
     tok = model.token_logprobs(torch.cat(seqs), cu, temperature=temperature)
     tok.sum().backward()
     logits = inspect.unwrap(ReferenceModel.logits)
-    ref.params.requires_grad_(True)
+    _float_requires_grad(ref.params)
     total, want = 0, []
     for s in seqs:
         lp = torch.log_softmax(logits(ref, s) / temperature, dim=-1)
@@ -278,6 +298,8 @@ def gate_c6_c7(ctx: GateContext, c6: GateRecord, c7: GateRecord) -> None:
     c6.status = "pass" if fwd < 1e-4 else "fail"
     errs, untrained = {}, []
     for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
         w = ref.p(name).grad
         if w is None or float(w.abs().max()) == 0.0:
             untrained.append(name)
