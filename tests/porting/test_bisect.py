@@ -196,3 +196,18 @@ def test_repro_of_an_op_in_a_blocks_second_sublayer_recomputes_that_sublayer(op,
     path = write_repro(tmp_path / "repro", spec, d, sd, div, bad.records, clean.records, seqs, mode="trainer")
     got = recompute(path.parent)
     assert torch.equal(bits(got), bits(clean.records.rows(op)[(1, 9)]))
+
+
+def test_against_reference_runs_under_the_mhc_residual(tmp_path):
+    """DeepSeek-V4's mHC streams are not the recorded tensors: --against reference compares each mixer's
+    oracle on the engine's input (it died with "AttributeError: 'Tensor' object has no attribute
+    'streams'")."""
+    from unified_models.presets import build_preset_checkpoint
+
+    d = build_preset_checkpoint("deepseek_v4_tiny")
+    out = tmp_path / "b.json"
+    status = main(["bisect", "--model", str(d), "--against", "reference", "--num-prompts", "1",
+                   "--tolerance", "1", "--json", str(out), "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads(out.read_text())
+    assert status == 0 and r["divergence"] is None and r["rows_compared"] > 0
+    assert "layers.1.attn" in r["op_names"] and "layers.0.ffn" in r["op_names"]

@@ -68,11 +68,13 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
     """
     from ..layers import family_of, residual_policy
     from ..layers.oracle import rms_norm_oracle
+    from ..layers.residual import PlainResidual
 
     rec = recorder or TapRecorder()
     ref = _reference(spec, state_dict, dtype)
     params = ref.hf_params()
     policy, rspec = residual_policy(spec.residual, oracle=True), spec.residual
+    plain = isinstance(policy, PlainResidual)  # mHC streams are not the recorded tensors: mixers only
     seqs = sorted({s for keys, _ in engine.chunks.get(tap_name(spec.sublayers[0].norm.name), []) for s in keys[:, 0].tolist()})
     with torch.no_grad():
         for s in seqs:
@@ -82,7 +84,7 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
             rec.begin(_batch(s, x_in.shape[0]))
             if tokens is not None and s in tokens:
                 rec("embedding", params[spec.embedding.name + ".weight"][torch.tensor(tokens[s])])
-            stream = _seq_rows(engine, "embedding", s)
+            stream = _seq_rows(engine, "embedding", s) if plain else None
             for sub in spec.sublayers:
                 norm, mixer = tap_name(sub.norm.name), tap_name(sub.mixer.name)
                 x = _seq_rows(engine, norm, s)
@@ -99,7 +101,7 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
                 after = _seq_rows(engine, mixer + ".residual", s)
                 if stream is not None and after is not None and y_engine is not None:
                     rec(mixer + ".residual", policy.add(rspec, params, stream.to(dtype), sub, y_engine.to(dtype)))
-                stream = after
+                stream = after if plain else None
             if stream is not None:
                 rec("final_norm", rms_norm_oracle(policy.contract(rspec, params, stream.to(dtype)),
                                                   params[spec.final_norm.name + ".weight"], spec.final_norm.eps))
