@@ -270,3 +270,46 @@ def test_make_llm_on_the_published_copy_samples_what_the_original_does(checkpoin
         runs[d] = list(out.token_ids), [next(iter(lp.values())).logprob for lp in out.logprobs]
     assert len(runs[pub][0]) == 4 and runs[pub] == runs[hf]
     assert settings[pub] == settings[hf] and settings[hf][0] is True and settings[hf][3] is False, settings
+
+
+def test_vllm_weight_loading_reads_a_power_of_two_scale_in_another_float_dtype_exactly(tmp_path):
+    """vLLM's weight loading takes a ue8m0 scale stored as float32 / bf16 as every other load does
+    (``cast_to_stored_dtypes``: cast exactly when a power of two, refused by name otherwise): `serve`
+    and `check` accept and refuse the same checkpoints (a break test found `serve` refusing what
+    `check` ran)."""
+    from unified_models.backends.vllm.weight_loading import WeightLoading
+    from unified_models.converters.hf_safetensors import load_hf_config
+    from unified_models.dsl import CheckpointError
+    from unified_models.models import spec_from_hf_config
+    from unified_models.presets import build_preset_checkpoint
+
+    spec = spec_from_hf_config(load_hf_config(build_preset_checkpoint("deepseek_v4_tiny_fp8")))
+    dtypes = spec.parameter_dtypes()
+    name = next(n for n, d in dtypes.items() if d == torch.float8_e8m0fnu)
+    shape = spec.parameter_shapes()[name]
+
+    class Loader(WeightLoading):
+        def __init__(self):
+            self.spec, self._source = spec, str(tmp_path)
+            self._shapes, self._dtypes = {name: shape}, {name: dtypes[name]}
+            self._params = {name: torch.nn.Parameter(torch.zeros(shape).to(torch.float8_e8m0fnu),
+                                                     requires_grad=False)}
+
+        def params(self):
+            return self._params
+
+        def invalidate_params(self):
+            pass
+
+        def _after_copy(self, loaded):
+            pass
+
+    scale = torch.tensor([2.0 ** -9, 2.0 ** 3, 1.0]).repeat(shape[0] * shape[1])[: shape[0] * shape[1]].view(shape)
+    for dtype in (torch.float32, torch.bfloat16):
+        m = Loader()
+        assert m.load_weights([(name, scale.to(dtype))]) == {name}
+        assert torch.equal(m.params()[name].float(), scale)  # the same values, held as e8m0
+        with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: stored {dtype} holding .*not a power of two"):
+            Loader().load_weights([(name, (scale * 1.5).to(dtype))])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} has dtype torch.uint8"):  # codes are not scales
+        Loader().load_weights([(name, torch.zeros(shape, dtype=torch.uint8))])

@@ -62,6 +62,12 @@ class WeightLoading:
         if tuple(tensor.shape) != expected:
             return f"tensor {name} has shape {tuple(tensor.shape)}, the spec expects {expected}"
         want = self._foreign_dtypes[name] if foreign else self._dtypes[name]
+        if want == torch.float8_e8m0fnu and tensor.is_floating_point() and tensor.dtype not in _CODE_DTYPES:
+            # a power-of-two scale stored in another float dtype: read exactly, as every other load
+            # does (``converters.hf_safetensors.cast_to_stored_dtypes``); any other value is refused
+            from ...converters.hf_safetensors import e8m0_cast_problem
+
+            return e8m0_cast_problem(name, tensor)
         if (want in _CODE_DTYPES or tensor.dtype in _CODE_DTYPES) and tensor.dtype != want:
             return f"tensor {name} has dtype {tensor.dtype}, the spec stores {want}"
         if want.is_floating_point and not tensor.is_floating_point():  # int / bool for a weight: corruption
@@ -128,6 +134,8 @@ class WeightLoading:
                     if problem is not None:
                         raise CheckpointError(f"checkpoint {self._source}: {problem}")
                 param = params[name]
+                if param.dtype == torch.float8_e8m0fnu and tensor.dtype != param.dtype:
+                    tensor = tensor.to(param.dtype)  # exact: _weight_problem refused any other value
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
         finally:
