@@ -455,3 +455,50 @@ def test_vocabulary_cli_names_a_bad_tokenizer_and_reports_the_ids_written(tmp_pa
     n = tokenizer_length(tokenizer_dir())
     assert main([str(tokenizer_dir()), str(tmp_path / "small"), "100"]) == 0
     assert f": {n} ids (0 placeholder tokens added)" in capsys.readouterr().out
+
+
+def test_a_checkpoint_value_that_stops_the_engine_is_named_in_one_line(tiny_checkpoint, tmp_path):
+    """A NaN weight passes the pre-flight (names, shapes, dtypes: headers only) and stops vLLM's engine
+    process as it loads; vLLM's own error only points at that process's log. ``serve`` then names the
+    tensor in one ``error:`` line and exits 2 (a break test found only ``Engine core initialization
+    failed. See root cause above.``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan_weight"
+    shutil.copytree(tiny_checkpoint, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    name = sorted(n for n in sd if n.endswith("norm.weight"))[0]
+    sd[name] = sd[name].clone()
+    sd[name][0] = float("nan")
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    r = subprocess.run([sys.executable, "-m", "unified_models.cli", "serve", "--model", str(bad),
+                        "--port", str(_free_port())], capture_output=True, text=True, env=env, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-3000:]
+    assert "vLLM's engine could not start" in errors[0] and f"tensor {name} holds NaN or Inf" in errors[0], errors
+
+
+def test_a_server_stopped_by_its_dead_engine_is_recorded(monkeypatch):
+    """vLLM stops the HTTP server when its engine dies (``terminate_if_errored``, from its watchdog and
+    its error handlers); ``serve`` records that, to exit 1 instead of 0. Both places vLLM calls it from
+    see the recording version; a live engine is not recorded."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.launchers import launcher
+    from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+
+    from unified_models.serving.serve import _recording_engine_death
+
+    monkeypatch.setattr(launcher, "terminate_if_errored", launcher.terminate_if_errored)  # restored afterwards
+    monkeypatch.setattr(vllm_error, "terminate_if_errored", vllm_error.terminate_if_errored)
+    died: list = []
+    _recording_engine_death(died)
+    assert launcher.terminate_if_errored is vllm_error.terminate_if_errored
+    server = SimpleNamespace(should_exit=False)
+    launcher.terminate_if_errored(server, SimpleNamespace(errored=False, is_running=True))
+    assert died == [] and server.should_exit is False
+    vllm_error.terminate_if_errored(server, SimpleNamespace(errored=True, is_running=False))
+    assert died == [True] and server.should_exit is True

@@ -244,6 +244,46 @@ def _with_fingerprint_route(build_app):
     return build
 
 
+ENGINE_INIT_FAILED = "Engine core initialization failed"
+"""The start of vLLM's error when its engine process failed to start (the cause is in that process's log)."""
+
+
+def _startup_failure(model_dir: Path, error: BaseException) -> UnifiedModelsError | None:
+    """The one-line error naming why vLLM's engine could not start on ``model_dir``, when it is the
+    checkpoint's values (NaN / Inf weights, bad quantization scales, expert ids out of range): vLLM's
+    own error only points at the engine process's log. The checkpoint is read here only on this
+    failure path (``check``'s loader, every value validated); None when it loads cleanly (another
+    cause: vLLM's error stands)."""
+    if ENGINE_INIT_FAILED not in str(error):
+        return None
+    from ..converters.hf_safetensors import spec_and_state_dict
+    from ..dsl import CheckpointError, SpecError
+
+    try:
+        spec_and_state_dict(model_dir)
+    except (CheckpointError, SpecError) as e:
+        return UnifiedModelsError(f"vLLM's engine could not start on --model {model_dir}: {e}")
+    return None
+
+
+def _recording_engine_death(died: list) -> None:
+    """Make vLLM's ``terminate_if_errored`` (its watchdog's and its error handlers' check, which stops
+    the HTTP server once the engine is dead) record in ``died`` that it did: a server that stopped
+    for that exits non-zero instead of 0 (a stop by SIGINT / SIGTERM goes another way)."""
+    from vllm.entrypoints.launchers import launcher
+    from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+
+    original = launcher.terminate_if_errored
+
+    def terminate_if_errored(server, engine):
+        original(server, engine)
+        if server.should_exit and engine.errored:
+            died.append(True)
+
+    launcher.terminate_if_errored = terminate_if_errored  # watchdog_loop reads the module global
+    vllm_error.terminate_if_errored = terminate_if_errored  # imported by name there
+
+
 def run(args: Any) -> int:
     """Run the server until it is stopped (SIGINT / SIGTERM); returns its exit status.
 
@@ -278,6 +318,8 @@ def run(args: Any) -> int:
     configure_logging_from_args(ns)
     validate_parsed_serve_args(ns)
     entry.build_app = _with_fingerprint_route(entry.build_app)
+    died: list = []
+    _recording_engine_death(died)
     try:
         uvloop.run(run_server(ns))
     except KeyboardInterrupt:
@@ -286,4 +328,12 @@ def run(args: Any) -> int:
         why = " ".join("; ".join(err["msg"] for err in e.errors()).split())
         raise UnifiedModelsError(f"vLLM refused the server flags {' '.join(args.vllm_args)!r} at startup "
                                  f"({e.title}): {why}") from None
+    except RuntimeError as e:
+        named = _startup_failure(model_dir, e)
+        if named is None:
+            raise
+        raise named from None
+    if died:
+        print("serve: the engine died; the server stopped (the engine's error is in the log above)", file=sys.stderr)
+        return 1
     return 0
