@@ -235,3 +235,29 @@ def test_published_block_fp8_checkpoint_round_trips_through_megatron(fp8_base, e
     assert _same(tr, layout.canonical_to_stored(quantize_state_dict(masters, qspec), published_cfg))
     _, rspec, _ = spec_and_state_dict(req)
     assert rspec == qspec
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"compress_ratios": [0, 4, 16, 16]}, r"layer_types=.*disagrees with compress_ratios=\[0, 4, 16, 16\]"),
+    ({"compress_ratios": [0, 4, 32, 4]}, r"compress_rates=.*disagrees with compress_ratios=\[0, 4, 32, 4\]"),
+    ({"num_hash_layers": 2}, r"mlp_layer_types=.*disagrees with num_hash_layers=2"),
+])
+def test_a_transformers_config_whose_published_fields_say_another_model_is_refused(tmp_path, extra, named):
+    """transformers' ``DeepseekV4Config`` drops ``compress_ratios`` / ``num_hash_layers`` beside
+    ``layer_types``: a config where they disagree would run another model than the published fields
+    describe, silently (a break test found it accepted). Agreeing fields are accepted."""
+    import json
+    import shutil
+
+    from unified_models.converters.hf_safetensors import load_hf_config
+    from unified_models.dsl import SpecError
+    from unified_models.presets import build_preset_checkpoint
+
+    d = tmp_path / "m"
+    shutil.copytree(build_preset_checkpoint("deepseek_v4_tiny"), d)  # layers S C H C, first layer hash-routed
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "compress_ratios": [0, 4, 16, 4], "num_hash_layers": 1}))
+    assert load_hf_config(d).layer_types == raw["layer_types"]  # the same model said twice: accepted
+    (d / "config.json").write_text(json.dumps({**raw, **extra}))
+    with pytest.raises(SpecError, match=named):
+        load_hf_config(d)

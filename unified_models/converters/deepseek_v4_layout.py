@@ -67,6 +67,35 @@ def is_official_config(raw: Mapping) -> bool:
         "compress_ratios" in raw or "num_hash_layers" in raw)
 
 
+def check_both_layouts_agree(raw: Mapping) -> None:
+    """A transformers-layout config (``layer_types``) that also holds the published layout's fields
+    (``compress_ratios`` / ``num_hash_layers``): transformers' ``DeepseekV4Config`` drops those, so
+    they must say what ``layer_types`` / ``compress_rates`` / ``mlp_layer_types`` say, or the model
+    would silently not be the one the published fields describe.
+
+    Raises:
+        SpecError: naming the field and both values, where they disagree.
+    """
+    if "layer_types" not in raw or not ("compress_ratios" in raw or "num_hash_layers" in raw):
+        return
+    published = {k: v for k, v in raw.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types")}
+    derived = official_config_to_hf(published)
+    for key, source in (("layer_types", "compress_ratios"), ("compress_rates", "compress_ratios"),
+                        ("mlp_layer_types", "num_hash_layers")):
+        if source not in raw or key not in raw:
+            continue
+        if key == "compress_rates":  # only the rates of the attention types the layers use are read
+            used = set(raw["layer_types"])
+            mine = {t: r for t, r in dict(raw[key]).items() if t in used}
+            want = {t: r for t, r in derived[key].items() if t in used}
+        else:
+            mine, want = list(raw[key]), list(derived[key])
+        if mine != want:
+            raise SpecError(f"DeepSeek-V4 config: {key}={raw[key]!r} disagrees with {source}={raw[source]!r} "
+                            f"(which gives {key}={derived[key]!r}); transformers would silently drop {source}: "
+                            f"remove it or make the two agree")
+
+
 def is_official_tensor_names(names) -> bool:
     """True when the tensor names are the published layout's (``embed.weight`` or ``layers.{i}.`` without
     ``model.``, or ``hc_head_fn``, or ``attn.kv_norm``)."""

@@ -80,12 +80,17 @@ def checkpoint_layout(raw_config: dict) -> Any:
     The module gives ``read_config_dict(dir)`` (the transformers config dict),
     ``official_to_canonical(tensors)`` (the canonical names of :meth:`ModelSpec.parameter_shapes`) and
     ``canonical_to_stored(tensors, raw_config)`` (back to the layout's names and dtypes).
+
+    Raises:
+        SpecError: a DeepSeek-V4 config in transformers' layout whose published-layout fields say
+            another model (:func:`.deepseek_v4_layout.check_both_layouts_agree`).
     """
     if raw_config.get("model_type") == "deepseek_v4":
         from . import deepseek_v4_layout
 
         if deepseek_v4_layout.is_official_config(raw_config):
             return deepseek_v4_layout
+        deepseek_v4_layout.check_both_layouts_agree(raw_config)
     return None
 
 

@@ -317,7 +317,9 @@ def _rl(ctx: GateContext, metrics: Path, steps: int, save: Path | None = None, r
     from ..rl.loop import run_rl
     from ..rl.options import RLOptions
 
-    opts = RLOptions(model=str(ctx.model_dir), steps=steps, group_size=4, num_prompts_per_step=2, max_new_tokens=6,
+    # token-set: a dense reward whose groups differ from step 1 on any model (with target-token all of a
+    # group's samples can score alike, zero advantages, no update: DeepSeek-V4's tiny preset in steps 1-2)
+    opts = RLOptions(model=str(ctx.model_dir), reward="token-set", steps=steps, group_size=4, num_prompts_per_step=2, max_new_tokens=6,
                      full_vocab_rows=12, seed=3, lr=1e-3, device=ctx.device, metrics=str(metrics), plot=False,
                      save=str(save) if save else None, save_every=save_every,
                      resume=str(resume) if resume else None)
