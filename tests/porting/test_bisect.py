@@ -211,3 +211,125 @@ def test_against_reference_runs_under_the_mhc_residual(tmp_path):
     r = json.loads(out.read_text())
     assert status == 0 and r["divergence"] is None and r["rows_compared"] > 0
     assert "layers.1.attn" in r["op_names"] and "layers.0.ffn" in r["op_names"]
+
+
+# ----------------------------------------------------------------------------- peer coverage
+
+DSV4_LAYERS = 4  # deepseek_v4_tiny
+
+
+@pytest.fixture(scope="module")
+def dsv4_tiny():
+    from unified_models.presets import build_preset_checkpoint
+
+    return build_preset_checkpoint("deepseek_v4_tiny")
+
+
+def test_deepseek_v4_names_map_to_transformers_modules_in_memory(dsv4_tiny):
+    """transformers renames DeepSeek-V4's modules at load time (attn -> self_attn, ...): the family maps
+    every spec component the peer taps to a module that exists in the loaded DeepseekV4ForCausalLM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from unified_models.converters.deepseek_v4_layout import transformers_module_name
+    from unified_models.converters.hf_safetensors import spec_and_state_dict
+    from unified_models.porting.reference_taps import peer_module_names
+
+    assert transformers_module_name("model.layers.3.attn") == "model.layers.3.self_attn"
+    assert transformers_module_name("model.layers.0.ffn") == "model.layers.0.mlp"
+    assert transformers_module_name("model.layers.1.attn_norm") == "model.layers.1.input_layernorm"
+    assert transformers_module_name("model.layers.2.ffn_norm") == "model.layers.2.post_attention_layernorm"
+    assert transformers_module_name("head") == "lm_head"
+    assert transformers_module_name("model.norm") == "model.norm"
+    assert transformers_module_name("model.embed_tokens") == "model.embed_tokens"
+    _, spec, _ = spec_and_state_dict(dsv4_tiny)
+    names = peer_module_names(spec)
+    assert names["model.layers.0.self_attn"] == "layers.0.attn" and names["model.layers.3.mlp"] == "layers.3.ffn"
+    assert names["lm_head"] == "logits" and names["model.embed_tokens"] == "embedding"
+    assert not any(v.endswith(".residual") for v in names.values())  # mHC streams: declared not comparable
+    cfg = AutoConfig.from_pretrained(dsv4_tiny)
+    with torch.device("meta"):
+        hf = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg)
+    modules = dict(hf.named_modules())
+    assert sorted(set(names) - set(modules)) == []
+    assert len(names) == 2 + 4 * DSV4_LAYERS + 1  # embedding, 2 norms + 2 mixers per layer, final norm, head
+
+
+def test_deepseek_v4_peer_compares_every_layer(dsv4_tiny, tmp_path):
+    """It compared 2 ops (embedding, final_norm) and said "no divergent op": every mixer, norm and the
+    logits had no transformers module under their names."""
+    out = tmp_path / "p.json"
+    status = main(["bisect", "--model", str(dsv4_tiny), "--against", "peer", "--num-prompts", "1",
+                   "--json", str(out), "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads(out.read_text())
+    assert status == 0 and r["passed"] and r["verdict"] == "no divergent op", r["verdict"]
+    want = ["embedding"] + [f"layers.{i}.{op}" for i in range(DSV4_LAYERS)
+                            for op in ("attn_norm", "attn", "ffn_norm", "ffn")] + ["final_norm", "logits"]
+    assert r["op_names"] == want and r["ops_compared"] == 19
+    assert r["only_in"] == {"reference": [], "transformers": []} and r["missing"] == {}
+    residuals = [f"layers.{i}.{m}.residual" for i in range(DSV4_LAYERS) for m in ("attn", "ffn")]
+    assert sorted(r["not_comparable"]) == sorted(residuals)
+    assert all("HyperConnectionSpec" in why for why in r["not_comparable"].values())
+
+
+def test_peer_with_thin_coverage_is_incomplete_not_passed(dsv4_tiny, tmp_path, monkeypatch, capsys):
+    """Without the family's name map (the defect), the required ops have no counterpart: the verdict names
+    them, the exit status is 3, and "no divergent op" is not printed."""
+    from unified_models import models
+    from unified_models.porting.bisect import EXIT_INCOMPLETE
+
+    monkeypatch.delitem(models._TRANSFORMERS_MODULE_NAMES, "deepseek_v4")
+    out = tmp_path / "p.json"
+    status = main(["bisect", "--model", str(dsv4_tiny), "--against", "peer", "--num-prompts", "1",
+                   "--json", str(out), "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads(out.read_text())
+    required = [f"layers.{i}.{m}" for i in range(DSV4_LAYERS) for m in ("attn", "ffn")] + ["logits"]
+    assert status == EXIT_INCOMPLETE == 3
+    assert not r["passed"] and not r["complete"] and r["divergence"] is None
+    assert r["missing"] == {"transformers": required}
+    assert r["verdict"] == f"incomplete: 9 ops had no counterpart on the transformers: {required}"
+    assert r["ops_compared"] == 2  # embedding and final_norm, as before the fix
+    printed = capsys.readouterr().out
+    assert "incomplete: 9 ops had no counterpart on the transformers" in printed
+    assert "no divergent op" not in printed
+
+
+def test_coverage_verdicts_of_first_divergence():
+    """required ops missing on a side make the comparison incomplete unless declared not comparable; a
+    divergence is still named first."""
+    def rec(values: dict[str, float]):
+        r = taps.TapRecorder()
+        r.begin(type("B", (), {"seq_idx": torch.zeros(3, dtype=torch.int32), "positions": torch.arange(3)})())
+        for name, v in values.items():
+            r(name, torch.full((3, 2), v))
+        return r.records
+
+    a = rec({"embedding": 1.0, "layers.0.mixer": 2.0, "logits": 3.0})
+    b = rec({"embedding": 1.0, "logits": 3.0})
+    req = ["layers.0.mixer", "logits"]
+    cmp = first_divergence(a, b, sides=("ours", "peer"), tolerance=1e-6, required=req)
+    assert cmp.divergence is None and not cmp.complete and cmp.missing == {"peer": ["layers.0.mixer"]}
+    assert cmp.verdict == "incomplete: 1 ops had no counterpart on the peer: ['layers.0.mixer']"
+    assert cmp.as_dict()["ops_compared"] == 2 and cmp.as_dict()["complete"] is False
+    cmp = first_divergence(a, b, sides=("ours", "peer"), tolerance=1e-6, required=req,
+                           not_comparable={"layers.0.mixer": "no module"})
+    assert cmp.complete and cmp.verdict == "no divergent op" and cmp.not_comparable == {"layers.0.mixer": "no module"}
+    c = rec({"embedding": 1.0, "logits": 4.0})
+    cmp = first_divergence(a, c, sides=("ours", "peer"), tolerance=1e-6, required=req)
+    assert cmp.verdict == "divergent op: logits" and cmp.missing == {"peer": ["layers.0.mixer"]}
+    assert first_divergence(b, a, sides=("peer", "ours"), required=req).missing == {"peer": ["layers.0.mixer"]}
+
+
+def test_qwen3_peer_taps_the_head_not_the_tied_embedding(tmp_path):
+    """qwen3_tiny ties its LM head to the embedding: the peer hooked model.embed_tokens as "logits" (the
+    head's weight name), so "logits" compared [T, V] with [T, D] and bisect reported a divergence there."""
+    from unified_models.presets import build_preset_checkpoint
+
+    d = build_preset_checkpoint("qwen3_tiny")
+    out = tmp_path / "p.json"
+    status = main(["bisect", "--model", str(d), "--against", "peer", "--num-prompts", "1", "--json", str(out),
+                   "--repro-dir", str(tmp_path / "repro")])
+    r = json.loads(out.read_text())
+    assert status == 0 and r["passed"] and r["divergence"] is None, r["verdict"]
+    assert r["op_names"][0] == "embedding" and r["op_names"][-1] == "logits" and r["ops_compared"] == 23
+    assert sorted(r["not_comparable"]) == [f"layers.{i}.self_attn.residual" for i in range(4)]

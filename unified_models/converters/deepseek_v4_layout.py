@@ -274,6 +274,37 @@ def _canonical_name(name: str) -> str:
     return name
 
 
+def transformers_module_name(name: str) -> str:
+    """A canonical module name (a spec component's ``name``: ``model.layers.{i}.attn``,
+    ``model.layers.{i}.ffn_norm``, ``head``, ``model.norm`` ...) -> the name of that module in transformers'
+    ``DeepseekV4ForCausalLM`` as loaded in memory (``model.layers.{i}.self_attn``,
+    ``model.layers.{i}.post_attention_layernorm``, ``lm_head``, ``model.norm`` ...).
+
+    transformers renames at load time, with the renames of its ``conversion_mapping.py``
+    ``"deepseek_v4"`` (``attn`` -> ``self_attn``, ``ffn`` -> ``mlp``, ``attn_norm`` -> ``input_layernorm``,
+    ``ffn_norm`` -> ``post_attention_layernorm``, ``head`` -> ``lm_head``, ...), which are written for the
+    published names. So the name goes to its published form (:func:`_official_name`, this module's
+    table), then through transformers' own renames (no second table here); the root ``model.`` the
+    published layout drops is put back (transformers' ``base_model_prefix``).
+    """
+    published = _official_name(name + ".weight")  # a probe leaf: the renames match ``.attn.``, ``.ffn_norm.`` ...
+    renamed = _transformers_load_renames(published)
+    out = renamed[: -len(".weight")] if renamed.endswith(".weight") else renamed
+    if name.startswith("model.") and not out.startswith("model."):
+        out = "model." + out
+    return out
+
+
+def _transformers_load_renames(key: str) -> str:
+    """``key`` (a published tensor name) after the ``WeightRenaming`` rules of transformers'
+    ``conversion_mapping.py`` ``"deepseek_v4"`` (the tensor converters, which merge experts, are not applied)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renames = [t for t in get_checkpoint_conversion_mapping("deepseek_v4") or () if isinstance(t, WeightRenaming)]
+    return rename_source_key(key, renames, [])[0]
+
+
 _EXPERT_LINEAR = re.compile(r"\.experts\.\d+\.w[123]$")
 """A routed expert's linear (the only linears DeepSeek-V4-Flash stores in MXFP4)."""
 _PACKED_FP4 = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)

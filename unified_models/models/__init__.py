@@ -9,7 +9,7 @@ be registered from outside the package (``tests/test_family_protocol.py``).
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -18,17 +18,36 @@ from . import deepseek_v4, nemotron_h, qwen3
 
 _FAMILIES: dict[str, Any] = {}
 _ARCHITECTURES: dict[str, str] = {}
+_TRANSFORMERS_MODULE_NAMES: dict[str, Callable[[str], str]] = {}
 
 
-def register_model(model_type: str, spec_from_config: Any, architecture: str) -> None:
+def register_model(model_type: str, spec_from_config: Any, architecture: str, *,
+                   transformers_module_name: Callable[[str], str] | None = None) -> None:
     """Register (or replace) a family: ``spec_from_config(config, *, dtype, **kwargs) -> ModelSpec``
-    for HF configs of ``model_type``, served by vLLM as ``architecture``."""
+    for HF configs of ``model_type``, served by vLLM as ``architecture``.
+
+    ``transformers_module_name(name) -> name``: where the family's spec names (its checkpoint
+    names) differ from the module names of transformers' class in memory (transformers renames at
+    load time), the module that holds the spec's component ``name`` there; default: the same name."""
     _FAMILIES[model_type] = spec_from_config
     _ARCHITECTURES[model_type] = architecture
+    if transformers_module_name is None:
+        _TRANSFORMERS_MODULE_NAMES.pop(model_type, None)
+    else:
+        _TRANSFORMERS_MODULE_NAMES[model_type] = transformers_module_name
+
+
+def transformers_module_name(spec: ModelSpec, name: str) -> str:
+    """The name of the module of transformers' class of ``spec``'s family (as loaded in memory) that
+    computes the spec's component ``name`` (a norm, a mixer, a block, the embedding, the LM head):
+    the family's ``transformers_module_name`` (:func:`register_model`), else ``name`` itself."""
+    fn = _TRANSFORMERS_MODULE_NAMES.get(spec.family)
+    return name if fn is None else fn(name)
 
 
 register_model("nemotron_h", nemotron_h.spec_from_hf_config, nemotron_h.ARCHITECTURE)
-register_model("deepseek_v4", deepseek_v4.spec_from_hf_config, deepseek_v4.ARCHITECTURE)
+register_model("deepseek_v4", deepseek_v4.spec_from_hf_config, deepseek_v4.ARCHITECTURE,
+               transformers_module_name=deepseek_v4.transformers_module_name)
 register_model("qwen3", qwen3.spec_from_hf_config, qwen3.ARCHITECTURE)
 register_model("qwen3_moe", qwen3.spec_from_hf_config, qwen3.MOE_ARCHITECTURE)
 

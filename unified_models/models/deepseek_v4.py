@@ -493,6 +493,16 @@ def spec_from_hf_config(config: Any, *, dtype: torch.dtype | None = None, mtp: i
     return spec if quant is None else fp8_weight_formats(spec, quant)
 
 
+def transformers_module_name(name: str) -> str:
+    """A spec component's (canonical) module name -> the module of transformers' ``DeepseekV4ForCausalLM``
+    in memory that computes it (``model.layers.{i}.attn`` -> ``model.layers.{i}.self_attn``, ``head`` ->
+    ``lm_head``, ...): transformers renames at load time; the layout module holds the names
+    (:func:`unified_models.converters.deepseek_v4_layout.transformers_module_name`)."""
+    from ..converters.deepseek_v4_layout import transformers_module_name as layout_name
+
+    return layout_name(name)
+
+
 # ----------------------------------------------------------------------------- presets
 
 def preset_weights(model: Any, seed: int) -> None:

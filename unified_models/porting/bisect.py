@@ -17,14 +17,23 @@ input, so errors do not accumulate), within ``--tolerance`` relative to the
 reference row's max |value|.
 
 ``--against peer``: our fp32 reference vs transformers' own class, module by module
-(forward hooks on the transformers modules with the same HF names as our taps),
-within ``--tolerance`` (default ``check.PEER_TOLERANCE``).
+(forward hooks on the transformers modules that compute our taps, their names mapped by the
+family: :func:`.reference_taps.peer_module_names`), within ``--tolerance`` (default
+``check.PEER_TOLERANCE``). The taps no transformers module outputs (a residual stream inside a
+decoder block; every stream of an mHC residual) are reported as not comparable, with the reason.
+
+Coverage: every mode must compare each sublayer's mixer and ``logits``
+(:func:`.reference_taps.required_tap_names`) unless the mode declares the op not comparable.
+When some have no rows on a side, the verdict is ``incomplete: N ops had no counterpart on the
+SIDE: [...]``, never "no divergent op".
 
 A found divergence is written as a reproduction (:mod:`.repro`): the op's inputs as
 safetensors and ``repro.py``, which recomputes the op from them and exits 1 when a
 side's recorded output differs from the recomputation.
 
-Exit status: 0 no divergent op, 1 a divergent op (reported), 2 refused input.
+Exit status: 0 no divergent op (every required op compared), 1 a divergent op (reported),
+2 refused input, 3 incomplete (no divergent op among the ops compared, but required ops had no
+counterpart on a side).
 """
 
 from __future__ import annotations
@@ -41,10 +50,11 @@ from rich.table import Table
 
 from ..dsl import UnifiedModelsError
 from .compare import Comparison, first_divergence
+from .reference_taps import required_tap_names
 from ..arg_types import add_plugin_flag, positive, seed
 from .taps import Perturbation, TapRecorder, recording
 
-__all__ = ["BisectOptions", "BisectReport", "add_parser", "run", "run_bisect", "PERTURB_ENV"]
+__all__ = ["BisectOptions", "BisectReport", "add_parser", "run", "run_bisect", "PERTURB_ENV", "EXIT_INCOMPLETE"]
 
 PERTURB_ENV = "UM_BISECT_PERTURB"
 """Test-only: ``SIDE=NAME[@SEQ:POS[:ELEMENT]]`` adds one ulp to that op's output on that side
@@ -55,6 +65,9 @@ REFERENCE_TOLERANCE = 2.0 ** -6
 a bf16 sublayer output on the engine's own input is within a few bf16 ulps (2**-8) of its fp64 oracle."""
 
 SIDES = {"trainer": ("rollout", "trainer"), "reference": ("trainer", "reference"), "peer": ("reference", "transformers")}
+
+EXIT_INCOMPLETE = 3
+"""Exit status of a bisect that found no divergent op but could not compare every required op."""
 
 
 @dataclass
@@ -98,10 +111,21 @@ class BisectReport:
     def found(self) -> bool:
         return self.comparison.divergence is not None
 
+    @property
+    def passed(self) -> bool:
+        """No op diverges and every required op was compared."""
+        return not self.found and self.comparison.complete
+
+    @property
+    def exit_status(self) -> int:
+        """0 passed, 1 a divergent op, :data:`EXIT_INCOMPLETE` no divergent op but incomplete coverage."""
+        return 1 if self.found else 0 if self.comparison.complete else EXIT_INCOMPLETE
+
     def as_dict(self) -> dict:
-        """JSON-ready fields; ``passed`` is True when no op diverges."""
+        """JSON-ready fields; ``passed`` is True when no op diverges and coverage is complete
+        (``verdict`` says which, ``missing`` lists the required ops not compared)."""
         return {"model": self.model, "against": self.against, "device": self.device, "sequences": self.sequences,
-                "tokens": self.tokens, "passed": not self.found, **self.comparison.as_dict(), "repro": self.repro,
+                "tokens": self.tokens, "passed": self.passed, **self.comparison.as_dict(), "repro": self.repro,
                 "perturbed": self.perturbed, "timings_s": self.timings_s, "fingerprints": self.fingerprints}
 
 
@@ -196,7 +220,8 @@ def _against_trainer(opts, spec, model_dir, state_dict, prompt_ids, device):
     sequences = [p + c for p, c in zip(prompt_ids, completions)]
     trainer_side(spec, state_dict, sequences, device=device, recorder=b, fingerprints=fingerprints)
     timings = {"rollout": t1 - t0, "trainer": time.perf_counter() - t1}
-    cmp = first_divergence(a.records, b.records, sides=SIDES["trainer"], tokens=dict(enumerate(sequences)))
+    cmp = first_divergence(a.records, b.records, sides=SIDES["trainer"], tokens=dict(enumerate(sequences)),
+                           required=required_tap_names(spec))
     return cmp, sequences, (a, b), timings, fingerprints
 
 
@@ -216,13 +241,13 @@ def _against_reference(opts, spec, model_dir, state_dict, prompt_ids, device):
                                     tokens=dict(enumerate(prompt_ids)))
     tol = REFERENCE_TOLERANCE if opts.tolerance is None else opts.tolerance
     cmp = first_divergence(a.records, b.records, sides=SIDES["reference"], tolerance=tol,
-                           tokens=dict(enumerate(prompt_ids)))
+                           tokens=dict(enumerate(prompt_ids)), required=required_tap_names(spec))
     return cmp, prompt_ids, (a, b), {"trainer": t1 - t0, "reference": time.perf_counter() - t1}, {}
 
 
 def _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_config):
     from ..check import PEER_TOLERANCE
-    from .reference_taps import peer_recordings
+    from .reference_taps import peer_not_comparable, peer_recordings
 
     if spec.stores_quantized_weights:
         raise UnifiedModelsError("bisect --against peer: compares bf16/fp32 checkpoints with transformers; this "
@@ -232,7 +257,8 @@ def _against_peer(opts, spec, model_dir, state_dict, prompt_ids, device, hf_conf
                            theirs=_recorder(opts, "transformers"))
     tol = PEER_TOLERANCE if opts.tolerance is None else opts.tolerance
     cmp = first_divergence(a.records, b.records, sides=SIDES["peer"], tolerance=tol,
-                           tokens=dict(enumerate(prompt_ids)))
+                           tokens=dict(enumerate(prompt_ids)), required=required_tap_names(spec),
+                           not_comparable=peer_not_comparable(spec))
     return cmp, prompt_ids, (a, b), {"peer": time.perf_counter() - t0}, {}
 
 
@@ -291,11 +317,16 @@ def print_report(r: BisectReport, console: Console) -> None:
     t.add_row("sequences / tokens", f"{r.sequences} / {r.tokens}")
     t.add_row("ops compared", str(len(c.ops_compared)))
     t.add_row("rows compared", str(c.rows_compared))
+    if c.not_comparable:
+        t.add_row("not comparable (declared)", str(len(c.not_comparable)))
+    if not c.complete:
+        t.add_row("[bold red]required ops NOT compared[/bold red]",
+                  f"[bold red]{sum(map(len, c.missing.values()))}[/bold red]")
     if r.fingerprints:
         t.add_row("contract fingerprint (vLLM = Megatron)", r.fingerprints["contract"][:16])
     d = c.divergence
     if d is None:
-        t.add_row("result", "[green]no divergent op[/green]")
+        t.add_row("result", "[green]no divergent op[/green]" if c.complete else "[bold red]incomplete[/bold red]")
     else:
         t.add_row("first divergent op", f"[red]{d.name}[/red]")
         t.add_row("layer / op", f"{d.layer if d.layer is not None else '-'} / {d.op}")
@@ -310,6 +341,13 @@ def print_report(r: BisectReport, console: Console) -> None:
     if r.perturbed:
         t.add_row("test-only perturbation", r.perturbed)
     console.print(t)
+    if not c.complete:  # never a plain "no divergent op" on thin coverage
+        console.print(c.incomplete, style="bold red", markup=False, highlight=False, soft_wrap=True)
+    by_reason: dict[str, list[str]] = {}
+    for name, why in c.not_comparable.items():
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        console.print(f"not comparable ({len(names)}): {why}: {names}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _perturb_from_env() -> tuple[str, Perturbation] | None:
@@ -353,7 +391,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    """``bisect``: 0 no divergent op, 1 a divergent op found."""
+    """``bisect``: 0 no divergent op (complete coverage), 1 a divergent op found, 3 incomplete coverage."""
     from ..run_options import check_output_path
 
     if args.against == "trainer" and args.tolerance is not None:
@@ -368,4 +406,4 @@ def run(args) -> int:
         path = Path(opts.json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report.as_dict(), indent=2))
-    return 1 if report.found else 0
+    return report.exit_status

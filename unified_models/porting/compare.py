@@ -78,19 +78,72 @@ class Divergence:
 
 @dataclass
 class Comparison:
-    """Everything compared: ``divergence`` is ``None`` when no op differs."""
+    """Everything compared: ``divergence`` is ``None`` when no op differs.
+
+    Attributes:
+        only_in: side -> the ops only that side recorded.
+        not_comparable: op -> why the two sides cannot be compared there (declared by the caller).
+        missing: side -> the required ops (``first_divergence``'s ``required``) that are not
+            declared not comparable and that side has no row of; ``"both"`` -> those both sides
+            recorded but with no ``(sequence, position)`` row in common. Empty when coverage is complete.
+    """
 
     sides: tuple[str, str]
     ops_compared: list[str] = field(default_factory=list)
     rows_compared: int = 0
     only_in: dict[str, list[str]] = field(default_factory=dict)
     divergence: Divergence | None = None
+    not_comparable: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """Every required op (not declared not comparable) has rows on both sides."""
+        return not any(self.missing.values())
+
+    @property
+    def incomplete(self) -> str | None:
+        """``incomplete: N ops had no counterpart on the SIDE: [...]`` (each side that lacks some), or
+        None when coverage is complete."""
+        if self.complete:
+            return None
+        parts = []
+        for side, names in self.missing.items():
+            if names:
+                where = "rows on both sides but none in common" if side == "both" else f"no counterpart on the {side}"
+                parts.append(f"{len(names)} ops had {where}: {names}")
+        return "incomplete: " + "; ".join(parts)
+
+    @property
+    def verdict(self) -> str:
+        """One line: ``divergent op: NAME``, else :attr:`incomplete`, else ``no divergent op``. A
+        divergence is named even when coverage is incomplete (``missing`` still lists the ops)."""
+        if self.divergence is not None:
+            return f"divergent op: {self.divergence.name}"
+        return self.incomplete or "no divergent op"
 
     def as_dict(self) -> dict:
         """JSON-ready fields."""
-        return {"sides": list(self.sides), "ops_compared": len(self.ops_compared), "op_names": self.ops_compared,
-                "rows_compared": self.rows_compared, "only_in": self.only_in,
+        return {"sides": list(self.sides), "verdict": self.verdict, "complete": self.complete,
+                "ops_compared": len(self.ops_compared), "op_names": self.ops_compared,
+                "rows_compared": self.rows_compared, "only_in": self.only_in, "missing": self.missing,
+                "not_comparable": self.not_comparable,
                 "divergence": None if self.divergence is None else self.divergence.as_dict()}
+
+
+def _missing(a: TapRecords, b: TapRecords, sides: tuple[str, str], required, not_comparable) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {sides[0]: [], sides[1]: [], "both": []}
+    for name in required:
+        if name in not_comparable:
+            continue
+        ra, rb = a.rows(name), b.rows(name)
+        if not ra or not rb:
+            for side, rows in zip(sides, (ra, rb)):
+                if not rows:
+                    out[side].append(name)
+        elif not set(ra) & set(rb):
+            out["both"].append(name)
+    return {k: v for k, v in out.items() if v}
 
 
 def _row_differs(a: torch.Tensor, b: torch.Tensor, tolerance: float | None) -> torch.Tensor:
@@ -105,7 +158,8 @@ def _row_differs(a: torch.Tensor, b: torch.Tensor, tolerance: float | None) -> t
 
 def first_divergence(a: TapRecords, b: TapRecords, *, sides: tuple[str, str] = ("a", "b"),
                      tolerance: float | None = None, tokens: dict[int, list[int]] | None = None,
-                     names: list[str] | None = None) -> Comparison:
+                     names: list[str] | None = None, required: list[str] | None = None,
+                     not_comparable: dict[str, str] | None = None) -> Comparison:
     """Compare two recordings op by op (``a``'s order) and return the first divergent op.
 
     Args:
@@ -114,11 +168,15 @@ def first_divergence(a: TapRecords, b: TapRecords, *, sides: tuple[str, str] = (
         tolerance: ``None`` for bitwise, else the relative bound described in the module doc.
         tokens: sequence -> its token ids, to name the token at the differing position.
         names: compare only these ops (default: every op both sides recorded).
+        required: ops that must have rows on both sides for the comparison to be complete
+            (:attr:`Comparison.missing` lists those that do not).
+        not_comparable: op -> why it cannot be compared (excused from ``required``; reported).
 
     Returns:
         :class:`Comparison`.
     """
-    out = Comparison(sides=sides)
+    out = Comparison(sides=sides, not_comparable=dict(not_comparable or {}))
+    out.missing = _missing(a, b, sides, required or [], out.not_comparable)
     common = [n for n in a.order if n in b.shapes and (names is None or n in names)]
     out.only_in = {sides[0]: [n for n in a.order if n not in b.shapes],
                    sides[1]: [n for n in b.order if n not in a.shapes]}

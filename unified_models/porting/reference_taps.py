@@ -3,8 +3,9 @@
 * :func:`reference_on_engine_inputs`: each sublayer's oracle (fp32/fp64) on the
   engine's own recorded input, so the error of one sublayer is measured alone;
 * :func:`peer_recordings`: our fp32 reference forward and transformers' model on the
-  same tokens and weights, with the outputs of the modules that carry our tap names
-  (forward hooks on transformers' modules, found by their HF names).
+  same tokens and weights, with the outputs of the modules that compute our taps
+  (forward hooks on transformers' modules, found by their HF names as the family maps them:
+  :func:`peer_module_names`); the taps no transformers module outputs: :func:`peer_not_comparable`.
 
 Tap names: :func:`sublayer_tap_names` (``embedding``, each sublayer's ``<norm>``,
 ``<mixer>``, ``<mixer>.residual``, ``final_norm``, ``logits``).
@@ -19,7 +20,8 @@ import torch
 
 from .taps import TapRecorder, TapRecords, tap_name
 
-__all__ = ["sublayer_tap_names", "reference_on_engine_inputs", "peer_recordings", "peer_module_names"]
+__all__ = ["sublayer_tap_names", "required_tap_names", "reference_on_engine_inputs", "peer_recordings",
+           "peer_module_names", "peer_not_comparable"]
 
 
 def sublayer_tap_names(spec) -> list[str]:
@@ -111,13 +113,58 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
     return rec
 
 
+def required_tap_names(spec) -> list[str]:
+    """The ops every bisect must compare before it may say "no divergent op": each sublayer's mixer
+    (every layer's attention, MoE, MLP, Mamba ...) and ``logits``."""
+    return [tap_name(sub.mixer.name) for sub in spec.sublayers] + ["logits"]
+
+
 def peer_module_names(spec) -> dict[str, str]:
-    """transformers module name -> our tap name (the HF names of the spec's modules)."""
-    out = {spec.embedding.name: "embedding", spec.final_norm.name: "final_norm",
-           spec.lm_head.weight_name.removesuffix(".weight"): "logits"}
+    """transformers module name (in memory) -> our tap name, for the taps a transformers module outputs:
+    the embedding, each sublayer's norm and mixer, each decoder block's output (the stream after its
+    last sublayer, under a plain residual), the final norm and the LM head (``logits``).
+
+    The spec's names are mapped by the family's ``transformers_module_name``
+    (:func:`unified_models.models.transformers_module_name`: transformers may rename modules at load
+    time, DeepSeek-V4's ``attn`` -> ``self_attn`` ...)."""
+    from ..layers import residual_policy
+    from ..layers.residual import PlainResidual
+    from ..models import transformers_module_name
+
+    def hf(name: str) -> str:
+        return transformers_module_name(spec, name)
+
+    out = {hf(spec.embedding.name): "embedding"}
+    plain = isinstance(residual_policy(spec.residual, oracle=True), PlainResidual)
     for sub in spec.sublayers:
-        out[sub.norm.name] = tap_name(sub.norm.name)
-        out[sub.mixer.name] = tap_name(sub.mixer.name)
+        out[hf(sub.norm.name)] = tap_name(sub.norm.name)
+        out[hf(sub.mixer.name)] = tap_name(sub.mixer.name)
+        if plain:  # a decoder block's output is the stream after its last sublayer (the last one wins)
+            out[hf(sub.mixer.name.rsplit(".", 1)[0])] = tap_name(sub.mixer.name) + ".residual"
+    out[hf(spec.final_norm.name)] = "final_norm"
+    out[hf(spec.lm_head.name)] = "logits"  # the head module (its weight may be tied to the embedding's)
+    return out
+
+
+def peer_not_comparable(spec) -> dict[str, str]:
+    """Our tap name -> why no transformers module outputs that tensor, for the taps of
+    :func:`sublayer_tap_names` that ``--against peer`` cannot compare: the residual stream after a
+    sublayer that is not its decoder block's last (inside the block's forward, no module's output) and,
+    under a residual of several streams (mHC), every residual tap (the streams are the residual
+    policy's state, not one tapped tensor; their effect is compared at the next sublayer's norm)."""
+    from ..layers import residual_policy
+    from ..layers.residual import PlainResidual
+
+    plain = isinstance(residual_policy(spec.residual, oracle=True), PlainResidual)
+    out: dict[str, str] = {}
+    for block in spec.blocks:
+        for j, sub in enumerate(block.sublayers):
+            name = tap_name(sub.mixer.name) + ".residual"
+            if not plain:
+                out[name] = (f"{type(spec.residual).__name__} residual: several streams held by the residual "
+                             "policy, no one tensor to tap; compared through the next norm's input")
+            elif j < len(block.sublayers) - 1:
+                out[name] = "the stream between two sublayers of one decoder block: no transformers module outputs it"
     return out
 
 
@@ -167,10 +214,6 @@ def peer_recordings(spec, state_dict: Mapping[str, torch.Tensor], hf_config, pro
     # ``backbone.``): match without the root
     modules = {tap_name(m): mod for m, mod in hf.named_modules()}
     names = {tap_name(m): n for m, n in peer_module_names(spec).items() if tap_name(m) in modules}
-    for sub in spec.sublayers:  # a decoder block's output is the stream after its last sublayer
-        block = tap_name(sub.mixer.name.rsplit(".", 1)[0])
-        if block in modules:
-            names[block] = tap_name(sub.mixer.name) + ".residual"
 
     def hook(name):
         def f(_mod, _args, out):
