@@ -55,7 +55,7 @@ from ..state import FlatBatch, StateStore
 from . import deepseek_compressor as dsc
 from .common import LayerContext
 from .family import LayerFamily
-from .oracle import linear_oracle, rms_norm_oracle
+from .oracle import linear_oracle, near_tie_margin, rms_norm_oracle, topk_near_ties
 from .quantization import QuantizationRules
 from .weight_formats import apply_linear, dequantized_weight
 
@@ -267,6 +267,25 @@ def deepseek_attention_oracle(a: DeepseekV4AttentionSpec, params: Mapping[str, t
     return linear_oracle(y.reshape(t, g * r), params, f"{a.name}.wo_b", False)
 
 
+def deepseek_attention_near_ties(a: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                                 engine_dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[T]`` for ONE sequence from position 0: the tokens whose indexer top-k (CSA) is decided
+    by scores within the rounding of ``engine_dtype`` (the engine's indexer queries and keys are in the
+    model dtype: :func:`.oracle.topk_near_ties` of :func:`.deepseek_compressor.indexer_scores_oracle`);
+    none for sliding and HCA layers, which attend without a choice."""
+    if not a.has_indexer:
+        return torch.zeros(x_TD.shape[0], dtype=torch.bool, device=x_TD.device)
+
+    def rope(x, p_):
+        return rope_tail_oracle(x, p_, a)
+
+    c = rms_norm_oracle(linear_oracle(x_TD, params, f"{a.name}.wq_a", False), params[f"{a.name}.q_norm.weight"],
+                        a.rms_norm_eps)
+    keys = dsc.compressor_oracle(a, params, x_TD, rope, indexer=True)
+    score = dsc.indexer_scores_oracle(a, params, x_TD, c, keys, rope)
+    return topk_near_ties(score, min(a.index_topk, keys.shape[0]), near_tie_margin(engine_dtype))
+
+
 # ----------------------------------------------------------------------------- declarations
 
 def deepseek_attention_caches(a: DeepseekV4AttentionSpec, model_dtype: torch.dtype) -> dict:
@@ -349,6 +368,7 @@ QUANTIZATION = QuantizationRules(linears=deepseek_attention_linears, check_forma
                                  dequantized=deepseek_attention_dequantized, quantized=deepseek_attention_quantized)
 
 FAMILY = LayerFamily(spec_type=DeepseekV4AttentionSpec, forward=deepseek_attention_forward,
-                     oracle=deepseek_attention_oracle, caches=deepseek_attention_caches,
+                     oracle=deepseek_attention_oracle, oracle_near_ties=deepseek_attention_near_ties,
+                     caches=deepseek_attention_caches,
                      init_rules=deepseek_attention_init_rules, megatron_fields=deepseek_attention_megatron_fields,
                      quantization=QUANTIZATION)

@@ -211,13 +211,10 @@ def compressor_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.
     return quantize_kv(out) if quantize_kv is not None and not indexer else out
 
 
-def indexer_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
-                   c_TQ: torch.Tensor, keys_Jd: torch.Tensor, rope) -> torch.Tensor:
-    """Step 4 in plain torch for ONE sequence from position 0: bool ``[T, J]``, the entries
-    each token attends (the top ``index_topk`` of its causal entries as a set; transformers'
-    ``DeepseekV4Indexer`` + ``DeepseekV4IndexerScorer``). Ties (frequent: a score is 0 when
-    every head's ``relu`` is 0) go to the larger j, the total order of ``ops.indexer_topk``
-    (DESIGN rule 4); transformers' ``torch.topk`` leaves them unspecified."""
+def indexer_scores_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                          c_TQ: torch.Tensor, keys_Jd: torch.Tensor, rope) -> torch.Tensor:
+    """The indexer's scores ``[T, J]`` for ONE sequence from position 0 in ``x_TD.dtype``, ``-inf`` where
+    an entry is not causal yet (transformers' ``DeepseekV4Indexer`` + ``DeepseekV4IndexerScorer``)."""
     t, hi, i, m = x_TD.shape[0], spec.index_n_heads, spec.index_head_dim, spec.compress_ratio
     pos = torch.arange(t, device=x_TD.device)
     q = rope(linear_oracle(c_TQ, params, f"{spec.name}.indexer.wq_b", False).view(t, hi, i), pos)
@@ -225,7 +222,18 @@ def indexer_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Ten
     score = (torch.relu(torch.einsum("thi,ji->thj", q, keys_Jd)) * spec.index_softmax_scale * w[..., None]).sum(1)
     j = torch.arange(keys_Jd.shape[0], device=x_TD.device)
     causal = j[None, :] < ((pos + 1) // m)[:, None]
-    score = score.masked_fill(~causal, float("-inf"))
+    return score.masked_fill(~causal, float("-inf"))
+
+
+def indexer_oracle(spec: DeepseekV4AttentionSpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                   c_TQ: torch.Tensor, keys_Jd: torch.Tensor, rope) -> torch.Tensor:
+    """Step 4 in plain torch for ONE sequence from position 0: bool ``[T, J]``, the entries
+    each token attends (the top ``index_topk`` of its causal entries as a set;
+    :func:`indexer_scores_oracle`). Ties (frequent: a score is 0 when
+    every head's ``relu`` is 0) go to the larger j, the total order of ``ops.indexer_topk``
+    (DESIGN rule 4); transformers' ``torch.topk`` leaves them unspecified."""
+    score = indexer_scores_oracle(spec, params, x_TD, c_TQ, keys_Jd, rope)
+    causal = torch.isfinite(score)
     k = min(spec.index_topk, keys_Jd.shape[0])
     chosen = torch.zeros_like(causal)
     if k:  # the total order (score desc, then j desc): a stable sort of the j-descending order

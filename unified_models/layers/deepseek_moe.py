@@ -109,6 +109,22 @@ def deepseek_moe_oracle(m: DeepseekV4MoESpec, params: Mapping[str, torch.Tensor]
     return swiglu_experts_reference(x_TD, ids, wts, *stacks, shared, swiglu_limit=m.swiglu_limit).to(x_TD.dtype)
 
 
+def deepseek_moe_near_ties(m: DeepseekV4MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                           engine_dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[T]``: the tokens whose top-k experts (``sqrt(softplus(x W^T)) + bias``,
+    :func:`~unified_models.ops.moe.sqrtsoftplus_route_reference`) are decided by scores within the
+    rounding of the engine's fp32 scores (:func:`.oracle.topk_near_ties`); none in a hash-routed layer
+    (experts by token id)."""
+    from .oracle import near_tie_margin, topk_near_ties
+
+    del engine_dtype  # the engine's router scores are fp32 whatever the model dtype
+    margin = near_tie_margin(torch.float32)
+    if m.hash_routing:
+        return torch.zeros(x_TD.shape[0], dtype=torch.bool, device=x_TD.device)
+    s = torch.sqrt(torch.nn.functional.softplus(x_TD @ params[f"{m.name}.gate.weight"].to(x_TD.dtype).t()))
+    return topk_near_ties(s + params[m.selection_name].to(x_TD.dtype), m.top_k, margin)
+
+
 def deepseek_moe_frozen_views(spec: DeepseekV4MoESpec, model, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The routed experts' ``(weight, kind)`` per projection when every stacked field is a view of one
     buffer (as :func:`.moe.moe_frozen_views`, over ``w1``/``w3``/``w2``; MXFP4 codes and scales alike)."""
@@ -185,4 +201,4 @@ QUANTIZATION = QuantizationRules(linears=deepseek_moe_linears, check_formats=dee
 FAMILY = LayerFamily(spec_type=DeepseekV4MoESpec, forward=deepseek_moe_forward, oracle=deepseek_moe_oracle,
                      init_rules=deepseek_moe_init_rules, megatron_fields=deepseek_moe_megatron_fields,
                      stacked_parameters=deepseek_moe_stacked_parameters, frozen_views=deepseek_moe_frozen_views,
-                     oracle_takes_input_ids=True, quantization=QUANTIZATION)
+                     oracle_takes_input_ids=True, oracle_near_ties=deepseek_moe_near_ties, quantization=QUANTIZATION)

@@ -79,6 +79,13 @@ class LayerFamily:
         oracle: :data:`OracleFn`, the fp32/fp64 reference of the same math.
         oracle_takes_input_ids: the oracle also takes the sequence's token ids as
             ``input_ids_T=`` (int ``[T]``; hash-routed MoE chooses its experts by token id).
+        oracle_near_ties: ``(spec, params, x_TD, engine_dtype) -> bool [T]``, or None for a family
+            whose oracle makes no discrete choice: the rows whose oracle output rests on a top-k
+            selection decided by scores closer than the engine's rounding of those scores
+            (:func:`~.oracle.near_tie_margin` of the dtype the engine computes them in, relative:
+            :func:`~.oracle.topk_near_ties`), where the engine may select otherwise and its output
+            legitimately jump. ``bisect --against reference`` reports those rows instead of
+            comparing them (:mod:`unified_models.porting`).
         caches: ``(spec, model_dtype) -> {cache name: declaration}``
             (:mod:`unified_models.caches`); stateless families declare none.
             The forward reads each with ``store.state(layer_index, name)``.
@@ -112,6 +119,7 @@ class LayerFamily:
     stacked_parameters: Callable[[Any], tuple[tuple[str, ...], ...]] = _no_stacks
     frozen_views: Callable[[Any, Any, Mapping[str, torch.Tensor]], dict[str, Any]] = _no_views
     oracle_takes_input_ids: bool = False
+    oracle_near_ties: Callable[[Any, Mapping[str, torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor] | None = None
     quantization: "QuantizationRules | None" = None
 
 

@@ -163,6 +163,30 @@ def moe_oracle(m: MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tenso
     return y.to(x_TD.dtype)
 
 
+def moe_near_ties(m: MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                  engine_dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[T]``: the tokens whose routing (the group choice, then the top-k experts of the kept
+    groups: :func:`~unified_models.ops.moe.moe_route_reference`'s selection scores, sigmoid plus the
+    correction bias) is decided by scores within the rounding of the engine's fp32 scores
+    (:func:`.oracle.topk_near_ties`)."""
+    from .oracle import near_tie_margin, topk_near_ties
+
+    del engine_dtype  # the engine's router scores are fp32 whatever the model dtype
+    margin = near_tie_margin(torch.float32)
+    logits = x_TD @ params[m.name + ".gate.weight"].to(x_TD.dtype).t()
+    c = torch.sigmoid(logits) + params[m.name + ".gate.e_score_correction_bias"].to(x_TD.dtype)
+    t, e = c.shape
+    near = torch.zeros(t, dtype=torch.bool, device=x_TD.device)
+    if m.n_group > 1:
+        per = e // m.n_group
+        gs = c.view(t, m.n_group, per).topk(2, dim=-1).values.sum(-1)
+        near |= topk_near_ties(gs, m.topk_group, margin)
+        keep = gs.topk(m.topk_group, dim=-1).indices
+        mask = torch.zeros(t, m.n_group, dtype=torch.bool, device=c.device).scatter_(1, keep, True)
+        c = c.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
+    return near | topk_near_ties(c, m.top_k, margin)
+
+
 def moe_init_rules(m: MoESpec) -> dict:
     """The router's correction bias starts at 0."""
     return {f"{m.name}.gate.e_score_correction_bias": lambda p: p.zero_()}
@@ -211,6 +235,7 @@ def moe_check_formats(m: MoESpec, weight_format) -> None:
 
 QUANTIZATION = QuantizationRules(linears=moe_linears, check_formats=moe_check_formats)
 
-FAMILY = LayerFamily(spec_type=MoESpec, forward=moe_forward, oracle=moe_oracle, init_rules=moe_init_rules,
+FAMILY = LayerFamily(spec_type=MoESpec, forward=moe_forward, oracle=moe_oracle, oracle_near_ties=moe_near_ties,
+                     init_rules=moe_init_rules,
                      megatron_fields=moe_megatron_fields, stacked_parameters=moe_stacked_parameters,
                      frozen_views=moe_frozen_views, quantization=QUANTIZATION)

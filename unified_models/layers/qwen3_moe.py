@@ -55,6 +55,18 @@ def qwen3_moe_oracle(m: Qwen3MoESpec, params: Mapping[str, torch.Tensor], x_TD: 
     return swiglu_experts_reference(x_TD, ids, wts, *stacks, None, swiglu_limit=math.inf).to(x_TD.dtype)
 
 
+def qwen3_moe_near_ties(m: Qwen3MoESpec, params: Mapping[str, torch.Tensor], x_TD: torch.Tensor,
+                        engine_dtype: torch.dtype) -> torch.Tensor:
+    """bool ``[T]``: the tokens whose top-k experts (the router logits' order, which the softmax keeps:
+    :func:`~unified_models.ops.moe.softmax_route_reference`) are decided by logits within the rounding
+    of the engine's fp32 logits (:func:`.oracle.topk_near_ties`)."""
+    from .oracle import near_tie_margin, topk_near_ties
+
+    del engine_dtype  # the engine's router scores are fp32 whatever the model dtype
+    margin = near_tie_margin(torch.float32)
+    return topk_near_ties(x_TD @ params[f"{m.name}.gate.weight"].to(x_TD.dtype).t(), m.top_k, margin)
+
+
 def qwen3_moe_frozen_views(spec: Qwen3MoESpec, model, params: Mapping[str, torch.Tensor]) -> dict:
     """The routed experts' ``(weight, kind)`` per projection when each is a view of one buffer."""
     return expert_frozen_views(spec, model, params, EXPERT_PROJS)
@@ -73,5 +85,6 @@ def qwen3_moe_stacked_parameters(m: Qwen3MoESpec) -> tuple[tuple[str, ...], ...]
 
 
 FAMILY = LayerFamily(spec_type=Qwen3MoESpec, forward=qwen3_moe_forward, oracle=qwen3_moe_oracle,
+                     oracle_near_ties=qwen3_moe_near_ties,
                      megatron_fields=qwen3_moe_megatron_fields, stacked_parameters=qwen3_moe_stacked_parameters,
                      frozen_views=qwen3_moe_frozen_views)

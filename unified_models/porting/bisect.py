@@ -319,6 +319,8 @@ def print_report(r: BisectReport, console: Console) -> None:
     t.add_row("rows compared", str(c.rows_compared))
     if c.not_comparable:
         t.add_row("not comparable (declared)", str(len(c.not_comparable)))
+    if c.excused:
+        t.add_row("rows excused (near-tie top-k)", str(sum(e["rows"] for e in c.excused.values())))
     if not c.complete:
         t.add_row("[bold red]required ops NOT compared[/bold red]",
                   f"[bold red]{sum(map(len, c.missing.values()))}[/bold red]")
@@ -348,6 +350,9 @@ def print_report(r: BisectReport, console: Console) -> None:
         by_reason.setdefault(why, []).append(name)
     for why, names in by_reason.items():
         console.print(f"not comparable ({len(names)}): {why}: {names}", markup=False, highlight=False, soft_wrap=True)
+    for name, e in c.excused.items():
+        console.print(f"excused {name}: {e['rows']} row(s), first (sequence, position) {tuple(e['first'])}: {e['why']}",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def _perturb_from_env() -> tuple[str, Perturbation] | None:

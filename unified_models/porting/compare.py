@@ -86,6 +86,9 @@ class Comparison:
         missing: side -> the required ops (``first_divergence``'s ``required``) that are not
             declared not comparable and that side has no row of; ``"both"`` -> those both sides
             recorded but with no ``(sequence, position)`` row in common. Empty when coverage is complete.
+        excused: op -> ``{"rows": n, "why": reason, "first": [sequence, position]}``: rows a side asked not
+            to compare (:attr:`.taps.TapRecords.excused`: a reference's near-tie top-k), left out of
+            ``rows_compared`` and of the divergence.
     """
 
     sides: tuple[str, str]
@@ -95,6 +98,7 @@ class Comparison:
     divergence: Divergence | None = None
     not_comparable: dict[str, str] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
+    excused: dict[str, dict] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -127,7 +131,7 @@ class Comparison:
         return {"sides": list(self.sides), "verdict": self.verdict, "complete": self.complete,
                 "ops_compared": len(self.ops_compared), "op_names": self.ops_compared,
                 "rows_compared": self.rows_compared, "only_in": self.only_in, "missing": self.missing,
-                "not_comparable": self.not_comparable,
+                "not_comparable": self.not_comparable, "excused": self.excused,
                 "divergence": None if self.divergence is None else self.divergence.as_dict()}
 
 
@@ -172,6 +176,9 @@ def first_divergence(a: TapRecords, b: TapRecords, *, sides: tuple[str, str] = (
             (:attr:`Comparison.missing` lists those that do not).
         not_comparable: op -> why it cannot be compared (excused from ``required``; reported).
 
+    Rows either side excuses (:attr:`.taps.TapRecords.excused`) are not compared; the comparison
+    counts them per op (:attr:`Comparison.excused`).
+
     Returns:
         :class:`Comparison`.
     """
@@ -183,6 +190,11 @@ def first_divergence(a: TapRecords, b: TapRecords, *, sides: tuple[str, str] = (
     for name in common:
         ra, rb = a.rows(name), b.rows(name)
         keys = sorted(set(ra) & set(rb))
+        why = {**a.excused.get(name, {}), **b.excused.get(name, {})}
+        left_out = [k for k in keys if k in why]
+        if left_out:
+            out.excused[name] = {"rows": len(left_out), "why": why[left_out[0]], "first": list(left_out[0])}
+            keys = [k for k in keys if k not in why]
         if not keys:
             continue
         out.ops_compared.append(name)

@@ -66,10 +66,12 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
 
     Returns:
         The recorder. ``norm`` / ``residual`` rows are recomputed only where the engine
-        recorded the stream (a plain residual; hyper-connection streams are not tensors).
+        recorded the stream (a plain residual; hyper-connection streams are not tensors). Rows
+        where a family's oracle makes a top-k choice within the engine's rounding
+        (``LayerFamily.oracle_near_ties``) are recorded as excused (:attr:`.taps.TapRecords.excused`).
     """
     from ..layers import family_of, residual_policy
-    from ..layers.oracle import rms_norm_oracle
+    from ..layers.oracle import NEAR_TIE_ROUNDINGS, rms_norm_oracle
     from ..layers.residual import PlainResidual
 
     rec = recorder or TapRecorder()
@@ -99,6 +101,12 @@ def reference_on_engine_inputs(spec, state_dict: Mapping[str, torch.Tensor], eng
                     y = None
                 else:
                     y = rec(mixer, fam.oracle(sub.mixer, params, x.to(dtype), **extra))
+                    if fam.oracle_near_ties is not None and mixer in engine.dtypes:
+                        near = fam.oracle_near_ties(sub.mixer, params, x.to(dtype), engine.dtypes[mixer])
+                        why = ("near tie: a top-k decided within the engine's rounding of its scores "
+                               f"({NEAR_TIE_ROUNDINGS} eps of their dtype, relative)")
+                        rec.records.excused.setdefault(mixer, {}).update(
+                            {(s, int(p)): why for p in near.nonzero().flatten().tolist()})
                 y_engine = _seq_rows(engine, mixer, s)
                 after = _seq_rows(engine, mixer + ".residual", s)
                 if stream is not None and after is not None and y_engine is not None:

@@ -91,6 +91,9 @@ class TapRecords:
         chunks: name -> list of ``(keys [n, 2] int64 (sequence, position), rows [n, ...])`` on the CPU.
         shapes, dtypes: name -> the first recorded tensor's full shape and dtype.
         unmapped: name -> how many tensors had a row count that maps to no (sequence, position).
+        excused: name -> the ``(sequence, position)`` rows this side asks not to compare, with why
+            (a reference whose op makes a discrete choice there within the other side's rounding:
+            :func:`~.reference_taps.reference_on_engine_inputs`).
     """
 
     order: list[str] = field(default_factory=list)
@@ -98,6 +101,7 @@ class TapRecords:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     unmapped: dict[str, int] = field(default_factory=dict)
+    excused: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)
 
     def rows(self, name: str) -> dict[tuple[int, int], torch.Tensor]:
         """``(sequence, position) -> row`` of one tap; the first computed row wins (a padded
