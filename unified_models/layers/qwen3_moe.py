@@ -59,11 +59,12 @@ def qwen3_moe_near_ties(m: Qwen3MoESpec, params: Mapping[str, torch.Tensor], x_T
                         engine_dtype: torch.dtype) -> torch.Tensor:
     """bool ``[T]``: the tokens whose top-k experts (the router logits' order, which the softmax keeps:
     :func:`~unified_models.ops.moe.softmax_route_reference`) are decided by logits within the rounding
-    of the engine's fp32 logits (:func:`.oracle.topk_near_ties`)."""
+    of the engine's: its router logits are rounded to the model dtype (``logits_dtype=x_TD.dtype`` in
+    :func:`qwen3_moe_forward`, as transformers' ``Qwen3MoeSparseMoeBlock`` does), so ``engine_dtype``'s
+    margin (:func:`.oracle.topk_near_ties`)."""
     from .oracle import near_tie_margin, topk_near_ties
 
-    del engine_dtype  # the engine's router scores are fp32 whatever the model dtype
-    margin = near_tie_margin(torch.float32)
+    margin = near_tie_margin(engine_dtype)
     return topk_near_ties(x_TD @ params[f"{m.name}.gate.weight"].to(x_TD.dtype).t(), m.top_k, margin)
 
 
